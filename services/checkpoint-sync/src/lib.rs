@@ -1,0 +1,1 @@
+//! jetrl checkpoint-sync service

@@ -1,0 +1,1 @@
+//! the jetrl command line

@@ -1,0 +1,1 @@
+//! jetrl replay buffer service

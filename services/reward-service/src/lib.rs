@@ -1,0 +1,1 @@
+//! jetrl reward service

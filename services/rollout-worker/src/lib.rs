@@ -1,0 +1,1 @@
+//! jetrl rollout worker service

@@ -1,0 +1,1 @@
+//! RL math: advantage estimators, policy losses, aggregation, KL

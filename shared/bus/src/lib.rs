@@ -1,0 +1,1 @@
+//! NATS JetStream plumbing: connect, declare, publish with de-duplication, consume, test harness

@@ -1,0 +1,615 @@
+//! The typed sections of a job configuration. Defaults follow verl's `ppo_trainer.yaml` where verl has the
+//! key; jetrl-only keys are documented where they are declared.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{ensure, ConfigError, RewardConfig};
+
+/// A whole job: every service reads the sections it needs from the same file.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct JobConfig {
+    pub nats: NatsConfig,
+    pub run: RunConfig,
+    pub model: ModelConfig,
+    pub data: DataConfig,
+    pub algorithm: AlgorithmConfig,
+    pub actor: ActorConfig,
+    pub rollout: RolloutConfig,
+    pub reward: RewardConfig,
+    pub buffer: BufferConfig,
+    pub checkpoint: CheckpointConfig,
+    pub trainer: TrainerConfig,
+    pub log: LogConfig,
+}
+
+impl JobConfig {
+    /// Loads a job file with environment and `key=value` overrides, then validates it.
+    pub fn load(file: Option<&std::path::Path>, overrides: &[String]) -> Result<Self, ConfigError> {
+        let cfg: JobConfig = crate::load(file, overrides)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Cross-field checks; every error names the offending key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        ensure(!self.nats.url.trim().is_empty(), "nats.url", "must not be empty")?;
+        ensure(self.data.train_batch_size > 0, "data.train_batch_size", "must be > 0")?;
+        ensure(self.data.max_response_length > 0, "data.max_response_length", "must be > 0")?;
+        ensure(self.rollout.n > 0, "rollout.n", "must be > 0")?;
+        ensure(self.rollout.temperature >= 0.0, "rollout.temperature", "must be >= 0")?;
+        ensure(self.rollout.top_p > 0.0 && self.rollout.top_p <= 1.0, "rollout.top_p", "must be in (0, 1]")?;
+        ensure(self.actor.optim.lr > 0.0, "actor.optim.lr", "must be > 0")?;
+        ensure(self.actor.ppo_epochs > 0, "actor.ppo_epochs", "must be > 0")?;
+        ensure(self.actor.clip_ratio_c > 1.0, "actor.clip_ratio_c", "must be > 1 (dual-clip lower bound)")?;
+        ensure(
+            ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
+                .contains(&self.actor.loss_agg_mode.as_str()),
+            "actor.loss_agg_mode",
+            format!(
+                "unknown mode {:?} (token-mean, token-sum, seq-mean-token-sum, seq-mean-token-sum-norm, seq-mean-token-mean)",
+                self.actor.loss_agg_mode
+            ),
+        )?;
+        ensure(
+            ["sync", "colocate_async", "separate_async"].contains(&self.trainer.mode.as_str()),
+            "trainer.mode",
+            format!("unknown mode {:?} (sync, colocate_async, separate_async)", self.trainer.mode),
+        )?;
+        ensure(self.buffer.max_off_policy_threshold > 0, "buffer.max_off_policy_threshold", "must be > 0")?;
+        ensure(
+            ["drop", "wait"].contains(&self.buffer.max_off_policy_strategy.as_str()),
+            "buffer.max_off_policy_strategy",
+            format!("unknown strategy {:?} (drop, wait)", self.buffer.max_off_policy_strategy),
+        )?;
+        ensure(
+            ["object_store", "shared_fs"].contains(&self.checkpoint.transport.as_str()),
+            "checkpoint.transport",
+            format!("unknown transport {:?} (object_store, shared_fs)", self.checkpoint.transport),
+        )?;
+        ensure(
+            self.checkpoint.transport != "shared_fs" || self.checkpoint.shared_dir.is_some(),
+            "checkpoint.shared_dir",
+            "required when checkpoint.transport is shared_fs",
+        )?;
+        ensure(
+            !self.data.train_files.is_empty() || self.data.task.is_some(),
+            "data.task",
+            "set data.task (a built-in task) or data.train_files",
+        )?;
+        ensure(["f32", "bf16"].contains(&self.model.dtype.as_str()), "model.dtype", "must be f32 or bf16")?;
+        Ok(())
+    }
+
+    /// Tokens generated per response at most.
+    pub fn max_new_tokens(&self) -> u32 {
+        self.rollout.max_new_tokens.unwrap_or(self.data.max_response_length)
+    }
+}
+
+/// How to reach NATS.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NatsConfig {
+    pub url: String,
+    /// a `.creds` file (JWT + nkey)
+    pub creds_file: Option<String>,
+    pub user: Option<String>,
+    pub password: Option<String>,
+    pub token: Option<String>,
+    /// how long to keep retrying the first connection (with backoff) before giving up
+    pub connect_timeout_s: f64,
+    /// default timeout of request/reply calls
+    pub request_timeout_s: f64,
+}
+
+impl Default for NatsConfig {
+    fn default() -> Self {
+        Self {
+            url: "nats://127.0.0.1:4222".into(),
+            creds_file: None,
+            user: None,
+            password: None,
+            token: None,
+            connect_timeout_s: 30.0,
+            request_timeout_s: 30.0,
+        }
+    }
+}
+
+/// Where a run writes its outputs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunConfig {
+    pub name: String,
+    /// run directory: metrics.jsonl, reward curve, checkpoints, logs
+    pub dir: String,
+    pub seed: u64,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self { name: "jetrl".into(), dir: "runs/jetrl".into(), seed: 42 }
+    }
+}
+
+/// The policy model (an HF model directory).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// HF-format directory: config.json, *.safetensors, tokenizer.json
+    pub path: String,
+    /// if set and `path` has no model, `jetrl run` writes a random-init model of this preset there
+    pub init_preset: Option<String>,
+    /// `cpu` or `cuda:N`
+    pub device: String,
+    /// `f32` or `bf16`
+    pub dtype: String,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self { path: "runs/models/tiny".into(), init_preset: None, device: "cpu".into(), dtype: "f32".into() }
+    }
+}
+
+/// A built-in synthetic task (`data.task`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TaskConfig {
+    /// `reverse` or `sort` (digit strings)
+    pub name: String,
+    pub min_len: u32,
+    pub max_len: u32,
+    pub train_size: u32,
+    pub val_size: u32,
+}
+
+impl Default for TaskConfig {
+    fn default() -> Self {
+        Self { name: "reverse".into(), min_len: 4, max_len: 4, train_size: 20_000, val_size: 64 }
+    }
+}
+
+/// verl's `data.*`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    pub task: Option<TaskConfig>,
+    /// verl-format parquet/JSONL files (rows with `prompt` chat messages, `data_source`, `reward_model.ground_truth`)
+    pub train_files: Vec<String>,
+    pub val_files: Vec<String>,
+    /// prompt groups per step
+    pub train_batch_size: u32,
+    pub val_batch_size: Option<u32>,
+    pub max_prompt_length: u32,
+    pub max_response_length: u32,
+    pub shuffle: bool,
+    pub seed: u64,
+    pub prompt_key: String,
+    pub filter_overlong_prompts: bool,
+    /// `error`, `left`, `right` or `middle`
+    pub truncation: String,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self {
+            task: None,
+            train_files: vec![],
+            val_files: vec![],
+            train_batch_size: 1024,
+            val_batch_size: None,
+            max_prompt_length: 512,
+            max_response_length: 512,
+            shuffle: true,
+            seed: 42,
+            prompt_key: "prompt".into(),
+            filter_overlong_prompts: false,
+            truncation: "error".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KlCtrlConfig {
+    /// `fixed` or `adaptive`
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub kl_coef: f64,
+    pub horizon: f64,
+    pub target_kl: f64,
+}
+
+impl Default for KlCtrlConfig {
+    fn default() -> Self {
+        Self { kind: "fixed".into(), kl_coef: 0.001, horizon: 10_000.0, target_kl: 0.1 }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FilterGroupsConfig {
+    pub enable: bool,
+    pub metric: Option<String>,
+    pub max_inflight_gen_batches: u32,
+}
+
+impl Default for FilterGroupsConfig {
+    fn default() -> Self {
+        Self { enable: false, metric: None, max_inflight_gen_batches: 1 }
+    }
+}
+
+/// verl's `algorithm.*`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AlgorithmConfig {
+    pub adv_estimator: String,
+    pub norm_adv_by_std_in_grpo: bool,
+    pub gamma: f64,
+    pub lam: f64,
+    pub use_kl_in_reward: bool,
+    pub kl_penalty: String,
+    pub kl_ctrl: KlCtrlConfig,
+    pub filter_groups: FilterGroupsConfig,
+}
+
+impl Default for AlgorithmConfig {
+    fn default() -> Self {
+        Self {
+            adv_estimator: "grpo".into(),
+            norm_adv_by_std_in_grpo: true,
+            gamma: 1.0,
+            lam: 1.0,
+            use_kl_in_reward: false,
+            kl_penalty: "kl".into(),
+            kl_ctrl: KlCtrlConfig::default(),
+            filter_groups: FilterGroupsConfig::default(),
+        }
+    }
+}
+
+/// verl's `actor.optim.*`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimConfig {
+    pub lr: f64,
+    pub weight_decay: f64,
+    pub betas: [f64; 2],
+    pub eps: f64,
+    /// `constant` or `cosine`
+    pub lr_scheduler_type: String,
+    pub lr_warmup_steps: Option<u64>,
+    pub lr_warmup_steps_ratio: f64,
+    pub min_lr_ratio: f64,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        Self {
+            lr: 1e-6,
+            weight_decay: 0.01,
+            betas: [0.9, 0.999],
+            eps: 1e-8,
+            lr_scheduler_type: "constant".into(),
+            lr_warmup_steps: None,
+            lr_warmup_steps_ratio: 0.0,
+            min_lr_ratio: 0.0,
+        }
+    }
+}
+
+/// verl's `actor.policy_loss.*`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PolicyLossConfig {
+    pub loss_mode: String,
+    pub clip_cov_ratio: f64,
+    pub clip_cov_lb: f64,
+    pub clip_cov_ub: f64,
+    pub kl_cov_ratio: f64,
+    pub ppo_kl_coef: f64,
+    pub dro_beta: Option<f64>,
+}
+
+impl Default for PolicyLossConfig {
+    fn default() -> Self {
+        Self {
+            loss_mode: "vanilla".into(),
+            clip_cov_ratio: 2e-4,
+            clip_cov_lb: 1.0,
+            clip_cov_ub: 5.0,
+            kl_cov_ratio: 2e-4,
+            ppo_kl_coef: 0.1,
+            dro_beta: None,
+        }
+    }
+}
+
+/// verl's `actor_rollout_ref.actor.*`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ActorConfig {
+    pub optim: OptimConfig,
+    /// global-norm clip (verl `grad_clip`)
+    pub grad_clip: f64,
+    pub clip_ratio: f64,
+    pub clip_ratio_low: Option<f64>,
+    pub clip_ratio_high: Option<f64>,
+    pub clip_ratio_c: f64,
+    pub loss_agg_mode: String,
+    pub policy_loss: PolicyLossConfig,
+    /// prompt groups per optimizer update; default: the whole train batch
+    pub ppo_mini_batch_size: Option<u32>,
+    pub ppo_epochs: u32,
+    /// token budget per micro-batch (gradient accumulation)
+    pub ppo_max_token_len: u32,
+    pub shuffle: bool,
+    pub data_loader_seed: u64,
+    pub use_kl_loss: bool,
+    pub kl_loss_coef: f64,
+    pub kl_loss_type: String,
+    pub entropy_coeff: f64,
+}
+
+impl Default for ActorConfig {
+    fn default() -> Self {
+        Self {
+            optim: OptimConfig::default(),
+            grad_clip: 1.0,
+            clip_ratio: 0.2,
+            clip_ratio_low: None,
+            clip_ratio_high: None,
+            clip_ratio_c: 3.0,
+            loss_agg_mode: "token-mean".into(),
+            policy_loss: PolicyLossConfig::default(),
+            ppo_mini_batch_size: None,
+            ppo_epochs: 1,
+            ppo_max_token_len: 16_384,
+            shuffle: false,
+            data_loader_seed: 42,
+            use_kl_loss: false,
+            kl_loss_coef: 0.001,
+            kl_loss_type: "low_var_kl".into(),
+            entropy_coeff: 0.0,
+        }
+    }
+}
+
+/// verl's `rollout.val_kwargs.*`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ValKwargs {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: i32,
+    pub n: u32,
+}
+
+impl Default for ValKwargs {
+    fn default() -> Self {
+        Self { temperature: 0.0, top_p: 1.0, top_k: -1, n: 1 }
+    }
+}
+
+/// verl's `rollout.*` plus the rollout-worker service settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RolloutConfig {
+    pub n: u32,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: i32,
+    pub repetition_penalty: f32,
+    /// default: data.max_response_length
+    pub max_new_tokens: Option<u32>,
+    pub val_kwargs: ValKwargs,
+    /// sequences decoded together (the engine's batch budget)
+    pub max_num_seqs: u32,
+    /// prompt groups a worker holds at once (pulled but not yet acknowledged)
+    pub max_inflight_groups: u32,
+    /// how many worker processes `jetrl run` starts
+    pub workers: u32,
+    /// this instance's name in heartbeats; default: hostname-pid
+    pub instance_id: Option<String>,
+    pub metrics_addr: String,
+    pub heartbeat_interval_s: f64,
+    /// redelivery delay of a task whose worker went silent (in-progress acks keep long groups alive)
+    pub ack_wait_s: f64,
+}
+
+impl Default for RolloutConfig {
+    fn default() -> Self {
+        Self {
+            n: 1,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: -1,
+            repetition_penalty: 1.0,
+            max_new_tokens: None,
+            val_kwargs: ValKwargs::default(),
+            max_num_seqs: 256,
+            max_inflight_groups: 64,
+            workers: 1,
+            instance_id: None,
+            metrics_addr: "127.0.0.1:0".into(),
+            heartbeat_interval_s: 1.0,
+            ack_wait_s: 30.0,
+        }
+    }
+}
+
+/// The replay buffer (verl `trainer.v1.sampler.*`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BufferConfig {
+    pub metrics_addr: String,
+    pub max_off_policy_threshold: u64,
+    /// `drop` or `wait`
+    pub max_off_policy_strategy: String,
+    pub sync_refill_failed_groups: bool,
+}
+
+impl Default for BufferConfig {
+    fn default() -> Self {
+        Self {
+            metrics_addr: "127.0.0.1:0".into(),
+            max_off_policy_threshold: 8,
+            max_off_policy_strategy: "drop".into(),
+            sync_refill_failed_groups: false,
+        }
+    }
+}
+
+/// Weight distribution and durable checkpoints.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointConfig {
+    pub metrics_addr: String,
+    /// `object_store` (JetStream object store; works across hosts) or `shared_fs` (a directory every reader mounts)
+    pub transport: String,
+    pub shared_dir: Option<String>,
+    /// weight versions kept in the store (older blobs are deleted)
+    pub keep_versions: u32,
+    /// object-store chunk size
+    pub chunk_bytes: u32,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self {
+            metrics_addr: "127.0.0.1:0".into(),
+            transport: "object_store".into(),
+            shared_dir: None,
+            keep_versions: 2,
+            chunk_bytes: 8 << 20,
+        }
+    }
+}
+
+/// verl's `trainer.*` plus trainer service settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainerConfig {
+    /// `sync` (colocate_async and separate_async: later)
+    pub mode: String,
+    pub total_training_steps: Option<u64>,
+    pub total_epochs: u32,
+    /// -1 = never
+    pub save_freq: i64,
+    /// -1 = never
+    pub test_freq: i64,
+    pub val_before_train: bool,
+    /// `auto`, `resume_path` or `disable`
+    pub resume_mode: String,
+    pub resume_from_path: Option<String>,
+    pub max_ckpt_to_keep: Option<u32>,
+    pub metrics_addr: String,
+    /// how long to wait for rollout workers to load a new weight version
+    pub weight_sync_timeout_s: f64,
+    /// how long one sample request may be held by the buffer before it is re-sent
+    pub sample_wait_s: f64,
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        Self {
+            mode: "sync".into(),
+            total_training_steps: None,
+            total_epochs: 1,
+            save_freq: -1,
+            test_freq: -1,
+            val_before_train: false,
+            resume_mode: "auto".into(),
+            resume_from_path: None,
+            max_ckpt_to_keep: None,
+            metrics_addr: "127.0.0.1:0".into(),
+            weight_sync_timeout_s: 300.0,
+            sample_wait_s: 10.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// an EnvFilter directive, e.g. `info` or `info,jetrl_bus=debug`; RUST_LOG wins when set
+    pub level: String,
+    /// `text` or `json`
+    pub format: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self { level: "info".into(), format: "text".into() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn with_task(mut cfg: JobConfig) -> JobConfig {
+        cfg.data.task = Some(TaskConfig::default());
+        cfg
+    }
+
+    #[test]
+    fn unknown_key_is_rejected_with_its_full_path() {
+        let mut file = tempfile::NamedTempFile::new().unwrap();
+        writeln!(file, "actor:\n  optim:\n    lrr: 0.1\n").unwrap();
+        let err = JobConfig::load(Some(file.path()), &[]).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("actor.optim.lrr"), "{text}");
+        assert!(matches!(err, ConfigError::Invalid { .. }));
+    }
+
+    #[test]
+    fn overrides_beat_the_file_and_are_typed() {
+        let mut file = tempfile::NamedTempFile::new().unwrap();
+        writeln!(file, "data:\n  task: {{name: reverse}}\n  train_batch_size: 8\nactor:\n  optim:\n    lr: 0.5\n")
+            .unwrap();
+        let cfg = JobConfig::load(
+            Some(file.path()),
+            &["actor.optim.lr=1e-4".into(), "rollout.n=4".into(), "trainer.val_before_train=true".into()],
+        )
+        .unwrap();
+        assert_eq!(cfg.actor.optim.lr, 1e-4);
+        assert_eq!(cfg.rollout.n, 4);
+        assert_eq!(cfg.data.train_batch_size, 8);
+        assert!(cfg.trainer.val_before_train);
+    }
+
+    #[test]
+    fn wrong_type_names_the_key() {
+        let err = crate::load::<JobConfig>(None, &["rollout.n=many".into()]).unwrap_err();
+        assert!(err.to_string().contains("rollout.n"), "{err}");
+    }
+
+    #[test]
+    fn override_without_equals_is_rejected() {
+        let err = crate::load::<JobConfig>(None, &["rollout.n".into()]).unwrap_err();
+        assert!(matches!(err, ConfigError::BadOverride(_)));
+    }
+
+    #[test]
+    fn validation_names_the_key() {
+        let mut cfg = with_task(JobConfig::default());
+        cfg.actor.loss_agg_mode = "mean".into();
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("actor.loss_agg_mode"), "{err}");
+        let mut cfg = with_task(JobConfig::default());
+        cfg.checkpoint.transport = "shared_fs".into();
+        assert!(cfg.validate().unwrap_err().to_string().contains("checkpoint.shared_dir"));
+        assert!(with_task(JobConfig::default()).validate().is_ok());
+    }
+
+    #[test]
+    fn missing_file_names_the_path() {
+        let err = JobConfig::load(Some(std::path::Path::new("/nonexistent/job.yaml")), &[]).unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/job.yaml"));
+    }
+}

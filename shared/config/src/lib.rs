@@ -1,0 +1,28 @@
+//! Configuration for every jetrl service.
+//!
+//! One YAML file describes a whole job ([`JobConfig`]): each service reads the sections it needs. Values are
+//! layered, later wins:
+//!
+//! 1. the YAML file,
+//! 2. environment variables `JETRL__SECTION__KEY=value` (double underscores between path parts),
+//! 3. command-line overrides `section.key=value` (the value is parsed as YAML: `3`, `1e-4`, `true`, `[1, 2]`).
+//!
+//! Unknown keys are rejected and every error names the key's path (`trainer.optim.lrr`), so a typo never
+//! silently falls back to a default.
+
+mod job;
+mod load;
+mod reward;
+
+pub use job::*;
+pub use load::{load, load_value, ConfigError};
+pub use reward::*;
+
+/// Returns `Err(ConfigError::Invalid)` naming `path` unless `ok`.
+pub fn ensure(ok: bool, path: &str, message: impl Into<String>) -> Result<(), ConfigError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError::Invalid { path: path.to_string(), message: message.into() })
+    }
+}

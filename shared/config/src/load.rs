@@ -1,0 +1,68 @@
+use std::path::Path;
+
+use serde::de::DeserializeOwned;
+
+/// Why a configuration could not be loaded. Every variant names what was wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {message}")]
+    Read { path: String, message: String },
+    #[error("config override {0:?} is not of the form key.path=value")]
+    BadOverride(String),
+    #[error("config: {0}")]
+    Merge(String),
+    #[error("config key `{path}`: {message}")]
+    Invalid { path: String, message: String },
+}
+
+/// Loads and merges file, environment and overrides into a JSON value (no typing yet).
+pub fn load_value(file: Option<&Path>, overrides: &[String]) -> Result<serde_json::Value, ConfigError> {
+    let mut builder = config::Config::builder();
+    if let Some(path) = file {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::Read { path: path.display().to_string(), message: e.to_string() })?;
+        // Parse once ourselves so YAML syntax errors carry the file name and line.
+        serde_yaml::from_str::<serde_yaml::Value>(&text)
+            .map_err(|e| ConfigError::Read { path: path.display().to_string(), message: e.to_string() })?;
+        builder = builder.add_source(config::File::from_str(&text, config::FileFormat::Yaml));
+    }
+    builder = builder
+        .add_source(config::Environment::with_prefix("JETRL").prefix_separator("__").separator("__").try_parsing(true));
+    for item in overrides {
+        let (key, raw) = item.split_once('=').ok_or_else(|| ConfigError::BadOverride(item.clone()))?;
+        let key = key.trim();
+        if key.is_empty() || key.split('.').any(|p| p.is_empty()) {
+            return Err(ConfigError::BadOverride(item.clone()));
+        }
+        let value: serde_json::Value = match serde_yaml::from_str::<serde_yaml::Value>(raw) {
+            Ok(v) => serde_json::to_value(v).unwrap_or_else(|_| serde_json::Value::String(raw.to_string())),
+            Err(_) => serde_json::Value::String(raw.to_string()),
+        };
+        let mut nested = value;
+        for part in key.rsplit('.') {
+            let mut map = serde_json::Map::new();
+            map.insert(part.to_string(), nested);
+            nested = serde_json::Value::Object(map);
+        }
+        // JSON is YAML: the override becomes one more (highest-priority) source.
+        builder = builder.add_source(config::File::from_str(&nested.to_string(), config::FileFormat::Yaml));
+    }
+    let merged = builder.build().map_err(|e| ConfigError::Merge(e.to_string()))?;
+    merged.try_deserialize::<serde_json::Value>().map_err(|e| ConfigError::Merge(e.to_string()))
+}
+
+/// Loads a typed configuration. Unknown keys (with `#[serde(deny_unknown_fields)]`) and type errors come
+/// back as [`ConfigError::Invalid`] with the key's full path.
+pub fn load<T: DeserializeOwned>(file: Option<&Path>, overrides: &[String]) -> Result<T, ConfigError> {
+    let value = load_value(file, overrides)?;
+    from_value(value)
+}
+
+/// Types a merged value, naming the path of the first offending key.
+pub fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, ConfigError> {
+    serde_path_to_error::deserialize(value).map_err(|err| {
+        let path = err.path().to_string();
+        let inner = err.into_inner().to_string();
+        ConfigError::Invalid { path: if path == "." { "<root>".into() } else { path }, message: inner }
+    })
+}

@@ -1,0 +1,1 @@
+//! datasets, built-in tasks, chat templates

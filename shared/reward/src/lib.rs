@@ -1,0 +1,1 @@
+//! rule-based reward scorers (verl default_compute_score parity)

@@ -1,0 +1,11 @@
+//! Compiles `proto/` with protox (pure Rust), so no system `protoc` is needed.
+use std::path::PathBuf;
+
+fn main() {
+    let root =
+        PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR")).join("../../proto");
+    let file = root.join("jetrl/v1/jetrl.proto");
+    println!("cargo:rerun-if-changed={}", file.display());
+    let descriptors = protox::compile([&file], [&root]).expect("proto/jetrl/v1/jetrl.proto does not compile");
+    prost_build::Config::new().bytes(["."]).compile_fds(descriptors).expect("prost-build failed");
+}

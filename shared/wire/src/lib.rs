@@ -1,0 +1,47 @@
+//! jetrl's wire contract.
+//!
+//! - [`v1`]: the protobuf messages of `proto/jetrl/v1/jetrl.proto` (prost, `bytes::Bytes` fields).
+//! - [`packed`]: token ids, masks and log-probs as packed little-endian bytes.
+//! - [`keys`]: the verl key format: a group is `{uid}`, a trajectory `{uid}_{session_id}_{index}`.
+//! - [`subjects`]: stream, subject and bucket names shared by every service.
+
+pub mod keys;
+pub mod packed;
+pub mod subjects;
+
+#[allow(clippy::all, missing_docs)]
+pub mod v1 {
+    include!(concat!(env!("OUT_DIR"), "/jetrl.v1.rs"));
+}
+
+pub use prost::Message;
+
+impl v1::GroupState {
+    /// `finished` or `failure`: the worker is done with the group.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, v1::GroupState::Finished | v1::GroupState::Failure)
+    }
+
+    /// `pending` or `running`.
+    pub fn is_inflight(self) -> bool {
+        matches!(self, v1::GroupState::Pending | v1::GroupState::Running)
+    }
+
+    /// Short lowercase name, as verl spells the status (`pending`, `running`, ...).
+    pub fn label(self) -> &'static str {
+        match self {
+            v1::GroupState::Unspecified => "unspecified",
+            v1::GroupState::Pending => "pending",
+            v1::GroupState::Running => "running",
+            v1::GroupState::Finished => "finished",
+            v1::GroupState::Failure => "failure",
+            v1::GroupState::Sampled => "sampled",
+            v1::GroupState::Evicted => "evicted",
+        }
+    }
+}
+
+/// Milliseconds since the Unix epoch, for the `*_unix_ms` fields.
+pub fn now_unix_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+}

@@ -1,0 +1,1 @@
+//! cross-service end-to-end and fault-injection tests
