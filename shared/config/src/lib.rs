@@ -10,10 +10,12 @@
 //! Unknown keys are rejected and every error names the key's path (`trainer.optim.lrr`), so a typo never
 //! silently falls back to a default.
 
+mod algo;
 mod job;
 mod load;
 mod reward;
 
+pub use algo::*;
 pub use job::*;
 pub use load::{load, load_value, ConfigError};
 pub use reward::*;

@@ -1,0 +1,84 @@
+//! Pull consumption: decoding with poison-message handling, and acknowledgement helpers.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::PullConsumer, AckKind};
+use futures::StreamExt;
+
+use crate::BusError;
+
+/// Decodes a protobuf message. A message that does not decode is counted in
+/// `jetrl_<service>_malformed_messages_total{stream}`, logged with its subject and terminated, so it is
+/// never redelivered; the caller just moves on.
+pub async fn decode_or_term<M: prost::Message + Default>(msg: &jetstream::Message, service: &str) -> Option<M> {
+    match M::decode(msg.payload.as_ref()) {
+        Ok(decoded) => Some(decoded),
+        Err(err) => {
+            let stream = msg.info().map(|i| i.stream.to_string()).unwrap_or_else(|_| "unknown".into());
+            count_malformed(service, &stream);
+            tracing::error!(subject = %msg.subject, %stream, error = %err, bytes = msg.payload.len(), "malformed message terminated");
+            if let Err(err) = msg.ack_with(AckKind::Term).await {
+                tracing::warn!(subject = %msg.subject, error = %err, "could not terminate malformed message");
+            }
+            None
+        }
+    }
+}
+
+/// Counts one malformed message for `service`, labelled by where it came from (a stream or a subject
+/// family; bounded).
+pub fn count_malformed(service: &str, source: &str) {
+    metrics::counter!(format!("jetrl_{service}_malformed_messages_total"), "source" => source.to_string()).increment(1);
+}
+
+/// Acknowledges and waits for the server's confirmation (used when the ack itself must be durable before
+/// moving on, e.g. before deleting state).
+pub async fn ack_confirmed(msg: &jetstream::Message) -> Result<(), BusError> {
+    msg.double_ack().await.map_err(|e| BusError::Consume { what: msg.subject.to_string(), message: e.to_string() })
+}
+
+/// Fire-and-forget ack of the given kind; a lost ack only causes a redelivery that de-duplication absorbs.
+pub async fn settle(msg: &jetstream::Message, kind: AckKind) {
+    let label = match kind {
+        AckKind::Ack => "ack",
+        AckKind::Nak(_) => "nak",
+        AckKind::Progress => "progress",
+        AckKind::Next => "next",
+        AckKind::Term => "term",
+    };
+    if let Err(err) = msg.ack_with(kind).await {
+        tracing::warn!(subject = %msg.subject, kind = label, error = %err, "ack not sent");
+    }
+}
+
+/// Pulls up to `max` messages, yielding each as it arrives; returns after `max` messages or `expires`.
+pub async fn pull(
+    consumer: &PullConsumer,
+    max: usize,
+    expires: Duration,
+) -> Result<jetstream::consumer::pull::Batch, BusError> {
+    consumer
+        .batch()
+        .max_messages(max.max(1))
+        .expires(expires)
+        .messages()
+        .await
+        .map_err(|e| BusError::Consume { what: "pull".into(), message: e.to_string() })
+}
+
+/// Pulls a batch and collects it (for tests and simple loops).
+pub async fn pull_collect(
+    consumer: &PullConsumer,
+    max: usize,
+    expires: Duration,
+) -> Result<Vec<jetstream::Message>, BusError> {
+    let mut batch = pull(consumer, max, expires).await?;
+    let mut out = Vec::new();
+    while let Some(item) = batch.next().await {
+        match item {
+            Ok(msg) => out.push(msg),
+            Err(err) => return Err(BusError::Consume { what: "pull".into(), message: err.to_string() }),
+        }
+    }
+    Ok(out)
+}

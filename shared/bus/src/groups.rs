@@ -1,0 +1,134 @@
+//! Prompt-group control records in the GROUPS KV bucket (key `<partition>.<uid>`).
+//!
+//! Every transition is a compare-and-set on the entry's revision (verl's TransferQueue does a
+//! read-merge-write that two writers can interleave). The legal transitions are checked here, once:
+//! `pending → running → finished | failure`, and `finished | failure → sampled | evicted` (plus
+//! `pending | running → evicted` when a resumed trainer discards in-flight work).
+
+use std::time::Duration;
+
+use async_nats::jetstream::kv;
+use jetrl_wire::v1::{GroupState, GroupStatus};
+use jetrl_wire::{subjects, Message};
+
+use crate::{Bus, BusError};
+
+/// CAS retries before reporting contention as an error.
+const MAX_CAS_ATTEMPTS: u32 = 16;
+
+/// Why a group update was not applied.
+#[derive(Debug, thiserror::Error)]
+pub enum GroupUpdateError {
+    #[error("group {key} does not exist")]
+    Missing { key: String },
+    #[error("group {key}: transition {from} -> {to} is not allowed")]
+    IllegalTransition { key: String, from: &'static str, to: &'static str },
+    #[error(transparent)]
+    Bus(#[from] BusError),
+}
+
+#[derive(Clone)]
+pub struct GroupStore {
+    kv: kv::Store,
+}
+
+fn kv_err(key: &str, err: impl std::fmt::Display) -> BusError {
+    BusError::Kv { bucket: subjects::GROUPS_BUCKET.into(), key: key.into(), message: err.to_string() }
+}
+
+/// Whether `from → to` is a legal group transition.
+pub fn transition_allowed(from: GroupState, to: GroupState) -> bool {
+    use GroupState::*;
+    matches!(
+        (from, to),
+        (Pending, Running)
+            | (Running, Running) // a redelivered task restarts the group
+            | (Pending | Running, Finished | Failure)
+            | (Finished | Failure, Sampled | Evicted)
+            | (Pending | Running, Evicted)
+            | (Pending | Running, Pending) // re-issue on resume
+    )
+}
+
+impl GroupStore {
+    pub async fn open(bus: &Bus) -> Result<Self, BusError> {
+        Ok(Self { kv: bus.key_value(subjects::GROUPS_BUCKET).await? })
+    }
+
+    pub fn kv(&self) -> &kv::Store {
+        &self.kv
+    }
+
+    /// Creates a new group record; fails if the key exists.
+    pub async fn create(&self, status: &GroupStatus) -> Result<u64, BusError> {
+        let key = subjects::group_key(&status.partition, &status.uid);
+        self.kv.create(&key, status.encode_to_vec().into()).await.map_err(|e| kv_err(&key, e))
+    }
+
+    /// Creates many records with all requests in flight at once.
+    pub async fn create_many(&self, statuses: &[GroupStatus]) -> Result<(), BusError> {
+        let results = futures::future::join_all(statuses.iter().map(|s| self.create(s))).await;
+        results.into_iter().collect::<Result<Vec<_>, _>>().map(|_| ())
+    }
+
+    /// Current record and revision.
+    pub async fn get(&self, partition: &str, uid: &str) -> Result<Option<(GroupStatus, u64)>, BusError> {
+        let key = subjects::group_key(partition, uid);
+        let Some(entry) = self.kv.entry(&key).await.map_err(|e| kv_err(&key, e))? else { return Ok(None) };
+        if entry.operation != kv::Operation::Put {
+            return Ok(None);
+        }
+        let status = GroupStatus::decode(entry.value.as_ref())
+            .map_err(|e| BusError::Decode { what: format!("group {key}"), message: e.to_string() })?;
+        Ok(Some((status, entry.revision)))
+    }
+
+    /// Applies `change` with compare-and-set, re-reading and retrying on a concurrent write. `change` gets
+    /// the current record and returns the new state to move to (checked against [`transition_allowed`]),
+    /// or `None` to leave the record as it is.
+    pub async fn update(
+        &self,
+        partition: &str,
+        uid: &str,
+        mut change: impl FnMut(&mut GroupStatus) -> Option<GroupState>,
+    ) -> Result<Option<GroupStatus>, GroupUpdateError> {
+        let key = subjects::group_key(partition, uid);
+        for attempt in 0..MAX_CAS_ATTEMPTS {
+            let Some((mut status, revision)) = self.get(partition, uid).await? else {
+                return Err(GroupUpdateError::Missing { key });
+            };
+            let from = status.state();
+            let Some(to) = change(&mut status) else { return Ok(None) };
+            if !transition_allowed(from, to) {
+                return Err(GroupUpdateError::IllegalTransition { key, from: from.label(), to: to.label() });
+            }
+            status.set_state(to);
+            status.updated_unix_ms = jetrl_wire::now_unix_ms();
+            match self.kv.update(&key, status.encode_to_vec().into(), revision).await {
+                Ok(_) => return Ok(Some(status)),
+                Err(err) if err.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                    tracing::debug!(%key, attempt, "group record changed concurrently; retrying");
+                    tokio::time::sleep(Duration::from_millis(1 << attempt.min(6))).await;
+                }
+                Err(err) => return Err(kv_err(&key, err).into()),
+            }
+        }
+        Err(kv_err(&key, "too much contention").into())
+    }
+
+    /// Watches every record: first the current value of each key, then every change.
+    pub async fn watch(&self) -> Result<kv::Watch, BusError> {
+        self.kv.watch_with_history(">").await.map_err(|e| kv_err(">", e))
+    }
+}
+
+/// Decodes a watched entry; `None` for deletes/purges or undecodable values (counted by the caller).
+pub fn decode_entry(entry: &kv::Entry) -> Option<Result<GroupStatus, BusError>> {
+    if entry.operation != kv::Operation::Put {
+        return None;
+    }
+    Some(
+        GroupStatus::decode(entry.value.as_ref())
+            .map_err(|e| BusError::Decode { what: format!("group {}", entry.key), message: e.to_string() }),
+    )
+}

@@ -1,0 +1,186 @@
+//! A real `nats-server -js` for tests and for `jetrl run`: a free port on 127.0.0.1, a temporary store
+//! directory, `max_payload` raised to 8 MiB (so a 2 MB trajectory fits in one message), killed on drop.
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::BusError;
+
+/// The server's max_payload: big enough for long trajectories (the NATS default is 1 MiB).
+pub const MAX_PAYLOAD_BYTES: usize = 8 * 1024 * 1024;
+
+pub struct NatsServer {
+    binary: PathBuf,
+    port: u16,
+    /// holds the JetStream store and the log; removed on drop unless the caller owns the directory
+    dir: Option<tempfile::TempDir>,
+    root: PathBuf,
+    child: Option<Child>,
+}
+
+impl NatsServer {
+    /// Starts a server on a free port with a fresh temporary store.
+    pub fn start() -> Result<Self, BusError> {
+        let dir = tempfile::Builder::new()
+            .prefix("jetrl-nats-")
+            .tempdir()
+            .map_err(|e| BusError::Server(format!("temp dir: {e}")))?;
+        let root = dir.path().to_path_buf();
+        Self::launch(find_binary()?, free_port()?, Some(dir), root)
+    }
+
+    /// Starts a server whose store lives in `root` (kept after drop), e.g. a run directory.
+    pub fn start_in(root: &Path) -> Result<Self, BusError> {
+        std::fs::create_dir_all(root).map_err(|e| BusError::Server(format!("{}: {e}", root.display())))?;
+        Self::launch(find_binary()?, free_port()?, None, root.to_path_buf())
+    }
+
+    fn launch(binary: PathBuf, port: u16, dir: Option<tempfile::TempDir>, root: PathBuf) -> Result<Self, BusError> {
+        let mut server = Self { binary, port, dir, root, child: None };
+        server.spawn()?;
+        Ok(server)
+    }
+
+    fn spawn(&mut self) -> Result<(), BusError> {
+        let conf = self.root.join("nats.conf");
+        let log = self.root.join("nats.log");
+        let store = self.root.join("jetstream");
+        let text = format!(
+            "host: 127.0.0.1\nport: {}\nmax_payload: {}\njetstream {{\n  store_dir: {:?}\n}}\n",
+            self.port,
+            MAX_PAYLOAD_BYTES,
+            store.display().to_string()
+        );
+        std::fs::write(&conf, text).map_err(|e| BusError::Server(format!("{}: {e}", conf.display())))?;
+        let _ = std::fs::remove_file(&log);
+        let child = Command::new(&self.binary)
+            .arg("-c")
+            .arg(&conf)
+            .arg("-l")
+            .arg(&log)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| BusError::Server(format!("cannot start {}: {e}", self.binary.display())))?;
+        self.child = Some(child);
+        self.wait_ready(&log)
+    }
+
+    fn wait_ready(&mut self, log: &Path) -> Result<(), BusError> {
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(20) {
+            if let Ok(text) = std::fs::read_to_string(log) {
+                if text.contains("Server is ready") {
+                    return Ok(());
+                }
+            }
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    let mut stderr = String::new();
+                    if let Some(mut pipe) = child.stderr.take() {
+                        let _ = pipe.read_to_string(&mut stderr);
+                    }
+                    let logged = std::fs::read_to_string(log).unwrap_or_default();
+                    return Err(BusError::Server(format!("exited with {status} before ready: {stderr}{logged}")));
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Err(BusError::Server(format!("not ready after 20s (log: {})", log.display())))
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The directory holding the store, config and log.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Kills the server (SIGKILL, as a crash would) and starts it again on the same port and store.
+    pub fn restart(&mut self) -> Result<(), BusError> {
+        self.kill();
+        self.spawn()
+    }
+
+    /// Stops the server abruptly; `restart` brings it back.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Stops the server gracefully (SIGTERM), waiting up to 5 s.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let pid = child.id().to_string();
+            let _ = Command::new("kill").arg("-TERM").arg(&pid).status();
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+        // TempDir (if any) removes the store when dropped after this.
+        let _ = self.dir.take();
+    }
+}
+
+fn free_port() -> Result<u16, BusError> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| BusError::Server(format!("no free port: {e}")))?;
+    listener.local_addr().map(|a| a.port()).map_err(|e| BusError::Server(format!("no free port: {e}")))
+}
+
+/// Finds `nats-server`: `$JETRL_NATS_SERVER`, then `.venv/bin/nats-server` in this checkout (where
+/// scripts/setup.sh installs it) or above the current directory/executable, then `$PATH`.
+pub fn find_binary() -> Result<PathBuf, BusError> {
+    if let Some(path) = std::env::var_os("JETRL_NATS_SERVER") {
+        return Ok(PathBuf::from(path));
+    }
+    let mut starts: Vec<PathBuf> = vec![PathBuf::from(env!("CARGO_MANIFEST_DIR"))];
+    if let Ok(dir) = std::env::current_dir() {
+        starts.push(dir);
+    }
+    if let Ok(exe) = std::env::current_exe() {
+        starts.push(exe);
+    }
+    for start in starts {
+        for dir in start.ancestors() {
+            let candidate = dir.join(".venv/bin/nats-server");
+            if candidate.is_file() {
+                return Ok(candidate);
+            }
+        }
+    }
+    if let Some(paths) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&paths) {
+            let candidate = dir.join("nats-server");
+            if candidate.is_file() {
+                return Ok(candidate);
+            }
+        }
+    }
+    Err(BusError::Server(
+        "nats-server not found: run scripts/setup.sh (installs it into .venv) or set JETRL_NATS_SERVER".into(),
+    ))
+}

@@ -1,0 +1,166 @@
+//! JetStream publishing with de-duplication and pipelined acknowledgements.
+//!
+//! Awaiting each publish ack in turn caps a publisher at one round trip per message (~5k msg/s on
+//! loopback); keeping a bounded window of acks in flight gives the broker's full rate (60–70k msg/s)
+//! while still knowing, for each message, that it is durable. A failed or timed-out ack is retried with
+//! the same `Nats-Msg-Id`, so the stream stores the message once.
+
+use std::future::IntoFuture;
+use std::pin::Pin;
+
+use async_nats::header::{HeaderMap, NATS_MESSAGE_ID};
+use async_nats::jetstream::context::PublishAckFuture;
+use bytes::Bytes;
+use futures::stream::FuturesUnordered;
+use futures::StreamExt;
+
+use crate::{Bus, BusError};
+
+/// Publish attempts per message before giving up.
+const MAX_ATTEMPTS: u32 = 5;
+
+/// One message to publish.
+#[derive(Clone, Debug)]
+pub struct Outgoing {
+    pub subject: String,
+    /// `Nats-Msg-Id`: the stream keeps one copy per id within its duplicate window
+    pub msg_id: Option<String>,
+    pub headers: Vec<(String, String)>,
+    pub payload: Bytes,
+}
+
+impl Outgoing {
+    pub fn new(subject: impl Into<String>, msg_id: Option<String>, payload: Bytes) -> Self {
+        Self { subject: subject.into(), msg_id, headers: Vec::new(), payload }
+    }
+
+    pub fn protobuf(subject: impl Into<String>, msg_id: Option<String>, message: &impl prost::Message) -> Self {
+        Self::new(subject, msg_id, Bytes::from(message.encode_to_vec()))
+    }
+
+    pub fn header(mut self, name: &str, value: impl Into<String>) -> Self {
+        self.headers.push((name.to_string(), value.into()));
+        self
+    }
+
+    fn header_map(&self) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        if let Some(id) = &self.msg_id {
+            headers.insert(NATS_MESSAGE_ID, id.as_str());
+        }
+        for (name, value) in &self.headers {
+            headers.insert(name.as_str(), value.as_str());
+        }
+        headers
+    }
+}
+
+/// The acknowledgement of one published message.
+#[derive(Debug, Clone)]
+pub struct Acked {
+    pub subject: String,
+    pub msg_id: Option<String>,
+    /// stream sequence of the stored message (of the first copy when this one was a duplicate)
+    pub sequence: u64,
+    pub duplicate: bool,
+}
+
+type AckFuture = Pin<Box<dyn std::future::Future<Output = (Outgoing, u32, Result<Acked, String>)> + Send>>;
+
+/// Publishes with a bounded window of acknowledgements in flight.
+pub struct Publisher {
+    bus: Bus,
+    max_inflight: usize,
+    inflight: FuturesUnordered<AckFuture>,
+    /// acks collected while making room in the window; handed out by [`Publisher::drain`]
+    done: Vec<Acked>,
+}
+
+impl Publisher {
+    pub fn new(bus: &Bus, max_inflight: usize) -> Self {
+        Self {
+            bus: bus.clone(),
+            max_inflight: max_inflight.max(1),
+            inflight: FuturesUnordered::new(),
+            done: Vec::new(),
+        }
+    }
+
+    /// Sends `message`; returns once it is on the wire and the window has room (not when acked).
+    pub async fn publish(&mut self, message: Outgoing) -> Result<(), BusError> {
+        let max = self.bus.max_payload();
+        if max > 0 && message.payload.len() > max {
+            return Err(BusError::PayloadTooLarge { subject: message.subject, bytes: message.payload.len(), max });
+        }
+        while self.inflight.len() >= self.max_inflight {
+            self.settle_one().await?;
+        }
+        let future = self.send(message, 1).await?;
+        self.inflight.push(future);
+        Ok(())
+    }
+
+    async fn send(&self, message: Outgoing, attempt: u32) -> Result<AckFuture, BusError> {
+        let ack: PublishAckFuture = self
+            .bus
+            .jetstream()
+            .publish_with_headers(message.subject.clone(), message.header_map(), message.payload.clone())
+            .await
+            .map_err(|e| BusError::Publish { subject: message.subject.clone(), message: e.to_string() })?;
+        Ok(Box::pin(async move {
+            let result = ack.into_future().await;
+            let acked = result
+                .map(|ack| Acked {
+                    subject: message.subject.clone(),
+                    msg_id: message.msg_id.clone(),
+                    sequence: ack.sequence,
+                    duplicate: ack.duplicate,
+                })
+                .map_err(|e| e.to_string());
+            (message, attempt, acked)
+        }))
+    }
+
+    async fn settle_one(&mut self) -> Result<(), BusError> {
+        let Some((message, attempt, result)) = self.inflight.next().await else { return Ok(()) };
+        match result {
+            Ok(acked) => {
+                self.done.push(acked);
+                Ok(())
+            }
+            Err(err) if attempt < MAX_ATTEMPTS => {
+                tracing::warn!(subject = %message.subject, attempt, error = %err, "publish not acknowledged; retrying");
+                metrics::counter!("jetrl_bus_publish_retries_total").increment(1);
+                let future = self.send(message, attempt + 1).await?;
+                self.inflight.push(future);
+                Ok(())
+            }
+            Err(err) => Err(BusError::Publish {
+                subject: message.subject,
+                message: format!("{err} (after {attempt} attempts)"),
+            }),
+        }
+    }
+
+    /// Waits for every outstanding ack; returns all acks since the last drain, in completion order.
+    pub async fn drain(&mut self) -> Result<Vec<Acked>, BusError> {
+        while !self.inflight.is_empty() {
+            self.settle_one().await?;
+        }
+        Ok(std::mem::take(&mut self.done))
+    }
+
+    pub fn inflight(&self) -> usize {
+        self.inflight.len()
+    }
+}
+
+impl Bus {
+    /// Publishes one message and waits for its ack (for low-rate control messages).
+    pub async fn publish_durable(&self, message: Outgoing) -> Result<Acked, BusError> {
+        let mut publisher = Publisher::new(self, 1);
+        publisher.publish(message).await?;
+        let mut acks = publisher.drain().await?;
+        acks.pop().ok_or_else(|| BusError::Publish { subject: "?".into(), message: "no ack".into() })
+    }
+}
