@@ -1,1 +1,205 @@
-//! jetrl checkpoint-sync service
+//! jetrl-checkpoint-sync: the weight-version registry.
+//!
+//! The trainer writes a weight blob (object store or shared filesystem) and announces it on
+//! `jetrl.weights.announce`. This service checks the blob is where the manifest says and of the announced
+//! size, writes the manifest to the WEIGHTS bucket (`v.<version>`, then `latest`, which rollout workers
+//! watch), optionally writes a durable HF-format checkpoint directory, and deletes blobs older than
+//! `checkpoint.keep_versions`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use futures::StreamExt;
+use jetrl_bus::{consume, weights, Bus, BusError};
+use jetrl_config::JobConfig;
+use jetrl_telemetry::Shutdown;
+use jetrl_wire::v1::{WeightAnnounce, WeightAnnounceResponse, WeightManifest};
+use jetrl_wire::{subjects, Message};
+
+const SERVICE: &str = "checkpoint";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error(transparent)]
+    Bus(#[from] BusError),
+    #[error("metrics endpoint: {0}")]
+    Metrics(#[from] jetrl_telemetry::TelemetryError),
+    #[error("announcement of version {version}: {message}")]
+    Announce { version: u64, message: String },
+    #[error("writing checkpoint {path}: {message}")]
+    Write { path: String, message: String },
+}
+
+/// Runs checkpoint-sync until `shutdown` resolves.
+pub async fn run(
+    cfg: JobConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), CheckpointError> {
+    let shutdown = Shutdown::new(shutdown);
+    let bus = Bus::connect(&cfg.nats, "jetrl-checkpoint-sync").await?;
+    bus.declare_topology().await?;
+    let stop = shutdown.clone();
+    jetrl_telemetry::serve_metrics(&cfg.checkpoint.metrics_addr, async move { stop.wait().await }).await?;
+    let mut registry = Registry::load(&bus, &cfg).await?;
+    let mut announcements = bus
+        .client()
+        .queue_subscribe(subjects::WEIGHTS_ANNOUNCE, "checkpoint-sync".into())
+        .await
+        .map_err(|e| BusError::Consume { what: subjects::WEIGHTS_ANNOUNCE.into(), message: e.to_string() })?;
+    tracing::info!(versions = registry.versions.len(), "checkpoint-sync serving");
+    loop {
+        tokio::select! {
+            _ = shutdown.wait() => break,
+            msg = announcements.next() => {
+                let Some(msg) = msg else { break };
+                let started = Instant::now();
+                let response = match WeightAnnounce::decode(msg.payload.as_ref()) {
+                    Ok(announce) => match registry.accept(announce).await {
+                        Ok(version) => WeightAnnounceResponse { version, error: String::new() },
+                        Err(err) => {
+                            metrics::counter!("jetrl_checkpoint_rejected_total").increment(1);
+                            tracing::error!(error = %err, "weight announcement rejected");
+                            WeightAnnounceResponse { version: 0, error: err.to_string() }
+                        }
+                    },
+                    Err(err) => {
+                        consume::count_malformed(SERVICE, subjects::WEIGHTS_ANNOUNCE);
+                        tracing::error!(subject = %msg.subject, error = %err, "malformed weight announcement");
+                        WeightAnnounceResponse { version: 0, error: format!("malformed WeightAnnounce: {err}") }
+                    }
+                };
+                metrics::histogram!("jetrl_checkpoint_announce_seconds").record(started.elapsed().as_secs_f64());
+                if let Some(reply) = msg.reply {
+                    if let Err(err) = bus.client().publish(reply, response.encode_to_vec().into()).await {
+                        tracing::warn!(error = %err, "announce reply not sent");
+                    }
+                }
+            }
+        }
+    }
+    tracing::info!("checkpoint-sync stopped");
+    Ok(())
+}
+
+struct Registry {
+    bus: Bus,
+    kv: async_nats::jetstream::kv::Store,
+    /// announced versions still stored, oldest first, with their blob location
+    versions: BTreeMap<u64, String>,
+    keep: usize,
+    checkpoint_dir: PathBuf,
+    model_dir: PathBuf,
+}
+
+impl Registry {
+    /// Rebuilds the list of stored versions from the WEIGHTS bucket (so GC survives a restart).
+    async fn load(bus: &Bus, cfg: &JobConfig) -> Result<Self, CheckpointError> {
+        let kv = bus.key_value(subjects::WEIGHTS_BUCKET).await?;
+        let mut versions = BTreeMap::new();
+        let kv_err = |e: &dyn std::fmt::Display| BusError::Kv {
+            bucket: subjects::WEIGHTS_BUCKET.into(),
+            key: "v.*".into(),
+            message: e.to_string(),
+        };
+        let mut keys = kv.keys().await.map_err(|e| kv_err(&e))?;
+        while let Some(key) = keys.next().await {
+            let key = key.map_err(|e| kv_err(&e))?;
+            let Some(v) = key.strip_prefix("v.").and_then(|v| v.parse::<u64>().ok()) else { continue };
+            if let Ok(Some(bytes)) = kv.get(&key).await {
+                if let Ok(manifest) = WeightManifest::decode(bytes.as_ref()) {
+                    versions.insert(v, manifest.location);
+                }
+            }
+        }
+        let checkpoint_dir = cfg
+            .checkpoint
+            .dir
+            .clone()
+            .map(PathBuf::from)
+            .unwrap_or_else(|| Path::new(&cfg.run.dir).join("checkpoints"));
+        Ok(Self {
+            bus: bus.clone(),
+            kv,
+            versions,
+            keep: cfg.checkpoint.keep_versions.max(1) as usize,
+            checkpoint_dir,
+            model_dir: PathBuf::from(&cfg.model.path),
+        })
+    }
+
+    async fn accept(&mut self, announce: WeightAnnounce) -> Result<u64, CheckpointError> {
+        let manifest = announce.manifest.unwrap_or_default();
+        let version = manifest.version;
+        let reject = |message: String| CheckpointError::Announce { version, message };
+        if manifest.location.is_empty() || manifest.tensors.is_empty() {
+            return Err(reject("manifest has no location or no tensors".into()));
+        }
+        let size = self.bus.weights_size(&manifest.location).await?;
+        if size != manifest.total_bytes {
+            return Err(reject(format!(
+                "blob at {} has {size} bytes, manifest says {}",
+                manifest.location, manifest.total_bytes
+            )));
+        }
+        if announce.checkpoint {
+            let blob = self.bus.load_weights(&manifest.location).await?;
+            weights::verify(&manifest, &blob)?;
+            self.write_checkpoint(&manifest, &blob).await?;
+        }
+        let encoded: bytes::Bytes = manifest.encode_to_vec().into();
+        let put = |key: String, value: bytes::Bytes| {
+            let kv = self.kv.clone();
+            async move {
+                kv.put(&key, value).await.map_err(|e| BusError::Kv {
+                    bucket: subjects::WEIGHTS_BUCKET.into(),
+                    key,
+                    message: e.to_string(),
+                })
+            }
+        };
+        put(format!("v.{version}"), encoded.clone()).await?;
+        // `latest` last: a reader that sees it can always find the versioned entry.
+        put("latest".into(), encoded).await?;
+        self.versions.insert(version, manifest.location.clone());
+        metrics::gauge!("jetrl_checkpoint_latest_version").set(version as f64);
+        metrics::counter!("jetrl_checkpoint_versions_total").increment(1);
+        metrics::counter!("jetrl_checkpoint_bytes_total").increment(manifest.total_bytes);
+        tracing::info!(version, step = manifest.step, bytes = manifest.total_bytes, location = %manifest.location, "weight version published");
+        self.collect_garbage(version).await;
+        Ok(version)
+    }
+
+    /// Deletes the blobs and entries of versions older than the newest `keep`.
+    async fn collect_garbage(&mut self, newest: u64) {
+        let stale: Vec<u64> = self.versions.keys().copied().filter(|v| *v < newest).collect();
+        let excess = self.versions.len().saturating_sub(self.keep);
+        for v in stale.into_iter().take(excess) {
+            if let Some(location) = self.versions.remove(&v) {
+                if let Err(err) = self.bus.delete_weights(&location).await {
+                    tracing::warn!(version = v, error = %err, "old weight blob not deleted");
+                }
+                let _ = self.kv.purge(format!("v.{v}")).await;
+            }
+        }
+    }
+
+    /// Writes `<checkpoint_dir>/weights/global_step_<step>/` as an HF model directory.
+    async fn write_checkpoint(&self, manifest: &WeightManifest, blob: &[u8]) -> Result<(), CheckpointError> {
+        let dir = self.checkpoint_dir.join("weights").join(format!("global_step_{}", manifest.step));
+        let write_err =
+            |e: std::io::Error| CheckpointError::Write { path: dir.display().to_string(), message: e.to_string() };
+        tokio::fs::create_dir_all(&dir).await.map_err(write_err)?;
+        tokio::fs::write(dir.join("model.safetensors"), blob).await.map_err(write_err)?;
+        for name in
+            ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
+        {
+            let source = self.model_dir.join(name);
+            if tokio::fs::try_exists(&source).await.unwrap_or(false) {
+                tokio::fs::copy(&source, dir.join(name)).await.map_err(write_err)?;
+            }
+        }
+        tracing::info!(dir = %dir.display(), "checkpoint written");
+        Ok(())
+    }
+}

@@ -1,1 +1,15 @@
-//! jetrl replay buffer service
+//! jetrl-replay-buffer: the group state machine and the sampling policy (the TransferQueue controller role
+//! of verl V1).
+//!
+//! - [`state`]: the pure index (group records, scored trajectories, selection), tested without tasks.
+//! - [`service`]: [`run`] — rebuilds the index from JetStream (the GROUPS bucket and the REWARDS stream),
+//!   then answers sample, release and ledger requests, event-driven: a request that can be satisfied is
+//!   answered as soon as the last group it needs becomes complete, with no polling interval.
+//!
+//! Payloads never pass through the buffer: it keeps keys, versions, lengths, scores and stream sequences;
+//! the trainer fetches trajectory bytes from the TRAJ stream directly.
+
+pub mod service;
+pub mod state;
+
+pub use service::{run, BufferError};

@@ -16,6 +16,7 @@ pub mod groups;
 pub mod harness;
 pub mod publish;
 pub mod topology;
+pub mod weights;
 
 pub use connect::Bus;
 pub use groups::GroupStore;

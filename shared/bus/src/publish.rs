@@ -95,30 +95,9 @@ impl Publisher {
         while self.inflight.len() >= self.max_inflight {
             self.settle_one().await?;
         }
-        let future = self.send(message, 1).await?;
+        let future = send(&self.bus, message, 1).await?;
         self.inflight.push(future);
         Ok(())
-    }
-
-    async fn send(&self, message: Outgoing, attempt: u32) -> Result<AckFuture, BusError> {
-        let ack: PublishAckFuture = self
-            .bus
-            .jetstream()
-            .publish_with_headers(message.subject.clone(), message.header_map(), message.payload.clone())
-            .await
-            .map_err(|e| BusError::Publish { subject: message.subject.clone(), message: e.to_string() })?;
-        Ok(Box::pin(async move {
-            let result = ack.into_future().await;
-            let acked = result
-                .map(|ack| Acked {
-                    subject: message.subject.clone(),
-                    msg_id: message.msg_id.clone(),
-                    sequence: ack.sequence,
-                    duplicate: ack.duplicate,
-                })
-                .map_err(|e| e.to_string());
-            (message, attempt, acked)
-        }))
     }
 
     async fn settle_one(&mut self) -> Result<(), BusError> {
@@ -131,7 +110,7 @@ impl Publisher {
             Err(err) if attempt < MAX_ATTEMPTS => {
                 tracing::warn!(subject = %message.subject, attempt, error = %err, "publish not acknowledged; retrying");
                 metrics::counter!("jetrl_bus_publish_retries_total").increment(1);
-                let future = self.send(message, attempt + 1).await?;
+                let future = send(&self.bus, message, attempt + 1).await?;
                 self.inflight.push(future);
                 Ok(())
             }
@@ -153,6 +132,28 @@ impl Publisher {
     pub fn inflight(&self) -> usize {
         self.inflight.len()
     }
+}
+
+/// Puts one message on the wire; the returned future resolves with its ack. A free function (not a
+/// method) so that a `&Publisher` is never held across an await: `Publisher` is `Send` but not `Sync`.
+async fn send(bus: &Bus, message: Outgoing, attempt: u32) -> Result<AckFuture, BusError> {
+    let ack: PublishAckFuture = bus
+        .jetstream()
+        .publish_with_headers(message.subject.clone(), message.header_map(), message.payload.clone())
+        .await
+        .map_err(|e| BusError::Publish { subject: message.subject.clone(), message: e.to_string() })?;
+    Ok(Box::pin(async move {
+        let result = ack.into_future().await;
+        let acked = result
+            .map(|ack| Acked {
+                subject: message.subject.clone(),
+                msg_id: message.msg_id.clone(),
+                sequence: ack.sequence,
+                duplicate: ack.duplicate,
+            })
+            .map_err(|e| e.to_string());
+        (message, attempt, acked)
+    }))
 }
 
 impl Bus {

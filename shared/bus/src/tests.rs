@@ -177,3 +177,37 @@ async fn stored_messages_survive_a_server_crash() {
     let mut stream = bus.stream(subjects::TRAJ_STREAM).await.unwrap();
     assert_eq!(stream.info().await.unwrap().state.messages, 100);
 }
+
+#[tokio::test]
+async fn weight_blob_round_trips_through_both_transports_and_is_verified() {
+    use crate::weights::{manifest_for, verify, WeightTransport};
+    let server = NatsServer::start().unwrap();
+    let bus = bus(&server).await;
+    // a valid safetensors blob: two f32 tensors
+    let a: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let b: Vec<u8> = [5.0f32, 6.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let views = vec![
+        ("a".to_string(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 2], &a).unwrap()),
+        ("b".to_string(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2], &b).unwrap()),
+    ];
+    let blob = bytes::Bytes::from(safetensors::serialize(views, None).unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    for transport in [
+        WeightTransport::ObjectStore { chunk_bytes: 1 << 20 },
+        WeightTransport::SharedFs { dir: dir.path().to_path_buf() },
+    ] {
+        let location = bus.store_weights(&transport, 7, blob.clone()).await.unwrap();
+        let manifest = manifest_for(&blob, 7, 7, &location).unwrap();
+        assert_eq!(manifest.tensors.len(), 2);
+        assert_eq!(manifest.tensors[0].shape, vec![2, 2]);
+        let loaded = bus.load_weights(&location).await.unwrap();
+        verify(&manifest, &loaded).unwrap();
+        assert_eq!(bus.weights_size(&location).await.unwrap(), blob.len() as u64);
+        let mut corrupted = loaded.to_vec();
+        let last = corrupted.len() - 1;
+        corrupted[last] ^= 0xff;
+        assert!(verify(&manifest, &corrupted).is_err());
+        bus.delete_weights(&location).await.unwrap();
+        assert!(bus.load_weights(&location).await.is_err());
+    }
+}

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{ensure, ActorConfig, AlgorithmConfig, ConfigError, RewardConfig};
+use crate::{ensure, ActorConfig, AlgorithmConfig, ConfigError, CriticConfig, RewardConfig};
 
 /// A whole job: every service reads the sections it needs from the same file.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -15,6 +15,7 @@ pub struct JobConfig {
     pub data: DataConfig,
     pub algorithm: AlgorithmConfig,
     pub actor: ActorConfig,
+    pub critic: CriticConfig,
     pub rollout: RolloutConfig,
     pub reward: RewardConfig,
     pub buffer: BufferConfig,
@@ -33,6 +34,10 @@ impl JobConfig {
 
     /// Cross-field checks; every error names the offending key.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.algorithm.validate()?;
+        self.actor.validate()?;
+        self.critic.validate()?;
+        self.reward.validate()?;
         ensure(!self.nats.url.trim().is_empty(), "nats.url", "must not be empty")?;
         ensure(self.data.train_batch_size > 0, "data.train_batch_size", "must be > 0")?;
         ensure(self.data.max_response_length > 0, "data.max_response_length", "must be > 0")?;
@@ -308,6 +313,8 @@ pub struct CheckpointConfig {
     pub keep_versions: u32,
     /// object-store chunk size
     pub chunk_bytes: u32,
+    /// where announced checkpoint versions are written as HF model directories; default `<run.dir>/checkpoints`
+    pub dir: Option<String>,
 }
 
 impl Default for CheckpointConfig {
@@ -318,6 +325,7 @@ impl Default for CheckpointConfig {
             shared_dir: None,
             keep_versions: 2,
             chunk_bytes: 8 << 20,
+            dir: None,
         }
     }
 }

@@ -1,1 +1,274 @@
-//! datasets, built-in tasks, chat templates
+//! Datasets for the trainer.
+//!
+//! - [`Example`]: one prompt row, verl's dataset schema (`prompt` chat messages or raw text, `data_source`,
+//!   `reward_model.ground_truth`, `extra_info`, optional `agent_name`).
+//! - [`tasks`]: built-in synthetic tasks with partial-credit rewards (the demo's job), generated from a seed.
+//! - [`load_jsonl`]: verl-format JSONL files.
+//! - [`DataLoader`]: seeded shuffling, re-iterated forever, with a cursor that a checkpoint can save.
+
+pub mod tasks;
+
+use std::path::Path;
+
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("reading {path}: {message}")]
+    Read { path: String, message: String },
+    #[error("{path} line {line}: {message}")]
+    Row { path: String, line: usize, message: String },
+    #[error("unknown built-in task {0:?} (known: reverse, sort)")]
+    UnknownTask(String),
+    #[error("dataset is empty: {0}")]
+    Empty(String),
+    #[error("dataset format of {0} is not supported (use .jsonl; parquet: convert with pandas `to_json(orient='records', lines=True)`)")]
+    Format(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// What the model is given.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Prompt {
+    /// raw text, tokenized as is (no chat template)
+    Text(String),
+    /// chat messages, rendered with the model's chat template (add_generation_prompt = true)
+    Messages(Vec<ChatMessage>),
+}
+
+/// One dataset row.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Example {
+    /// verl's `extra_info.index` (else the row number)
+    pub index: u64,
+    pub data_source: String,
+    pub prompt: Prompt,
+    pub ground_truth: String,
+    pub extra_info: serde_json::Value,
+    pub agent_name: Option<String>,
+}
+
+/// A verl dataset row as found in JSONL.
+#[derive(Deserialize)]
+struct VerlRow {
+    #[serde(default)]
+    prompt: Option<serde_json::Value>,
+    #[serde(default)]
+    data_source: Option<String>,
+    #[serde(default)]
+    reward_model: Option<serde_json::Value>,
+    #[serde(default)]
+    extra_info: Option<serde_json::Value>,
+    #[serde(default)]
+    agent_name: Option<String>,
+}
+
+fn ground_truth_text(value: &serde_json::Value) -> String {
+    match value {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Null => String::new(),
+        other => other.to_string(),
+    }
+}
+
+/// Loads verl-format rows from a JSONL file. `prompt_key` names the prompt column (verl `data.prompt_key`).
+pub fn load_jsonl(path: &Path, prompt_key: &str) -> Result<Vec<Example>, DataError> {
+    let name = path.display().to_string();
+    match path.extension().and_then(|e| e.to_str()) {
+        Some("jsonl") | Some("json") => {}
+        _ => return Err(DataError::Format(name)),
+    }
+    let text =
+        std::fs::read_to_string(path).map_err(|e| DataError::Read { path: name.clone(), message: e.to_string() })?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let row_err = |message: String| DataError::Row { path: name.clone(), line: i + 1, message };
+        let mut value: serde_json::Value = serde_json::from_str(line).map_err(|e| row_err(e.to_string()))?;
+        let prompt_value = value.get_mut(prompt_key).map(|v| v.take());
+        let row: VerlRow = serde_json::from_value(value).map_err(|e| row_err(e.to_string()))?;
+        let prompt = match prompt_value.or(row.prompt) {
+            Some(serde_json::Value::String(text)) => Prompt::Text(text),
+            Some(messages @ serde_json::Value::Array(_)) => {
+                Prompt::Messages(serde_json::from_value(messages).map_err(|e| row_err(format!("{prompt_key}: {e}")))?)
+            }
+            _ => return Err(row_err(format!("missing `{prompt_key}` (chat messages or text)"))),
+        };
+        let ground_truth =
+            row.reward_model.as_ref().and_then(|rm| rm.get("ground_truth")).map(ground_truth_text).unwrap_or_default();
+        let extra_info = row.extra_info.unwrap_or(serde_json::Value::Null);
+        let index = extra_info.get("index").and_then(|v| v.as_u64()).unwrap_or(i as u64);
+        out.push(Example {
+            index,
+            data_source: row.data_source.unwrap_or_default(),
+            prompt,
+            ground_truth,
+            extra_info,
+            agent_name: row.agent_name,
+        });
+    }
+    if out.is_empty() {
+        return Err(DataError::Empty(name));
+    }
+    Ok(out)
+}
+
+/// Where a [`DataLoader`] is: enough to resume the exact same sequence of batches.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoaderState {
+    pub epoch: u64,
+    pub cursor: usize,
+}
+
+/// Seeded, re-iterated forever (verl re-iterates on StopIteration); each epoch reshuffles with
+/// `seed + epoch`.
+pub struct DataLoader {
+    examples: Vec<Example>,
+    order: Vec<usize>,
+    shuffle: bool,
+    seed: u64,
+    state: LoaderState,
+}
+
+impl DataLoader {
+    pub fn new(examples: Vec<Example>, shuffle: bool, seed: u64) -> Result<Self, DataError> {
+        if examples.is_empty() {
+            return Err(DataError::Empty("dataloader".into()));
+        }
+        let mut loader =
+            Self { order: (0..examples.len()).collect(), examples, shuffle, seed, state: LoaderState::default() };
+        loader.reorder();
+        Ok(loader)
+    }
+
+    fn reorder(&mut self) {
+        self.order = (0..self.examples.len()).collect();
+        if self.shuffle {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(self.seed.wrapping_add(self.state.epoch));
+            self.order.shuffle(&mut rng);
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.examples.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.examples.is_empty()
+    }
+
+    /// The next `n` examples, wrapping into the next epoch as needed.
+    pub fn next_batch(&mut self, n: usize) -> Vec<Example> {
+        let mut out = Vec::with_capacity(n);
+        while out.len() < n {
+            if self.state.cursor >= self.order.len() {
+                self.state.epoch += 1;
+                self.state.cursor = 0;
+                self.reorder();
+            }
+            out.push(self.examples[self.order[self.state.cursor]].clone());
+            self.state.cursor += 1;
+        }
+        out
+    }
+
+    pub fn state(&self) -> LoaderState {
+        self.state
+    }
+
+    /// Restores a saved position.
+    pub fn restore(&mut self, state: LoaderState) {
+        self.state = state;
+        self.reorder();
+    }
+
+    pub fn examples(&self) -> &[Example] {
+        &self.examples
+    }
+}
+
+/// The train and validation sets a job configures: files when given, else the built-in task.
+pub fn load_datasets(cfg: &jetrl_config::DataConfig) -> Result<(Vec<Example>, Vec<Example>), DataError> {
+    if !cfg.train_files.is_empty() {
+        let mut train = Vec::new();
+        for f in &cfg.train_files {
+            train.extend(load_jsonl(Path::new(f), &cfg.prompt_key)?);
+        }
+        let mut val = Vec::new();
+        for f in &cfg.val_files {
+            val.extend(load_jsonl(Path::new(f), &cfg.prompt_key)?);
+        }
+        return Ok((train, val));
+    }
+    let task = cfg.task.clone().unwrap_or_default();
+    Ok((tasks::generate(&task, tasks::Split::Train, cfg.seed)?, tasks::generate(&task, tasks::Split::Val, cfg.seed)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn verl_jsonl_rows_load_with_messages_ground_truth_and_index() {
+        let mut f = tempfile::Builder::new().suffix(".jsonl").tempfile().unwrap();
+        writeln!(
+            f,
+            r#"{{"data_source":"openai/gsm8k","prompt":[{{"role":"user","content":"1+1?"}}],"reward_model":{{"style":"rule","ground_truth":"2"}},"extra_info":{{"index":7}}}}"#
+        )
+        .unwrap();
+        writeln!(
+            f,
+            r#"{{"data_source":"x","prompt":"raw text","reward_model":{{"ground_truth":{{"target":["a"]}}}}}}"#
+        )
+        .unwrap();
+        let rows = load_jsonl(f.path(), "prompt").unwrap();
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0].index, 7);
+        assert_eq!(rows[0].ground_truth, "2");
+        assert_eq!(rows[0].prompt, Prompt::Messages(vec![ChatMessage { role: "user".into(), content: "1+1?".into() }]));
+        assert_eq!(rows[1].prompt, Prompt::Text("raw text".into()));
+        assert_eq!(rows[1].ground_truth, r#"{"target":["a"]}"#);
+    }
+
+    #[test]
+    fn bad_row_error_names_file_and_line() {
+        let mut f = tempfile::Builder::new().suffix(".jsonl").tempfile().unwrap();
+        writeln!(f, r#"{{"prompt":"ok"}}"#).unwrap();
+        writeln!(f, "not json").unwrap();
+        let err = load_jsonl(f.path(), "prompt").unwrap_err().to_string();
+        assert!(err.contains("line 2"), "{err}");
+    }
+
+    #[test]
+    fn loader_wraps_epochs_and_resumes_to_the_same_batches() {
+        let examples: Vec<Example> = (0..10)
+            .map(|i| Example {
+                index: i,
+                data_source: "t".into(),
+                prompt: Prompt::Text(i.to_string()),
+                ground_truth: String::new(),
+                extra_info: serde_json::Value::Null,
+                agent_name: None,
+            })
+            .collect();
+        let mut a = DataLoader::new(examples.clone(), true, 3).unwrap();
+        a.next_batch(7);
+        let saved = a.state();
+        let expected: Vec<u64> = a.next_batch(8).iter().map(|e| e.index).collect();
+        let mut b = DataLoader::new(examples, true, 3).unwrap();
+        b.restore(saved);
+        let got: Vec<u64> = b.next_batch(8).iter().map(|e| e.index).collect();
+        assert_eq!(got, expected);
+        assert_eq!(b.state().epoch, 1);
+    }
+}

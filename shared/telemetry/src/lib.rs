@@ -133,3 +133,55 @@ mod tests {
         assert!(err.to_string().contains("256.0.0.1:1"));
     }
 }
+
+/// A cloneable shutdown signal fanned out from one future (SIGINT/SIGTERM in `main`, a test's trigger in
+/// tests): every task of a service selects on [`Shutdown::wait`].
+#[derive(Clone)]
+pub struct Shutdown {
+    rx: tokio::sync::watch::Receiver<bool>,
+}
+
+impl Shutdown {
+    /// Fires when `trigger` resolves.
+    pub fn new(trigger: impl std::future::Future<Output = ()> + Send + 'static) -> Self {
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            trigger.await;
+            let _ = tx.send(true);
+        });
+        Self { rx }
+    }
+
+    /// Resolves once shutdown has been requested (immediately if it already was).
+    pub async fn wait(&self) {
+        let mut rx = self.rx.clone();
+        let _ = rx.wait_for(|stop| *stop).await;
+    }
+
+    pub fn is_triggered(&self) -> bool {
+        *self.rx.borrow()
+    }
+}
+
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = match signal(SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

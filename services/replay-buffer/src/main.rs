@@ -1,0 +1,21 @@
+use clap::Parser;
+
+/// jetrl replay buffer: group state machine and sampling policy.
+#[derive(Parser)]
+#[command(version)]
+struct Args {
+    /// job configuration (YAML)
+    #[arg(long, short)]
+    config: Option<std::path::PathBuf>,
+    /// overrides, `section.key=value`
+    overrides: Vec<String>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let cfg = jetrl_config::JobConfig::load(args.config.as_deref(), &args.overrides)?;
+    jetrl_telemetry::init_tracing(&cfg.log.level, &cfg.log.format);
+    jetrl_replay_buffer::run(cfg, jetrl_telemetry::shutdown_signal()).await?;
+    Ok(())
+}

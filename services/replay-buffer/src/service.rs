@@ -1,0 +1,367 @@
+//! The replay-buffer service loop: one task owns [`BufferState`]; every input is an event.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::consumer::{self, DeliverPolicy};
+use futures::StreamExt;
+use jetrl_bus::groups::decode_entry;
+use jetrl_bus::{consume, Bus, BusError, GroupStore};
+use jetrl_config::JobConfig;
+use jetrl_telemetry::Shutdown;
+use jetrl_wire::v1::{
+    GroupState, LedgerRequest, LedgerResponse, ReleaseRequest, ReleaseResponse, Reward, SampleRequest, SampleResponse,
+};
+use jetrl_wire::{subjects, Message};
+
+use crate::state::BufferState;
+
+const SERVICE: &str = "buffer";
+/// Answers remembered for retried requests (a retry comes right after a timeout, so a few suffice).
+const ANSWER_CACHE: usize = 64;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BufferError {
+    #[error(transparent)]
+    Bus(#[from] BusError),
+    #[error("metrics endpoint: {0}")]
+    Metrics(#[from] jetrl_telemetry::TelemetryError),
+    #[error("{what} subscription ended")]
+    InputClosed { what: &'static str },
+}
+
+/// A sample request waiting for enough complete groups.
+struct Waiting {
+    request: SampleRequest,
+    reply: async_nats::Subject,
+    deadline: Instant,
+    received: Instant,
+}
+
+/// Runs the replay buffer until `shutdown` resolves.
+pub async fn run(
+    cfg: JobConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), BufferError> {
+    let shutdown = Shutdown::new(shutdown);
+    let bus = Bus::connect(&cfg.nats, "jetrl-replay-buffer").await?;
+    bus.declare_topology().await?;
+    let stop = shutdown.clone();
+    jetrl_telemetry::serve_metrics(&cfg.buffer.metrics_addr, async move { stop.wait().await }).await?;
+    Buffer::start(bus).await?.serve(shutdown).await
+}
+
+struct Buffer {
+    bus: Bus,
+    groups: GroupStore,
+    state: BufferState,
+    waiting: VecDeque<Waiting>,
+    answers: HashMap<String, SampleResponse>,
+    answer_order: VecDeque<String>,
+    /// the initial replay of the GROUPS bucket is done
+    groups_current: bool,
+    /// the initial replay of the REWARDS stream is done
+    rewards_current: bool,
+}
+
+impl Buffer {
+    async fn start(bus: Bus) -> Result<Self, BufferError> {
+        let groups = GroupStore::open(&bus).await?;
+        let empty_bucket = groups.kv().status().await.map(|s| s.values() == 0).map_err(|e| BusError::Kv {
+            bucket: subjects::GROUPS_BUCKET.into(),
+            key: "*".into(),
+            message: e.to_string(),
+        })?;
+        let mut rewards = bus.stream(subjects::REWARDS_STREAM).await?;
+        let empty_stream = rewards
+            .info()
+            .await
+            .map(|i| i.state.messages == 0)
+            .map_err(|e| BusError::Consume { what: subjects::REWARDS_STREAM.into(), message: e.to_string() })?;
+        Ok(Self {
+            bus,
+            groups,
+            state: BufferState::default(),
+            waiting: VecDeque::new(),
+            answers: HashMap::new(),
+            answer_order: VecDeque::new(),
+            groups_current: empty_bucket,
+            rewards_current: empty_stream,
+        })
+    }
+
+    async fn serve(mut self, shutdown: Shutdown) -> Result<(), BufferError> {
+        let client = self.bus.client().clone();
+        let sub_err =
+            |e: async_nats::SubscribeError| BusError::Consume { what: "subscribe".into(), message: e.to_string() };
+        let mut sample_sub =
+            client.queue_subscribe(subjects::BUFFER_SAMPLE, "replay-buffer".into()).await.map_err(sub_err)?;
+        let mut release_sub =
+            client.queue_subscribe(subjects::BUFFER_RELEASE, "replay-buffer".into()).await.map_err(sub_err)?;
+        let mut ledger_sub =
+            client.queue_subscribe(subjects::BUFFER_LEDGER, "replay-buffer".into()).await.map_err(sub_err)?;
+        let mut watch = self.groups.watch().await?;
+        let rewards_stream = self.bus.stream(subjects::REWARDS_STREAM).await?;
+        let ordered = rewards_stream
+            .create_consumer(consumer::pull::OrderedConfig {
+                filter_subject: format!("{}.>", subjects::REWARDS_SUBJECT),
+                deliver_policy: DeliverPolicy::All,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| BusError::Consume { what: subjects::REWARDS_STREAM.into(), message: e.to_string() })?;
+        let mut rewards = ordered
+            .messages()
+            .await
+            .map_err(|e| BusError::Consume { what: subjects::REWARDS_STREAM.into(), message: e.to_string() })?;
+        tracing::info!("replay buffer serving");
+        let mut gauge_tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            let next_deadline = self.waiting.iter().map(|w| w.deadline).min();
+            let expiry = async move {
+                match next_deadline {
+                    Some(at) => tokio::time::sleep_until(at.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = shutdown.wait() => break,
+                entry = watch.next() => {
+                    let entry = entry.ok_or(BufferError::InputClosed { what: "groups watch" })?;
+                    match entry {
+                        Ok(entry) => {
+                            if entry.delta == 0 { self.groups_current = true; }
+                            match decode_entry(&entry) {
+                                Some(Ok(status)) => self.state.apply_group(status),
+                                Some(Err(err)) => {
+                                    consume::count_malformed(SERVICE, subjects::GROUPS_BUCKET);
+                                    tracing::error!(key = %entry.key, error = %err, "malformed group record ignored");
+                                }
+                                None => {
+                                    if let Some((partition, uid)) = subjects::parse_group_key(&entry.key) {
+                                        self.state.remove_group(partition, uid);
+                                    }
+                                }
+                            }
+                        }
+                        Err(err) => tracing::warn!(error = %err, "groups watch error"),
+                    }
+                }
+                msg = rewards.next() => {
+                    let msg = msg.ok_or(BufferError::InputClosed { what: "rewards stream" })?;
+                    match msg {
+                        Ok(msg) => {
+                            let (seq, pending) = msg.info().map(|i| (i.stream_sequence, i.pending)).unwrap_or((0, 1));
+                            if pending == 0 { self.rewards_current = true; }
+                            match Reward::decode(msg.payload.as_ref()) {
+                                Ok(reward) => { self.state.apply_reward(reward, seq); }
+                                Err(err) => {
+                                    consume::count_malformed(SERVICE, subjects::REWARDS_STREAM);
+                                    tracing::error!(subject = %msg.subject, error = %err, "malformed reward ignored");
+                                }
+                            }
+                        }
+                        Err(err) => tracing::warn!(error = %err, "rewards consumer error"),
+                    }
+                }
+                Some(msg) = sample_sub.next() => self.on_sample_request(msg),
+                Some(msg) = release_sub.next() => self.on_release(msg).await,
+                Some(msg) = ledger_sub.next() => self.on_ledger(msg).await,
+                _ = expiry => self.expire_waiting().await,
+                _ = gauge_tick.tick() => self.export_gauges(),
+            }
+            self.answer_waiting().await;
+        }
+        tracing::info!(waiting = self.waiting.len(), "replay buffer stopping");
+        Ok(())
+    }
+
+    fn on_sample_request(&mut self, msg: async_nats::Message) {
+        let Some(reply) = msg.reply.clone() else { return };
+        match SampleRequest::decode(msg.payload.as_ref()) {
+            Ok(request) => {
+                let wait = Duration::from_millis(u64::from(request.wait_ms.max(1)));
+                let now = Instant::now();
+                self.waiting.push_back(Waiting { request, reply, deadline: now + wait, received: now });
+            }
+            Err(err) => {
+                consume::count_malformed(SERVICE, subjects::BUFFER_SAMPLE);
+                tracing::error!(subject = %msg.subject, error = %err, "malformed sample request");
+                let response =
+                    SampleResponse { error: format!("malformed SampleRequest: {err}"), ..Default::default() };
+                let client = self.bus.client().clone();
+                tokio::spawn(async move { client.publish(reply, response.encode_to_vec().into()).await });
+            }
+        }
+    }
+
+    /// Answers every waiting request that can be answered now, in arrival order.
+    async fn answer_waiting(&mut self) {
+        if !(self.groups_current && self.rewards_current) || self.waiting.is_empty() {
+            return;
+        }
+        let mut still_waiting = VecDeque::new();
+        while let Some(w) = self.waiting.pop_front() {
+            match self.try_answer(&w.request).await {
+                Some(response) => {
+                    metrics::histogram!("jetrl_buffer_sample_wait_seconds").record(w.received.elapsed().as_secs_f64());
+                    self.reply(&w.reply, &response).await;
+                }
+                None => still_waiting.push_back(w),
+            }
+        }
+        self.waiting = still_waiting;
+    }
+
+    async fn expire_waiting(&mut self) {
+        let now = Instant::now();
+        let (expired, keep): (Vec<_>, Vec<_>) = self.waiting.drain(..).partition(|w| w.deadline <= now);
+        self.waiting = keep.into();
+        for w in expired {
+            let response =
+                SampleResponse { request_id: w.request.request_id.clone(), not_ready: true, ..Default::default() };
+            self.reply(&w.reply, &response).await;
+        }
+    }
+
+    /// The answer to `request` if it can be given now: a remembered answer (retry), the groups a previous
+    /// incarnation already consumed for it (retry after a restart), or a fresh selection.
+    async fn try_answer(&mut self, request: &SampleRequest) -> Option<SampleResponse> {
+        if let Some(previous) = self.answers.get(&request.request_id) {
+            return Some(previous.clone());
+        }
+        let batch_size = request.batch_size as usize;
+        let prior: Vec<String> =
+            self.state.sampled_by(&request.request_id).iter().map(|g| g.status.uid.clone()).collect();
+        let uids = if !prior.is_empty() {
+            prior
+        } else {
+            let selected = self.state.select(&request.partition, batch_size)?;
+            let mut confirmed = Vec::with_capacity(selected.len());
+            let updates = selected.iter().map(|uid| {
+                let groups = self.groups.clone();
+                let (partition, uid, step, request_id) =
+                    (request.partition.clone(), uid.clone(), request.step, request.request_id.clone());
+                async move {
+                    let result = groups
+                        .update(&partition, &uid, |s| {
+                            s.sampled_step = step;
+                            s.sample_request_id = request_id.clone();
+                            Some(GroupState::Sampled)
+                        })
+                        .await;
+                    (uid, result)
+                }
+            });
+            for (uid, result) in futures::future::join_all(updates).await {
+                match result {
+                    Ok(_) => confirmed.push(uid),
+                    Err(err) => tracing::error!(%uid, error = %err, "could not mark group sampled"),
+                }
+            }
+            for uid in &confirmed {
+                self.state.mark_sampled(&request.partition, uid, request.step, &request.request_id);
+            }
+            if confirmed.len() < batch_size {
+                // Some records changed under us; what was confirmed is found again by request id next time.
+                return None;
+            }
+            confirmed
+        };
+        let groups = uids
+            .iter()
+            .filter_map(|uid| self.state.group(&request.partition, uid))
+            .map(|g| self.state.sampled_group(g))
+            .collect::<Vec<_>>();
+        let response = SampleResponse { request_id: request.request_id.clone(), groups, ..Default::default() };
+        metrics::counter!("jetrl_buffer_sampled_groups_total", "partition" => request.partition.clone())
+            .increment(response.groups.len() as u64);
+        self.remember(response.clone());
+        Some(response)
+    }
+
+    fn remember(&mut self, response: SampleResponse) {
+        self.answer_order.push_back(response.request_id.clone());
+        self.answers.insert(response.request_id.clone(), response);
+        while self.answer_order.len() > ANSWER_CACHE {
+            if let Some(old) = self.answer_order.pop_front() {
+                self.answers.remove(&old);
+            }
+        }
+    }
+
+    async fn reply<M: Message>(&self, subject: &async_nats::Subject, message: &M) {
+        if let Err(err) = self.bus.client().publish(subject.clone(), message.encode_to_vec().into()).await {
+            tracing::warn!(error = %err, "reply not sent");
+        }
+    }
+
+    async fn on_release(&mut self, msg: async_nats::Message) {
+        let Some(reply) = msg.reply.clone() else { return };
+        let request = match ReleaseRequest::decode(msg.payload.as_ref()) {
+            Ok(r) => r,
+            Err(err) => {
+                consume::count_malformed(SERVICE, subjects::BUFFER_RELEASE);
+                let response =
+                    ReleaseResponse { error: format!("malformed ReleaseRequest: {err}"), ..Default::default() };
+                self.reply(&reply, &response).await;
+                return;
+            }
+        };
+        let seqs = self.state.release(&request.request_ids);
+        for id in &request.request_ids {
+            self.answers.remove(id);
+        }
+        let released = seqs.len() as u64;
+        let result = self.delete_payloads(&seqs).await;
+        let response = ReleaseResponse {
+            released_trajectories: released,
+            error: result.err().map(|e| e.to_string()).unwrap_or_default(),
+        };
+        self.reply(&reply, &response).await;
+    }
+
+    /// Deletes released trajectory payloads and their reward records, all requests in flight at once.
+    async fn delete_payloads(&self, seqs: &[(u64, u64)]) -> Result<(), BusError> {
+        let traj = self.bus.stream(subjects::TRAJ_STREAM).await?;
+        let rewards = self.bus.stream(subjects::REWARDS_STREAM).await?;
+        let deletes = seqs.iter().flat_map(|(t, r)| [(&traj, *t), (&rewards, *r)]).map(|(stream, seq)| async move {
+            // Already gone (e.g. a retried release) is fine.
+            let _ = stream.delete_message(seq).await;
+        });
+        futures::stream::iter(deletes).buffer_unordered(256).collect::<Vec<_>>().await;
+        metrics::counter!("jetrl_buffer_released_trajectories_total").increment(seqs.len() as u64);
+        Ok(())
+    }
+
+    async fn on_ledger(&self, msg: async_nats::Message) {
+        let Some(reply) = msg.reply.clone() else { return };
+        let response = match LedgerRequest::decode(msg.payload.as_ref()) {
+            Ok(req) => {
+                let limit = if req.limit == 0 { 10_000 } else { req.limit as usize };
+                LedgerResponse {
+                    entries: self.state.ledger(&req.partition, &req.uids, limit),
+                    counts: self.state.counts(&req.partition).into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+                    error: String::new(),
+                }
+            }
+            Err(err) => {
+                consume::count_malformed(SERVICE, subjects::BUFFER_LEDGER);
+                LedgerResponse { error: format!("malformed LedgerRequest: {err}"), ..Default::default() }
+            }
+        };
+        self.reply(&reply, &response).await;
+    }
+
+    fn export_gauges(&self) {
+        for partition in ["train", "val"] {
+            let counts = self.state.counts(partition);
+            for state in ["pending", "running", "finished", "failure", "sampled", "evicted"] {
+                let n = counts.get(state).copied().unwrap_or(0);
+                metrics::gauge!("jetrl_buffer_groups", "partition" => partition, "state" => state).set(n as f64);
+            }
+        }
+        metrics::gauge!("jetrl_buffer_indexed_trajectories").set(self.state.indexed_trajectories() as f64);
+        metrics::gauge!("jetrl_buffer_waiting_requests").set(self.waiting.len() as f64);
+    }
+}

@@ -1,0 +1,286 @@
+//! The replay buffer's pure state: group records, the index of scored trajectories, and the selection
+//! policy. No I/O, no tasks: the service feeds it events and carries out its decisions.
+
+use std::collections::{BTreeMap, HashMap};
+
+use jetrl_wire::v1::{GroupState, GroupStatus, LedgerEntry, Reward, SampledGroup};
+
+/// One indexed trajectory: its score and where its payload is. The payload stays in the TRAJ stream.
+#[derive(Debug, Clone)]
+pub struct IndexedReward {
+    pub reward: Reward,
+    /// sequence of the Reward message in the REWARDS stream (deleted on release)
+    pub reward_seq: u64,
+}
+
+/// Everything the buffer knows about one prompt group.
+#[derive(Debug, Clone, Default)]
+pub struct Group {
+    /// the control record as last seen in the GROUPS bucket (the task payload is dropped to save memory)
+    pub status: GroupStatus,
+    /// scored trajectories, by key
+    pub rewards: BTreeMap<String, IndexedReward>,
+}
+
+impl Group {
+    pub fn state(&self) -> GroupState {
+        self.status.state()
+    }
+
+    /// Terminal, and every trajectory the worker listed has been scored.
+    pub fn is_complete(&self) -> bool {
+        self.state().is_terminal() && self.status.trajectory_keys.iter().all(|k| self.rewards.contains_key(k))
+    }
+}
+
+/// Group and trajectory index of one buffer.
+#[derive(Debug, Default)]
+pub struct BufferState {
+    /// by `<partition>.<uid>`
+    groups: HashMap<String, Group>,
+    /// rewards that arrived before their group record (the worker writes trajectories first)
+    orphans: HashMap<String, BTreeMap<String, IndexedReward>>,
+}
+
+fn key(partition: &str, uid: &str) -> String {
+    format!("{partition}.{uid}")
+}
+
+impl BufferState {
+    /// Applies a record from the GROUPS bucket (initial replay or change).
+    pub fn apply_group(&mut self, mut status: GroupStatus) {
+        status.task = None;
+        let k = key(&status.partition, &status.uid);
+        let group = self.groups.entry(k).or_default();
+        // A re-issued group (back to pending) discards its partial trajectories.
+        if status.state() == GroupState::Pending && group.state() != GroupState::Pending {
+            group.rewards.clear();
+        }
+        group.status = status;
+        if let Some(orphans) = self.orphans.remove(&group.status.uid) {
+            group.rewards.extend(orphans);
+        }
+    }
+
+    /// A deleted group record: forget the group.
+    pub fn remove_group(&mut self, partition: &str, uid: &str) {
+        self.groups.remove(&key(partition, uid));
+    }
+
+    /// Indexes a scored trajectory; false if the key was already indexed (a redelivery).
+    pub fn apply_reward(&mut self, reward: Reward, reward_seq: u64) -> bool {
+        let k = key(&reward.partition, &reward.uid);
+        let entry = IndexedReward { reward, reward_seq };
+        let map = match self.groups.get_mut(&k) {
+            Some(group) => &mut group.rewards,
+            None => self.orphans.entry(entry.reward.uid.clone()).or_default(),
+        };
+        if map.contains_key(&entry.reward.key) {
+            return false;
+        }
+        map.insert(entry.reward.key.clone(), entry);
+        true
+    }
+
+    pub fn group(&self, partition: &str, uid: &str) -> Option<&Group> {
+        self.groups.get(&key(partition, uid))
+    }
+
+    /// Marks a group sampled locally (the KV write is done by the caller).
+    pub fn mark_sampled(&mut self, partition: &str, uid: &str, step: u64, request_id: &str) {
+        if let Some(group) = self.groups.get_mut(&key(partition, uid)) {
+            group.status.set_state(GroupState::Sampled);
+            group.status.sampled_step = step;
+            group.status.sample_request_id = request_id.to_string();
+        }
+    }
+
+    /// Complete terminal groups of `partition`, oldest submission step first (ties by uid, so the
+    /// order is deterministic).
+    pub fn sampleable(&self, partition: &str) -> Vec<&Group> {
+        let mut out: Vec<&Group> =
+            self.groups.values().filter(|g| g.status.partition == partition && g.is_complete()).collect();
+        out.sort_by(|a, b| {
+            a.status.submit_step.cmp(&b.status.submit_step).then_with(|| a.status.uid.cmp(&b.status.uid))
+        });
+        out
+    }
+
+    /// The uids to return for a request of `batch_size` groups, or None if not enough are ready.
+    pub fn select(&self, partition: &str, batch_size: usize) -> Option<Vec<String>> {
+        let ready = self.sampleable(partition);
+        (ready.len() >= batch_size).then(|| ready.iter().take(batch_size).map(|g| g.status.uid.clone()).collect())
+    }
+
+    /// Groups already consumed by `request_id` (a retried request after a buffer restart).
+    pub fn sampled_by(&self, request_id: &str) -> Vec<&Group> {
+        let mut out: Vec<&Group> = self
+            .groups
+            .values()
+            .filter(|g| g.state() == GroupState::Sampled && g.status.sample_request_id == request_id)
+            .collect();
+        out.sort_by(|a, b| {
+            a.status.submit_step.cmp(&b.status.submit_step).then_with(|| a.status.uid.cmp(&b.status.uid))
+        });
+        out
+    }
+
+    /// The wire form of selected groups: every indexed trajectory, in key order.
+    pub fn sampled_group(&self, group: &Group) -> SampledGroup {
+        SampledGroup {
+            uid: group.status.uid.clone(),
+            state: group.status.state,
+            submit_step: group.status.submit_step,
+            trajectories: group.rewards.values().map(|r| r.reward.clone()).collect(),
+        }
+    }
+
+    /// Drops the trajectory index of groups consumed by `request_ids`; returns (traj_seq, reward_seq)
+    /// of every trajectory so the caller can delete the payloads.
+    pub fn release(&mut self, request_ids: &[String]) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        for group in self.groups.values_mut() {
+            if group.state() == GroupState::Sampled && request_ids.contains(&group.status.sample_request_id) {
+                for r in std::mem::take(&mut group.rewards).into_values() {
+                    out.push((r.reward.traj_seq, r.reward_seq));
+                }
+            }
+        }
+        out
+    }
+
+    /// Count of groups by state label, for one partition (or all when `partition` is empty).
+    pub fn counts(&self, partition: &str) -> BTreeMap<&'static str, u64> {
+        let mut out = BTreeMap::new();
+        for g in self.groups.values().filter(|g| partition.is_empty() || g.status.partition == partition) {
+            *out.entry(g.state().label()).or_insert(0) += 1;
+        }
+        out
+    }
+
+    /// Number of indexed trajectories (for the memory-per-trajectory figure).
+    pub fn indexed_trajectories(&self) -> usize {
+        self.groups.values().map(|g| g.rewards.len()).sum::<usize>()
+            + self.orphans.values().map(|m| m.len()).sum::<usize>()
+    }
+
+    /// Ledger rows for `uids` (all when empty) of `partition` (all when empty), at most `limit`.
+    pub fn ledger(&self, partition: &str, uids: &[String], limit: usize) -> Vec<LedgerEntry> {
+        let mut rows: Vec<LedgerEntry> = self
+            .groups
+            .values()
+            .filter(|g| partition.is_empty() || g.status.partition == partition)
+            .filter(|g| uids.is_empty() || uids.contains(&g.status.uid))
+            .map(|g| LedgerEntry {
+                uid: g.status.uid.clone(),
+                partition: g.status.partition.clone(),
+                state: g.status.state,
+                submit_step: g.status.submit_step,
+                sampled_step: g.status.sampled_step,
+                evicted_reason: g.status.evicted_reason.clone(),
+                trajectories: g.status.trajectory_keys.len() as u32,
+            })
+            .collect();
+        rows.sort_by(|a, b| a.submit_step.cmp(&b.submit_step).then_with(|| a.uid.cmp(&b.uid)));
+        rows.truncate(limit);
+        rows
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(uid: &str, state: GroupState, step: u64, keys: &[&str]) -> GroupStatus {
+        let mut s = GroupStatus {
+            uid: uid.into(),
+            partition: "train".into(),
+            submit_step: step,
+            n: keys.len() as u32,
+            trajectory_keys: keys.iter().map(|k| k.to_string()).collect(),
+            ..Default::default()
+        };
+        s.set_state(state);
+        s
+    }
+
+    fn reward(uid: &str, key: &str, seq: u64) -> Reward {
+        Reward { uid: uid.into(), key: key.into(), partition: "train".into(), traj_seq: seq, ..Default::default() }
+    }
+
+    #[test]
+    fn group_is_sampleable_only_when_terminal_and_every_listed_trajectory_is_scored() {
+        let mut s = BufferState::default();
+        s.apply_group(status("a", GroupState::Running, 1, &[]));
+        s.apply_reward(reward("a", "a_0_0", 1), 1);
+        assert!(s.select("train", 1).is_none(), "running group must not be sampled");
+        s.apply_group(status("a", GroupState::Finished, 1, &["a_0_0", "a_1_0"]));
+        assert!(s.select("train", 1).is_none(), "a listed trajectory is not scored yet");
+        s.apply_reward(reward("a", "a_1_0", 2), 2);
+        assert_eq!(s.select("train", 1).unwrap(), vec!["a".to_string()]);
+    }
+
+    #[test]
+    fn rewards_arriving_before_the_group_record_are_kept() {
+        let mut s = BufferState::default();
+        assert!(s.apply_reward(reward("a", "a_0_0", 1), 1));
+        assert!(!s.apply_reward(reward("a", "a_0_0", 1), 1), "duplicate must be ignored");
+        s.apply_group(status("a", GroupState::Finished, 1, &["a_0_0"]));
+        assert_eq!(s.select("train", 1).unwrap(), vec!["a".to_string()]);
+        assert_eq!(s.indexed_trajectories(), 1);
+    }
+
+    #[test]
+    fn selection_is_oldest_submission_step_first_and_whole_groups() {
+        let mut s = BufferState::default();
+        for (uid, step) in [("c", 3), ("a", 1), ("b", 2)] {
+            let keys: Vec<String> = (0..4).map(|i| format!("{uid}_{i}_0")).collect();
+            let key_refs: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+            s.apply_group(status(uid, GroupState::Finished, step, &key_refs));
+            for (i, k) in keys.iter().enumerate() {
+                s.apply_reward(reward(uid, k, i as u64), i as u64);
+            }
+        }
+        assert_eq!(s.select("train", 2).unwrap(), vec!["a".to_string(), "b".to_string()]);
+        assert!(s.select("train", 4).is_none());
+        let g = s.group("train", "a").unwrap();
+        assert_eq!(s.sampled_group(g).trajectories.len(), 4);
+    }
+
+    #[test]
+    fn failed_group_with_no_trajectories_is_still_sampleable_in_sync_mode() {
+        let mut s = BufferState::default();
+        s.apply_group(status("f", GroupState::Failure, 1, &[]));
+        assert_eq!(s.select("train", 1).unwrap(), vec!["f".to_string()]);
+    }
+
+    #[test]
+    fn sampled_groups_are_not_selected_again_and_are_found_by_request_id() {
+        let mut s = BufferState::default();
+        s.apply_group(status("a", GroupState::Finished, 1, &[]));
+        s.mark_sampled("train", "a", 5, "train-5");
+        assert!(s.select("train", 1).is_none());
+        assert_eq!(s.sampled_by("train-5").len(), 1);
+        assert!(s.sampled_by("train-6").is_empty());
+    }
+
+    #[test]
+    fn release_returns_payload_sequences_and_drops_the_index() {
+        let mut s = BufferState::default();
+        s.apply_group(status("a", GroupState::Finished, 1, &["a_0_0"]));
+        s.apply_reward(reward("a", "a_0_0", 11), 21);
+        s.mark_sampled("train", "a", 1, "r1");
+        assert_eq!(s.release(&["r1".into()]), vec![(11, 21)]);
+        assert_eq!(s.indexed_trajectories(), 0);
+        assert_eq!(s.counts("train").get("sampled"), Some(&1));
+    }
+
+    #[test]
+    fn reissued_group_discards_partial_trajectories() {
+        let mut s = BufferState::default();
+        s.apply_group(status("a", GroupState::Running, 1, &[]));
+        s.apply_reward(reward("a", "a_0_0", 1), 1);
+        s.apply_group(status("a", GroupState::Pending, 4, &[]));
+        assert_eq!(s.indexed_trajectories(), 0);
+    }
+}

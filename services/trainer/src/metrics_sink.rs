@@ -1,0 +1,127 @@
+//! Where step metrics go: `metrics.jsonl` in the run directory (one JSON object per step, verl's names),
+//! `jetrl.trainer.metrics` on NATS (for `jetrl run`'s progress display), Prometheus gauges, and the
+//! reward-curve picture.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use jetrl_bus::Bus;
+use jetrl_wire::subjects;
+
+pub struct MetricsSink {
+    bus: Bus,
+    jsonl: std::fs::File,
+    run_dir: PathBuf,
+    /// (step, critic/score/mean) so far, for the curve
+    curve: Vec<(u64, f64)>,
+}
+
+impl MetricsSink {
+    /// Opens `<run_dir>/metrics.jsonl`; a fresh run (`append` false) truncates it.
+    pub fn open(bus: &Bus, run_dir: &Path, append: bool) -> std::io::Result<Self> {
+        std::fs::create_dir_all(run_dir)?;
+        let path = run_dir.join("metrics.jsonl");
+        let mut curve = Vec::new();
+        if append {
+            if let Ok(text) = std::fs::read_to_string(&path) {
+                for line in text.lines() {
+                    if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
+                        if let (Some(s), Some(r)) =
+                            (v["training/global_step"].as_f64(), v["critic/score/mean"].as_f64())
+                        {
+                            curve.push((s as u64, r));
+                        }
+                    }
+                }
+            }
+        }
+        let jsonl =
+            std::fs::OpenOptions::new().create(true).write(true).append(append).truncate(!append).open(&path)?;
+        Ok(Self { bus: bus.clone(), jsonl, run_dir: run_dir.to_path_buf(), curve })
+    }
+
+    pub async fn record(&mut self, step: u64, metrics: &BTreeMap<String, f64>) {
+        let line = serde_json::to_string(metrics).unwrap_or_default();
+        if let Err(err) = writeln!(self.jsonl, "{line}").and_then(|_| self.jsonl.flush()) {
+            tracing::error!(error = %err, "cannot append to metrics.jsonl");
+        }
+        if let Err(err) = self.bus.client().publish(subjects::TRAINER_METRICS, line.into_bytes().into()).await {
+            tracing::debug!(error = %err, "metrics not published");
+        }
+        for (name, value) in metrics {
+            metrics::gauge!("jetrl_trainer_metric", "name" => name.clone()).set(*value);
+        }
+        metrics::gauge!("jetrl_trainer_step").set(step as f64);
+        if let Some(score) = metrics.get("critic/score/mean") {
+            self.curve.push((step, *score));
+        }
+        if step % 10 == 0 {
+            self.write_curve();
+        }
+    }
+
+    /// Writes `<run_dir>/reward_curve.svg`.
+    pub fn write_curve(&self) {
+        let path = self.run_dir.join("reward_curve.svg");
+        if let Err(err) = std::fs::write(&path, reward_curve_svg(&self.curve)) {
+            tracing::warn!(error = %err, path = %path.display(), "reward curve not written");
+        }
+    }
+
+    pub fn curve(&self) -> &[(u64, f64)] {
+        &self.curve
+    }
+}
+
+/// A self-contained SVG line chart of mean reward per step (axes 0..1 for reward).
+pub fn reward_curve_svg(points: &[(u64, f64)]) -> String {
+    let (w, h, left, bottom, top, right) = (720.0, 360.0, 60.0, 40.0, 30.0, 20.0);
+    let max_step = points.iter().map(|p| p.0).max().unwrap_or(1).max(1) as f64;
+    let lo = points.iter().map(|p| p.1).fold(0.0f64, f64::min);
+    let hi = points.iter().map(|p| p.1).fold(1.0f64, f64::max);
+    let x = |s: f64| left + (w - left - right) * s / max_step;
+    let y = |r: f64| h - bottom - (h - bottom - top) * (r - lo) / (hi - lo).max(1e-9);
+    let mut svg = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"{}\" y=\"18\" text-anchor=\"middle\" font-size=\"14\">mean reward per step (critic/score/mean)</text>\n",
+        w / 2.0
+    );
+    for i in 0..=4 {
+        let r = lo + (hi - lo) * f64::from(i) / 4.0;
+        svg += &format!(
+            "<line x1=\"{left}\" y1=\"{y0:.1}\" x2=\"{x1}\" y2=\"{y0:.1}\" stroke=\"#ddd\"/><text x=\"{lx}\" y=\"{ty:.1}\" text-anchor=\"end\">{r:.2}</text>\n",
+            y0 = y(r),
+            x1 = w - right,
+            lx = left - 6.0,
+            ty = y(r) + 4.0
+        );
+    }
+    svg += &format!(
+        "<line x1=\"{left}\" y1=\"{b}\" x2=\"{x1}\" y2=\"{b}\" stroke=\"black\"/><line x1=\"{left}\" y1=\"{top}\" x2=\"{left}\" y2=\"{b}\" stroke=\"black\"/>\n\
+         <text x=\"{cx}\" y=\"{ly}\" text-anchor=\"middle\">step (max {max_step})</text>\n",
+        b = h - bottom,
+        x1 = w - right,
+        cx = (left + w - right) / 2.0,
+        ly = h - 8.0
+    );
+    if !points.is_empty() {
+        let path: Vec<String> = points.iter().map(|(s, r)| format!("{:.1},{:.1}", x(*s as f64), y(*r))).collect();
+        svg +=
+            &format!("<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"2\" points=\"{}\"/>\n", path.join(" "));
+    }
+    svg += "</svg>\n";
+    svg
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn svg_has_one_vertex_per_point() {
+        let svg = super::reward_curve_svg(&[(1, 0.1), (2, 0.5), (3, 0.9)]);
+        assert!(svg.starts_with("<svg"));
+        let points = svg.split("points=\"").nth(1).unwrap().split('"').next().unwrap();
+        assert_eq!(points.split(' ').count(), 3);
+    }
+}
