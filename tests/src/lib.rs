@@ -1,1 +1,200 @@
-//! cross-service end-to-end and fault-injection tests
+//! Helpers for jetrl's cross-service tests: a real `nats-server` per test, a tiny real model, and the real
+//! service binaries started as processes (`cargo build --bins` must have run; the test command does).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+pub use jetrl_bus::NatsServer;
+
+/// Path of a workspace binary (`target/<profile>/<name>`), located from the test executable.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test> -> target/<profile>/<name>
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let path = dir.join(name);
+    assert!(path.exists(), "{} not found: build the binaries first (cargo build --bins)", path.display());
+    path
+}
+
+/// A job directory with a tiny model and a config file, a NATS server, and service processes.
+pub struct TestJob {
+    pub nats: NatsServer,
+    pub dir: tempfile::TempDir,
+    pub config: PathBuf,
+    children: Vec<(String, Child)>,
+}
+
+/// The base job for tests: the demo's task on a smaller budget. `extra` is YAML merged over it (top-level
+/// sections replace the base's keys one level down).
+pub fn job_yaml(dir: &Path, nats_url: &str, extra: &str) -> String {
+    let base = format!(
+        r#"
+nats: {{url: "{nats_url}", connect_timeout_s: 20}}
+run: {{name: test, dir: "{run}", seed: 1}}
+model: {{path: "{model}"}}
+data:
+  task: {{name: reverse, min_len: 4, max_len: 4, train_size: 5000, val_size: 16}}
+  train_batch_size: 8
+  max_prompt_length: 32
+  max_response_length: 5
+rollout: {{n: 4, ack_wait_s: 3, heartbeat_interval_s: 0.5}}
+actor: {{optim: {{lr: 1.0e-3, weight_decay: 0.0}}}}
+trainer: {{total_training_steps: 3, weight_sync_timeout_s: 60}}
+"#,
+        run = dir.join("run").display(),
+        model = dir.join("model").display(),
+    );
+    let mut doc: serde_yaml::Value = serde_yaml::from_str(&base).expect("base yaml");
+    if !extra.trim().is_empty() {
+        let over: serde_yaml::Value = serde_yaml::from_str(extra).expect("extra yaml");
+        if let (Some(d), Some(o)) = (doc.as_mapping_mut(), over.as_mapping()) {
+            for (k, v) in o {
+                match (d.get_mut(k).and_then(|x| x.as_mapping_mut()), v.as_mapping()) {
+                    (Some(dm), Some(vm)) => {
+                        for (kk, vv) in vm {
+                            dm.insert(kk.clone(), vv.clone());
+                        }
+                    }
+                    _ => {
+                        d.insert(k.clone(), v.clone());
+                    }
+                }
+            }
+        }
+    }
+    serde_yaml::to_string(&doc).expect("yaml")
+}
+
+impl TestJob {
+    /// Starts NATS, writes the tiny model and `job.yaml` (base + `extra`).
+    pub fn new(extra: &str) -> Self {
+        let nats = NatsServer::start().expect("nats-server");
+        let dir = tempfile::tempdir().expect("tempdir");
+        jetrl_model::init_model("tiny", &dir.path().join("model"), 1).expect("tiny model");
+        let config = dir.path().join("job.yaml");
+        std::fs::write(&config, job_yaml(dir.path(), &nats.url(), extra)).expect("write job.yaml");
+        Self { nats, dir, config, children: Vec::new() }
+    }
+
+    pub fn config(&self) -> jetrl_config::JobConfig {
+        jetrl_config::JobConfig::load(Some(&self.config), &[]).expect("job config")
+    }
+
+    pub fn run_dir(&self) -> PathBuf {
+        self.dir.path().join("run")
+    }
+
+    /// Starts a service binary with this job's config and `extra` overrides; logs go to `<dir>/<name>.log`.
+    pub fn spawn(&mut self, name: &str, binary: &str, extra: &[&str]) {
+        let log = std::fs::File::create(self.dir.path().join(format!("{name}.log"))).expect("log file");
+        let child = Command::new(bin(binary))
+            .arg("--config")
+            .arg(&self.config)
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {binary}: {e}"));
+        self.children.push((name.to_string(), child));
+    }
+
+    /// Starts checkpoint-sync, the replay buffer, `rewards` reward services and `rollouts` rollout workers.
+    pub fn spawn_services(&mut self, rollouts: usize, rewards: usize) {
+        self.spawn("checkpoint-sync", "jetrl-checkpoint-sync", &[]);
+        self.spawn("replay-buffer", "jetrl-replay-buffer", &[]);
+        for i in 0..rewards {
+            self.spawn(&format!("reward-{i}"), "jetrl-reward-service", &[&format!("reward.instance_id=reward-{i}")]);
+        }
+        for i in 0..rollouts {
+            self.spawn(&format!("rollout-{i}"), "jetrl-rollout-worker", &[&format!("rollout.instance_id=rollout-{i}")]);
+        }
+    }
+
+    fn child(&mut self, name: &str) -> &mut Child {
+        &mut self.children.iter_mut().find(|(n, _)| n == name).unwrap_or_else(|| panic!("no process {name}")).1
+    }
+
+    /// Waits for a process to exit; panics with its log after `timeout`.
+    pub fn wait(&mut self, name: &str, timeout: Duration) -> ExitStatus {
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self.child(name).try_wait().expect("try_wait") {
+                return status;
+            }
+            if started.elapsed() > timeout {
+                panic!("{name} still running after {timeout:?}; log:\n{}", self.log(name));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// SIGKILL: the process dies without settling anything.
+    pub fn kill(&mut self, name: &str) {
+        let child = self.child(name);
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    /// SIGTERM: the process shuts down gracefully.
+    pub fn terminate(&mut self, name: &str) {
+        let pid = self.child(name).id() as libc::pid_t;
+        // SAFETY: kill(2) on a pid we spawned.
+        unsafe {
+            libc::kill(pid, libc::SIGTERM);
+        }
+    }
+
+    pub fn log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("{name}.log"))).unwrap_or_default()
+    }
+
+    /// Step metrics written by the trainer.
+    pub fn metrics(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self.run_dir().join("metrics.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+}
+
+impl Drop for TestJob {
+    fn drop(&mut self) {
+        for (_, child) in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if std::thread::panicking() {
+            for (name, _) in &self.children {
+                eprintln!("----- {name} log -----\n{}", self.log(name));
+            }
+        }
+    }
+}
+
+/// Runs a binary to completion with arguments; returns (status, stdout+stderr).
+pub fn run_binary(binary: &str, args: &[&str], timeout: Duration) -> (ExitStatus, String) {
+    let out_file = tempfile::NamedTempFile::new().expect("tempfile");
+    let mut child = Command::new(bin(binary))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(out_file.reopen().expect("reopen"))
+        .stderr(out_file.reopen().expect("reopen"))
+        .spawn()
+        .expect("spawn");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            break status;
+        }
+        if started.elapsed() > timeout {
+            let _ = child.kill();
+            panic!("{binary} {args:?} did not finish within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    (status, std::fs::read_to_string(out_file.path()).unwrap_or_default())
+}

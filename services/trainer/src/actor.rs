@@ -55,6 +55,7 @@ pub struct Sample {
     pub max_version: u64,
     pub submit_step: u64,
     pub data_source: String,
+    pub ground_truth: String,
     /// the response hit max_new_tokens
     pub truncated: bool,
 }

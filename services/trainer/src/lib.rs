@@ -170,6 +170,7 @@ impl Trainer {
             }
             metrics.insert("training/global_step".into(), step as f64);
             metrics.insert("training/epoch".into(), self.loader.state().epoch as f64);
+            metrics.insert("training/total_steps".into(), self.total_steps as f64);
             metrics.insert("timing_s/elapsed".into(), started.elapsed().as_secs_f64());
             tracing::info!(
                 step,
@@ -208,6 +209,9 @@ impl Trainer {
         let samples = self.fetch_samples(&response).await?;
         metrics.insert("timing_s/fetch".into(), t.elapsed().as_secs_f64());
         batch_metrics(&samples, &response, step, &mut metrics);
+        if let Some(dir) = &self.cfg.trainer.rollout_data_dir {
+            self.dump_samples(Path::new(dir), step, &samples);
+        }
 
         let t = Instant::now();
         let train_samples = samples.clone();
@@ -513,6 +517,28 @@ impl Trainer {
         Ok(out)
     }
 
+    /// verl's rollout dump: one JSON line per trajectory (input, output, score, ground truth, step).
+    fn dump_samples(&self, dir: &Path, step: u64, samples: &[Sample]) {
+        let mut out = String::new();
+        for s in samples {
+            let line = serde_json::json!({
+                "input": self.tokenizer.decode(&s.prompt, false).unwrap_or_default(),
+                "output": self.tokenizer.decode(&s.response, false).unwrap_or_default(),
+                "score": s.score,
+                "gts": s.ground_truth,
+                "step": step,
+                "uid": s.uid,
+                "key": s.key,
+            });
+            out.push_str(&line.to_string());
+            out.push('\n');
+        }
+        let path = dir.join(format!("{step}.jsonl"));
+        if let Err(err) = std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&path, out)) {
+            tracing::warn!(error = %err, path = %path.display(), "rollout dump not written");
+        }
+    }
+
     fn write_summary(&self, wall_s: f64) {
         let curve = self.sink.curve();
         let mean = |pts: &[(u64, f64)]| {
@@ -560,6 +586,7 @@ fn sample_from(traj: &Trajectory, reward: &v1::Reward) -> Result<Sample, String>
         max_version: traj.max_version,
         submit_step: traj.submit_step,
         data_source: traj.data_source.clone(),
+        ground_truth: traj.ground_truth.clone(),
         truncated: traj.finish_reason == v1::FinishReason::Length as i32,
     })
 }

@@ -56,7 +56,20 @@ impl NatsServer {
         );
         std::fs::write(&conf, text).map_err(|e| BusError::Server(format!("{}: {e}", conf.display())))?;
         let _ = std::fs::remove_file(&log);
-        let child = Command::new(&self.binary)
+        let mut command = Command::new(&self.binary);
+        // The server must not outlive the process that started it (a test or `jetrl run` killed hard).
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of the parent.
+            unsafe {
+                command.pre_exec(|| {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                    Ok(())
+                });
+            }
+        }
+        let child = command
             .arg("-c")
             .arg(&conf)
             .arg("-l")

@@ -352,6 +352,10 @@ pub struct TrainerConfig {
     pub weight_sync_timeout_s: f64,
     /// how long one sample request may be held by the buffer before it is re-sent
     pub sample_wait_s: f64,
+    /// verl `trainer.rollout_data_dir`: a JSONL file of the step's rollouts per step (input, output, score)
+    pub rollout_data_dir: Option<String>,
+    /// verl `trainer.validation_data_dir`: a JSONL file of the validation generations per validation
+    pub validation_data_dir: Option<String>,
 }
 
 impl Default for TrainerConfig {
@@ -369,6 +373,8 @@ impl Default for TrainerConfig {
             metrics_addr: "127.0.0.1:0".into(),
             weight_sync_timeout_s: 300.0,
             sample_wait_s: 10.0,
+            rollout_data_dir: None,
+            validation_data_dir: None,
         }
     }
 }

@@ -2,6 +2,7 @@
 //!
 //! - `reverse`: prompt `reverse 4821=`, answer `1284`.
 //! - `sort`: prompt `sort 4821=`, answer `1248`.
+//! - `copy`: prompt `copy 4821=`, answer `4821` (the easiest: a fixed relative offset; a pipeline check).
 //!
 //! Scored by the reward service's `jetrl/<task>` rule: the fraction of positions right (so a random policy
 //! earns a little credit and learning has a gradient to follow).
@@ -20,6 +21,7 @@ pub enum Split {
 pub fn generate(cfg: &jetrl_config::TaskConfig, split: Split, seed: u64) -> Result<Vec<Example>, DataError> {
     let answer: fn(&str) -> String = match cfg.name.as_str() {
         "reverse" => |d| d.chars().rev().collect(),
+        "copy" => |d| d.to_string(),
         "sort" => |d| {
             let mut c: Vec<char> = d.chars().collect();
             c.sort_unstable();

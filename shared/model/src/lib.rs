@@ -1,9 +1,36 @@
-//! model
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn tch_links() {
-        let t = tch::Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
-        assert_eq!(t.sum(tch::Kind::Float).double_value(&[]), 6.0);
-    }
-}
+//! jetrl's model: Qwen2 / Llama / Qwen3 decoders in libtorch (`tch`), loaded from and saved to HF checkpoints,
+//! with the HF tokenizer and chat template, batched generation and the log-probs a trainer recomputes.
+//!
+//! - [`config`]: `config.json` → [`ModelConfig`] (both RoPE layouts, Llama-3 scaling, Qwen3 q/k norm).
+//! - [`layers`]: one struct per layer (`RmsNorm`, `Attention`, `Mlp`, `DecoderLayer`, RoPE).
+//! - [`model`]: [`CausalLm`]: parameters in a `VarStore` under HF names; `forward` for training, `forward_step`
+//!   with a preallocated [`KvCache`] for decoding; safetensors load/save and in-memory weight swaps.
+//! - [`tokenizer`] and [`chat_template`]: `tokenizer.json`, special tokens, `apply_chat_template`.
+//! - [`generate`]: batched sampling ([`generate()`]), [`log_probs_of`], [`token_log_probs`].
+//! - [`logprobs`]: the JSON-lines driver behind `jetrl logprobs`.
+//! - [`init`]: random-init HF model directories ([`init_model`]).
+//! - [`device`]: `cpu` / `cuda:N` and `f32` / `bf16` strings.
+//!
+//! Everything runs on the thread that owns the model: `Tensor` is `Send` but not `Sync`.
+
+pub mod chat_template;
+pub mod config;
+pub mod device;
+pub mod error;
+pub mod generate;
+pub mod init;
+pub mod layers;
+pub mod logprobs;
+pub mod model;
+pub mod tokenizer;
+mod weights;
+
+pub use config::{Architecture, ModelConfig, RopeScaling};
+pub use device::{parse_device, DType};
+pub use error::{ModelError, Result};
+pub use generate::{generate, log_probs_of, token_log_probs, FinishReason, Generation, SamplingParams};
+pub use init::init_model;
+pub use logprobs::{logprobs_jsonl, logprobs_jsonl_on};
+pub use model::{CausalLm, KvCache};
+pub use tokenizer::Tokenizer;
+pub use weights::{WEIGHTS_FILE, WEIGHTS_INDEX_FILE};

@@ -1,0 +1,28 @@
+# Commands a person types. `./dev.sh <recipe>` installs prerequisites first; `just` works once they exist.
+set shell := ["bash", "-euo", "pipefail", "-c"]
+export PATH := justfile_directory() + "/.venv/bin:" + env_var("PATH")
+
+# run the demo training job
+default: demo
+
+# build every binary (one dev profile for tests, demo and benchmarks)
+build:
+    cargo build --workspace --bins
+
+# the demo: GRPO on "reverse 4 digits" with a tiny model; writes runs/demo/
+demo config="configs/demo.yaml" *overrides="": build
+    ./target/debug/jetrl run {{config}} {{overrides}}
+
+# the whole test suite: unit, integration (real nats-server, real libtorch), end-to-end, golden vectors
+test: build
+    cargo test --workspace --no-fail-fast
+    ./target/debug/jetrl-golden tests/golden/algos_sample.json tests/golden/rewards_sample.json
+
+# format and lint checks
+lint:
+    cargo fmt --all -- --check
+    cargo clippy --workspace --all-targets -- -D warnings
+
+# golden vectors from any file in the schema of tests/golden/README.md
+golden *files="tests/golden/algos_sample.json tests/golden/rewards_sample.json": build
+    ./target/debug/jetrl-golden {{files}}

@@ -1,0 +1,91 @@
+//! `jetrl`: launches and inspects jetrl jobs. It owns nothing: the services do the work.
+
+mod run;
+mod status;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "jetrl", version, about = "RL post-training over NATS JetStream")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a training job: start NATS (unless --nats-url), create the model if needed, start the five
+    /// services as processes, show progress, write the run directory.
+    Run {
+        /// job configuration (YAML)
+        config: PathBuf,
+        /// overrides, `section.key=value`
+        overrides: Vec<String>,
+        /// use this NATS server instead of starting one
+        #[arg(long)]
+        nats_url: Option<String>,
+        /// no progress bar (log lines instead)
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Write a random-init model directory in HF format.
+    InitModel {
+        #[arg(long, default_value = "tiny")]
+        preset: String,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Log-probs of token sequences or chat messages: JSON lines on stdin, JSON lines on stdout.
+    Logprobs {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+    },
+    /// Show a running job: group counts, workers, weight version, and optionally the ledger of prompt groups.
+    Status {
+        #[arg(long, default_value = "nats://127.0.0.1:4222")]
+        nats_url: String,
+        /// list what happened to each prompt group (trained at step s, evicted and why, in flight)
+        #[arg(long)]
+        ledger: bool,
+        /// only these uids
+        #[arg(long)]
+        uid: Vec<String>,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Run { config, overrides, nats_url, quiet } => {
+            let runtime = tokio::runtime::Runtime::new()?;
+            let code = runtime.block_on(run::run(&config, overrides, nats_url, quiet))?;
+            std::process::exit(code);
+        }
+        Command::InitModel { preset, out, seed } => {
+            jetrl_model::init_model(&preset, &out, seed)?;
+            println!("wrote {preset} model to {}", out.display());
+            Ok(())
+        }
+        Command::Logprobs { model, device, dtype } => {
+            let device = jetrl_model::parse_device(&device)?;
+            let dtype: jetrl_model::DType = dtype.parse()?;
+            let stdin = std::io::stdin();
+            let stdout = std::io::stdout();
+            jetrl_model::logprobs_jsonl_on(&model, device, dtype, stdin.lock(), stdout.lock())?;
+            Ok(())
+        }
+        Command::Status { nats_url, ledger, uid } => {
+            jetrl_telemetry::init_tracing("warn", "text");
+            let runtime = tokio::runtime::Runtime::new()?;
+            runtime.block_on(status::status(&nats_url, ledger, uid))
+        }
+    }
+}

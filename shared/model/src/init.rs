@@ -1,0 +1,181 @@
+//! Random-init model directories in exact HF format, for tests, demos and from-scratch runs.
+//!
+//! The `tiny` preset is a 2-layer Qwen2 with a character-level tokenizer: digits, lowercase letters, space,
+//! newline and arithmetic punctuation, one token each. A random policy over 62 symbols can stumble onto digit
+//! answers, which a 150k-token vocabulary would make hopeless.
+//!
+//! The tokenizer is a byte-level BPE with no merges whose pipeline is exactly Qwen2's (NFC, Qwen's split
+//! regex, byte-level alphabet: space is `Ġ`, newline `Ċ`). transformers 5 always rebuilds that pipeline in code
+//! for `model_type: qwen2` (`Qwen2Tokenizer`, whatever `tokenizer_class` says) and keeps only the vocabulary,
+//! so any other pipeline in tokenizer.json would tokenize differently in HF than here. Characters outside the
+//! vocabulary (upper case included) are dropped by both, so callers should lower-case text for this model.
+
+use std::path::Path;
+
+use serde_json::{json, Value};
+use tch::Device;
+
+use crate::config::ModelConfig;
+use crate::device::DType;
+use crate::error::{ModelError, Result};
+use crate::model::CausalLm;
+
+/// Presets [`init_model`] knows.
+pub const PRESETS: &[&str] = &["tiny"];
+
+/// Special tokens of the character tokenizer, at ids 0, 1, 2. `<|endoftext|>` is also the pad token.
+pub const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+
+/// The ordinary symbols of the character tokenizer, ids 3.. in this order.
+pub const CHARACTERS: &str = "0123456789abcdefghijklmnopqrstuvwxyz \n=+-*/.,:;?!#()[]<>'\"_";
+
+/// Qwen-style ChatML, without Qwen's default system prompt (it would cost ~60 character tokens per prompt).
+pub const CHATML_TEMPLATE: &str = "{%- for message in messages %}\
+{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}\
+{%- endfor %}\
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+
+/// Writes a random-init model directory: config.json (Qwen2ForCausalLM), model.safetensors, tokenizer.json,
+/// tokenizer_config.json (with a ChatML `chat_template`) and generation_config.json. `seed` seeds libtorch's
+/// global generator (`tch::manual_seed`) before the weights are drawn.
+pub fn init_model(preset: &str, out_dir: &Path, seed: u64) -> Result<()> {
+    let (config, init_std) = match preset {
+        "tiny" => (tiny_config(), 0.02),
+        other => {
+            return Err(ModelError::Config(format!("unknown model preset `{other}` (known: {})", PRESETS.join(", "))))
+        }
+    };
+    std::fs::create_dir_all(out_dir).map_err(|e| ModelError::io(out_dir, e))?;
+    let config = ModelConfig::from_json(config)?;
+    tch::manual_seed(seed as i64);
+    let model = CausalLm::random(config, Device::Cpu, DType::F32, init_std)?;
+    model.save(out_dir)?;
+    write_json(&out_dir.join("tokenizer.json"), &char_tokenizer_json())?;
+    write_json(&out_dir.join("tokenizer_config.json"), &tokenizer_config_json())?;
+    write_json(&out_dir.join("generation_config.json"), &json!({ "eos_token_id": [0, 2], "pad_token_id": 0 }))?;
+    Ok(())
+}
+
+fn write_json(path: &Path, value: &Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(value).map_err(|e| ModelError::json(path.display().to_string(), e))?;
+    std::fs::write(path, text + "\n").map_err(|e| ModelError::io(path, e))
+}
+
+fn vocab_size() -> usize {
+    SPECIAL_TOKENS.len() + CHARACTERS.chars().count()
+}
+
+fn tiny_config() -> Value {
+    json!({
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": vocab_size(),
+        "hidden_size": 128,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_act": "silu",
+        "max_position_embeddings": 512,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_parameters": { "rope_theta": 10000.0, "rope_type": "default" },
+        "tie_word_embeddings": true,
+        "use_cache": true,
+        "use_sliding_window": false,
+        "sliding_window": null,
+        "max_window_layers": 2,
+        "attention_dropout": 0.0,
+        "eos_token_id": 2,
+        "dtype": "float32",
+    })
+}
+
+fn added_token(id: usize, content: &str) -> Value {
+    json!({
+        "id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false,
+        "normalized": false, "special": true,
+    })
+}
+
+/// Qwen2's pre-tokenizer split (transformers' `Qwen2Tokenizer.PRETOKENIZE_REGEX`).
+const QWEN2_SPLIT_REGEX: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// The GPT-2 byte-level alphabet for the ASCII characters used here: printable characters stand for
+/// themselves, space and newline are shifted to `Ġ` and `Ċ`.
+fn byte_level(c: char) -> char {
+    match c {
+        ' ' => '\u{120}',
+        '\n' => '\u{10a}',
+        c => c,
+    }
+}
+
+/// A byte-level BPE with one token per character and no merges, in Qwen2's pipeline.
+fn char_tokenizer_json() -> Value {
+    let mut vocab = serde_json::Map::new();
+    for (id, token) in SPECIAL_TOKENS.iter().enumerate() {
+        vocab.insert((*token).to_string(), json!(id));
+    }
+    for (offset, c) in CHARACTERS.chars().enumerate() {
+        vocab.insert(byte_level(c).to_string(), json!(SPECIAL_TOKENS.len() + offset));
+    }
+    let added: Vec<Value> = SPECIAL_TOKENS.iter().enumerate().map(|(id, t)| added_token(id, t)).collect();
+    json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": { "type": "NFC" },
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {
+                    "type": "Split",
+                    "pattern": { "Regex": QWEN2_SPLIT_REGEX },
+                    "behavior": "Isolated",
+                    "invert": false,
+                },
+                { "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false },
+            ],
+        },
+        "post_processor": { "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false },
+        "decoder": { "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false },
+        "model": {
+            "type": "BPE",
+            "dropout": null,
+            "unk_token": null,
+            "continuing_subword_prefix": "",
+            "end_of_word_suffix": "",
+            "fuse_unk": false,
+            "byte_fallback": false,
+            "ignore_merges": false,
+            "vocab": vocab,
+            "merges": [],
+        },
+    })
+}
+
+fn tokenizer_config_json() -> Value {
+    let mut decoder = serde_json::Map::new();
+    for (id, token) in SPECIAL_TOKENS.iter().enumerate() {
+        let mut entry = added_token(id, token);
+        if let Some(map) = entry.as_object_mut() {
+            map.remove("id");
+        }
+        decoder.insert(id.to_string(), entry);
+    }
+    json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": decoder,
+        "bos_token": null,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": null,
+        "clean_up_tokenization_spaces": false,
+        "model_max_length": 512,
+        "chat_template": CHATML_TEMPLATE,
+    })
+}

@@ -1,0 +1,270 @@
+//! The decoder's building blocks, one struct per layer, each created under a `VarStore` path that mirrors the
+//! HF tensor name (`model.layers.0.self_attn.q_proj.weight`), so checkpoints load without renaming.
+//!
+//! Parameters are created uninitialised: [`crate::CausalLm`] either copies a checkpoint over them or fills them
+//! with the HF initialisation, and never exposes a model in between.
+
+use tch::nn::Path;
+use tch::{Kind, Tensor};
+
+use crate::config::{ModelConfig, RopeScaling};
+use crate::error::Result;
+
+/// Adds an uninitialised trainable parameter of the path's kind and device.
+fn param(vs: &Path, name: &str, dims: &[i64]) -> Result<Tensor> {
+    let tensor = Tensor::f_empty(dims, (vs.kind(), vs.device()))?;
+    Ok(vs.add(name, tensor, true))
+}
+
+/// `y = x Wᵀ (+ b)`, with the weight stored `[out, in]` as in PyTorch.
+#[derive(Debug)]
+pub struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn new(vs: Path, in_features: i64, out_features: i64, bias: bool) -> Result<Self> {
+        let weight = param(&vs, "weight", &[out_features, in_features])?;
+        let bias = if bias { Some(param(&vs, "bias", &[out_features])?) } else { None };
+        Ok(Linear { weight, bias })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.f_linear(&self.weight, self.bias.as_ref())?)
+    }
+}
+
+/// RMSNorm as HF computes it: statistics in f32, the result cast back before the weight multiplies it, so bf16
+/// models round at the same place as transformers.
+#[derive(Debug)]
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    pub fn new(vs: Path, size: i64, eps: f64) -> Result<Self> {
+        Ok(RmsNorm { weight: param(&vs, "weight", &[size])?, eps })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let input_kind = x.kind();
+        let x = x.f_to_kind(Kind::Float)?;
+        let variance = x.f_pow_tensor_scalar(2)?.f_mean_dim(-1, true, Kind::Float)?;
+        let normed = x.f_mul(&variance.f_add_scalar(self.eps)?.f_rsqrt()?)?.f_to_kind(input_kind)?;
+        Ok(self.weight.f_mul(&normed)?)
+    }
+}
+
+/// Rotary position embedding. Frequencies are computed once (in f32, the same ops as transformers so long
+/// contexts round alike); cos/sin are computed per call from explicit positions, which is what lets padded
+/// batches and the KV cache use any position layout.
+#[derive(Debug)]
+pub struct RotaryEmbedding {
+    /// `[head_dim / 2]`, f32, on the model's device.
+    inv_freq: Tensor,
+}
+
+impl RotaryEmbedding {
+    pub fn new(cfg: &ModelConfig, device: tch::Device) -> Result<Self> {
+        let dim = cfg.head_dim;
+        let exponent = Tensor::f_arange_start(0, dim, (Kind::Int64, device))?
+            .f_slice(0, 0, dim, 2)?
+            .f_to_kind(Kind::Float)?
+            .f_div_scalar(dim as f64)?;
+        let inv_freq = Tensor::f_pow_scalar(cfg.rope_theta, &exponent)?.f_reciprocal()?;
+        let inv_freq = match cfg.rope_scaling {
+            RopeScaling::None => inv_freq,
+            RopeScaling::Linear { factor } => inv_freq.f_div_scalar(factor)?,
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                llama3_inv_freq(&inv_freq, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)?
+            }
+        };
+        Ok(RotaryEmbedding { inv_freq })
+    }
+
+    /// `cos`, `sin` of shape `[B, 1, T, head_dim]` in `kind`, for positions `[B, T]` (integer).
+    pub fn cos_sin(&self, positions: &Tensor, kind: Kind) -> Result<(Tensor, Tensor)> {
+        let freqs = positions.f_to_kind(Kind::Float)?.f_unsqueeze(-1)?.f_mul(&self.inv_freq)?;
+        let emb = Tensor::f_cat(&[&freqs, &freqs], -1)?.f_unsqueeze(1)?;
+        Ok((emb.f_cos()?.f_to_kind(kind)?, emb.f_sin()?.f_to_kind(kind)?))
+    }
+}
+
+/// Llama 3.1 frequency rescaling (transformers' `_compute_llama3_parameters`): long wavelengths are divided by
+/// `factor`, short ones kept, and a smooth interpolation in between.
+fn llama3_inv_freq(inv_freq: &Tensor, factor: f64, low: f64, high: f64, old_context: f64) -> Result<Tensor> {
+    let low_freq_wavelen = old_context / low;
+    let high_freq_wavelen = old_context / high;
+    let wavelen = inv_freq.f_reciprocal()?.f_mul_scalar(2.0 * std::f64::consts::PI)?;
+    let long = wavelen.f_gt(low_freq_wavelen)?;
+    // torch.where(cond, a, b) is a.where_self(cond, b) in tch
+    let scaled = inv_freq.f_div_scalar(factor)?.f_where_self(&long, inv_freq)?;
+    let smooth = wavelen.f_reciprocal()?.f_mul_scalar(old_context)?.f_sub_scalar(low)?.f_div_scalar(high - low)?;
+    let smoothed =
+        smooth.f_neg()?.f_add_scalar(1.0)?.f_mul(&scaled)?.f_div_scalar(factor)?.f_add(&smooth.f_mul(&scaled)?)?;
+    let medium = wavelen.f_ge(high_freq_wavelen)?.f_logical_and(&wavelen.f_le(low_freq_wavelen)?)?;
+    Ok(smoothed.f_where_self(&medium, &scaled)?)
+}
+
+/// `x * cos + rotate_half(x) * sin`, where `rotate_half` swaps the two halves of the head dimension and negates
+/// the second (the HF convention, not the interleaved one).
+fn apply_rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let half = x.size().last().copied().unwrap_or(0) / 2;
+    let x1 = x.f_narrow(-1, 0, half)?;
+    let x2 = x.f_narrow(-1, half, half)?;
+    let rotated = Tensor::f_cat(&[&x2.f_neg()?, &x1], -1)?;
+    Ok(x.f_mul(cos)?.f_add(&rotated.f_mul(sin)?)?)
+}
+
+/// One layer's slice of the KV cache: `[B, kv_heads, max_len, head_dim]` keys and values, written in place.
+#[derive(Debug)]
+pub struct LayerKv {
+    pub(crate) k: Tensor,
+    pub(crate) v: Tensor,
+}
+
+/// Multi-head attention with grouped key/value heads, optional q/k/v/o biases and optional per-head q/k RMSNorm
+/// (Qwen3).
+#[derive(Debug)]
+pub struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    num_heads: i64,
+    num_kv_heads: i64,
+    head_dim: i64,
+}
+
+impl Attention {
+    pub fn new(vs: Path, cfg: &ModelConfig) -> Result<Self> {
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let q_out = cfg.num_attention_heads * d;
+        let kv_out = cfg.num_key_value_heads * d;
+        let (q_norm, k_norm) = if cfg.qk_norm {
+            (
+                Some(RmsNorm::new(&vs / "q_norm", d, cfg.rms_norm_eps)?),
+                Some(RmsNorm::new(&vs / "k_norm", d, cfg.rms_norm_eps)?),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(Attention {
+            q_proj: Linear::new(&vs / "q_proj", h, q_out, cfg.qkv_bias)?,
+            k_proj: Linear::new(&vs / "k_proj", h, kv_out, cfg.qkv_bias)?,
+            v_proj: Linear::new(&vs / "v_proj", h, kv_out, cfg.qkv_bias)?,
+            o_proj: Linear::new(&vs / "o_proj", q_out, h, cfg.o_bias)?,
+            q_norm,
+            k_norm,
+            num_heads: cfg.num_attention_heads,
+            num_kv_heads: cfg.num_key_value_heads,
+            head_dim: d,
+        })
+    }
+
+    /// `x`: `[B, T, H]`; `mask`: `[B, 1, T, S]` bool (true = may attend). With a cache, this call's keys and
+    /// values are written at slots `offset..offset+T` and attention runs over slots `0..offset+T` (`S`).
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Tensor,
+        cache: Option<(&mut LayerKv, i64)>,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.size3()?;
+        let q = self.q_proj.forward(x)?.f_view([b, t, self.num_heads, self.head_dim])?;
+        let k = self.k_proj.forward(x)?.f_view([b, t, self.num_kv_heads, self.head_dim])?;
+        let v = self.v_proj.forward(x)?.f_view([b, t, self.num_kv_heads, self.head_dim])?;
+        let q = match &self.q_norm {
+            Some(norm) => norm.forward(&q)?,
+            None => q,
+        };
+        let k = match &self.k_norm {
+            Some(norm) => norm.forward(&k)?,
+            None => k,
+        };
+        let q = apply_rotary(&q.f_transpose(1, 2)?, cos, sin)?;
+        let k = apply_rotary(&k.f_transpose(1, 2)?, cos, sin)?;
+        let v = v.f_transpose(1, 2)?;
+        let (k, v) = match cache {
+            None => (k, v),
+            Some((kv, offset)) => {
+                kv.k.f_narrow(2, offset, t)?.f_copy_(&k)?;
+                kv.v.f_narrow(2, offset, t)?.f_copy_(&v)?;
+                (kv.k.f_narrow(2, 0, offset + t)?, kv.v.f_narrow(2, 0, offset + t)?)
+            }
+        };
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let grouped = self.num_heads != self.num_kv_heads;
+        let y = Tensor::f_scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, scale, grouped)?;
+        let y = y.f_transpose(1, 2)?.f_reshape([b, t, self.num_heads * self.head_dim])?;
+        self.o_proj.forward(&y)
+    }
+}
+
+/// SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`.
+#[derive(Debug)]
+pub struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Mlp {
+    pub fn new(vs: Path, cfg: &ModelConfig) -> Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        Ok(Mlp {
+            gate_proj: Linear::new(&vs / "gate_proj", h, i, cfg.mlp_bias)?,
+            up_proj: Linear::new(&vs / "up_proj", h, i, cfg.mlp_bias)?,
+            down_proj: Linear::new(&vs / "down_proj", i, h, cfg.mlp_bias)?,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = self.gate_proj.forward(x)?.f_silu()?;
+        self.down_proj.forward(&gate.f_mul(&self.up_proj.forward(x)?)?)
+    }
+}
+
+/// Pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+#[derive(Debug)]
+pub struct DecoderLayer {
+    self_attn: Attention,
+    mlp: Mlp,
+    input_layernorm: RmsNorm,
+    post_attention_layernorm: RmsNorm,
+}
+
+impl DecoderLayer {
+    pub fn new(vs: Path, cfg: &ModelConfig) -> Result<Self> {
+        Ok(DecoderLayer {
+            self_attn: Attention::new(&vs / "self_attn", cfg)?,
+            mlp: Mlp::new(&vs / "mlp", cfg)?,
+            input_layernorm: RmsNorm::new(&vs / "input_layernorm", cfg.hidden_size, cfg.rms_norm_eps)?,
+            post_attention_layernorm: RmsNorm::new(
+                &vs / "post_attention_layernorm",
+                cfg.hidden_size,
+                cfg.rms_norm_eps,
+            )?,
+        })
+    }
+
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Tensor,
+        cache: Option<(&mut LayerKv, i64)>,
+    ) -> Result<Tensor> {
+        let attn = self.self_attn.forward(&self.input_layernorm.forward(x)?, cos, sin, mask, cache)?;
+        let x = x.f_add(&attn)?;
+        let mlp = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
+        Ok(x.f_add(&mlp)?)
+    }
+}

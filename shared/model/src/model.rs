@@ -1,0 +1,336 @@
+//! The causal language model: embedding, decoder layers, final norm and LM head, with parameters in a
+//! `VarStore` named exactly like the HF checkpoint.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use tch::nn::VarStore;
+use tch::{Device, Kind, Tensor};
+
+use crate::config::ModelConfig;
+use crate::device::DType;
+use crate::error::{ModelError, Result};
+use crate::layers::{DecoderLayer, LayerKv, RmsNorm, RotaryEmbedding};
+use crate::weights::{self, CheckpointFiles};
+
+/// File name of the model configuration in a checkpoint directory.
+pub const CONFIG_FILE: &str = "config.json";
+
+/// A decoder-only LM (Qwen2, Llama or Qwen3) held in libtorch.
+///
+/// `Tensor` is `Send` but not `Sync`, so a model lives on one thread; services feed it through channels.
+#[derive(Debug)]
+pub struct CausalLm {
+    config: ModelConfig,
+    dtype: DType,
+    /// Owns every parameter under its HF name; an optimizer iterates `trainable_variables()`.
+    vs: VarStore,
+    /// `[vocab, hidden]`, `model.embed_tokens.weight`.
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    /// `lm_head.weight`, or the embedding matrix itself when the checkpoint ties them.
+    lm_head: Tensor,
+    rotary: RotaryEmbedding,
+}
+
+/// Preallocated keys and values for incremental decoding, written in place at `len..len+T` by each
+/// [`CausalLm::forward_step`]; one per batch of sequences.
+#[derive(Debug)]
+pub struct KvCache {
+    layers: Vec<LayerKv>,
+    len: i64,
+    max_len: i64,
+    batch: i64,
+}
+
+impl KvCache {
+    /// Slots filled so far (the same for every row: padding is expressed with the key mask, not per-row lengths).
+    pub fn len(&self) -> i64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Capacity in slots.
+    pub fn max_len(&self) -> i64 {
+        self.max_len
+    }
+
+    /// Rows the cache was allocated for.
+    pub fn batch(&self) -> i64 {
+        self.batch
+    }
+
+    /// Forgets the cached slots so the allocation can be reused for a new batch.
+    pub fn reset(&mut self) {
+        self.len = 0;
+    }
+}
+
+impl CausalLm {
+    /// Creates the layer structure with uninitialised parameters; callers fill them before returning the model.
+    fn build(config: ModelConfig, device: Device, dtype: DType) -> Result<Self> {
+        let mut vs = VarStore::new(device);
+        vs.set_kind(dtype.kind());
+        let root = vs.root();
+        let model = &root / "model";
+        let embed_tokens = {
+            let path = &model / "embed_tokens";
+            let t = Tensor::f_empty([config.vocab_size, config.hidden_size], (dtype.kind(), device))?;
+            path.add("weight", t, true)
+        };
+        let layers = (0..config.num_hidden_layers)
+            .map(|i| DecoderLayer::new(&model / "layers" / i, &config))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::new(&model / "norm", config.hidden_size, config.rms_norm_eps)?;
+        let lm_head = if config.tie_word_embeddings {
+            embed_tokens.shallow_clone()
+        } else {
+            let t = Tensor::f_empty([config.vocab_size, config.hidden_size], (dtype.kind(), device))?;
+            (&root / "lm_head").add("weight", t, true)
+        };
+        let rotary = RotaryEmbedding::new(&config, device)?;
+        Ok(CausalLm { config, dtype, vs, embed_tokens, layers, norm, lm_head, rotary })
+    }
+
+    /// Loads an HF checkpoint directory: `config.json` and `model.safetensors` (or shards listed in
+    /// `model.safetensors.index.json`), converting the stored dtype to `dtype`.
+    pub fn load(dir: &Path, device: Device, dtype: DType) -> Result<Self> {
+        let config = ModelConfig::from_file(&dir.join(CONFIG_FILE))?;
+        let mut model = Self::build(config, device, dtype)?;
+        model.load_weights(dir)?;
+        Ok(model)
+    }
+
+    /// A model with HF's initialisation: normal(0, `init_std`) for linear and embedding weights, ones for norms,
+    /// zeros for biases. Seeded by the caller's `tch::manual_seed`.
+    pub fn random(config: ModelConfig, device: Device, dtype: DType, init_std: f64) -> Result<Self> {
+        let model = Self::build(config, device, dtype)?;
+        tch::no_grad(|| -> Result<()> {
+            for (name, mut param) in model.parameters() {
+                if name.ends_with("norm.weight") {
+                    let _ = param.f_fill_(1.0)?;
+                } else if name.ends_with(".bias") {
+                    let _ = param.f_zero_()?;
+                } else {
+                    let _ = param.f_normal_(0.0, init_std)?;
+                }
+            }
+            Ok(())
+        })?;
+        Ok(model)
+    }
+
+    /// Replaces the weights with those of a checkpoint directory of the same shape.
+    pub fn load_weights(&mut self, dir: &Path) -> Result<()> {
+        CheckpointFiles::open(dir)?.load_into(&self.parameters(), &dir.display().to_string())
+    }
+
+    /// Writes `model.safetensors` (HF names, no `lm_head` when tied) and `config.json` into `dir`.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+        let path = dir.join(weights::WEIGHTS_FILE);
+        let file = std::fs::File::create(&path).map_err(|e| ModelError::io(&path, e))?;
+        weights::write_safetensors(&self.parameters(), None, std::io::BufWriter::new(file))?;
+        let config_path = dir.join(CONFIG_FILE);
+        let json = serde_json::to_string_pretty(&self.config.to_json(self.dtype))
+            .map_err(|e| ModelError::json("config.json", e))?;
+        std::fs::write(&config_path, json + "\n").map_err(|e| ModelError::io(&config_path, e))
+    }
+
+    /// All weights as one safetensors blob in the model's dtype (what a trainer ships to rollout workers).
+    pub fn to_safetensors_bytes(&self) -> Result<Vec<u8>> {
+        self.to_safetensors_bytes_as(self.dtype)
+    }
+
+    /// All weights as one safetensors blob converted to `dtype` (e.g. an f32 trainer shipping bf16).
+    pub fn to_safetensors_bytes_as(&self, dtype: DType) -> Result<Vec<u8>> {
+        let mut bytes = Vec::new();
+        weights::write_safetensors(&self.parameters(), Some(dtype.kind()), &mut bytes)?;
+        Ok(bytes)
+    }
+
+    /// Swaps in weights from a blob made by [`Self::to_safetensors_bytes`]: the tensor names must be exactly the
+    /// model's parameters, shapes must match, dtypes must be float (converted to the model's dtype). Copies in
+    /// place under `no_grad`, so optimizer references and the `VarStore` stay valid. Validation happens before
+    /// any copy.
+    pub fn load_safetensors_bytes(&mut self, bytes: &[u8]) -> Result<()> {
+        weights::load_bytes(&self.parameters(), bytes)
+    }
+
+    /// Parameters by HF name, sorted (shallow clones: writing into them writes into the model).
+    pub fn parameters(&self) -> BTreeMap<String, Tensor> {
+        self.vs.variables().into_iter().collect()
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn device(&self) -> Device {
+        self.vs.device()
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The parameter store, for an optimizer (`nn::AdamW.build(model.var_store(), lr)`).
+    pub fn var_store(&self) -> &VarStore {
+        &self.vs
+    }
+
+    /// Mutable access, e.g. to `freeze()` a reference model. Changing the store's kind or device is not
+    /// supported: load the model again instead.
+    pub fn var_store_mut(&mut self) -> &mut VarStore {
+        &mut self.vs
+    }
+
+    /// Logits `[B, T, V]` in f32 for a padded batch. `input_ids` `[B, T]` (integer), `attention_mask` `[B, T]`
+    /// (1 = token, 0 = padding; left or right padding). Autograd flows when parameters require grad.
+    pub fn forward(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
+        self.lm_head(&self.forward_hidden(input_ids, attention_mask)?)
+    }
+
+    /// The final normed hidden states `[B, T, H]` (model dtype), for a value head sharing the trunk.
+    ///
+    /// Positions are `cumsum(mask) - 1` (clamped at 0), so a row's first real token is position 0 whatever the
+    /// padding side. Each query attends causally to real tokens; a padding query attends to itself only, which
+    /// keeps its row finite (its output is meaningless and must be masked by the caller).
+    pub fn forward_hidden(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
+        let (_, t) = check_2d(input_ids, "input_ids")?;
+        if attention_mask.size() != input_ids.size() {
+            return Err(ModelError::Input(format!(
+                "attention_mask has shape {:?} but input_ids has {:?}",
+                attention_mask.size(),
+                input_ids.size()
+            )));
+        }
+        let device = self.device();
+        let input_ids = input_ids.f_to_device(device)?;
+        let key_mask = attention_mask.f_to_device(device)?.f_ne(0)?;
+        let positions = key_mask.f_cumsum(1, Kind::Int64)?.f_sub_scalar(1)?.f_clamp_min(0)?;
+        let mask = attention_mask_4d(&key_mask, 0, t)?;
+        let (cos, sin) = self.rotary.cos_sin(&positions, self.dtype.kind())?;
+        let mut x = Tensor::f_embedding(&self.embed_tokens, &input_ids, -1, false, false)?;
+        for layer in &self.layers {
+            x = layer.forward(&x, &cos, &sin, &mask, None)?;
+        }
+        self.norm.forward(&x)
+    }
+
+    /// Projects hidden states `[..., H]` to f32 logits `[..., V]`.
+    pub fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
+        Ok(hidden.f_linear(&self.lm_head, None::<&Tensor>)?.f_to_kind(Kind::Float)?)
+    }
+
+    /// A zeroed KV cache for `batch` rows and up to `max_len` slots (prompt plus generated tokens).
+    pub fn new_cache(&self, batch: i64, max_len: i64) -> Result<KvCache> {
+        if batch <= 0 || max_len <= 0 {
+            return Err(ModelError::Generation(format!(
+                "a KV cache needs positive batch and length, got batch {batch}, max_len {max_len}"
+            )));
+        }
+        let shape = [batch, self.config.num_key_value_heads, max_len, self.config.head_dim];
+        let options = (self.dtype.kind(), self.device());
+        let layers = (0..self.layers.len())
+            .map(|_| Ok(LayerKv { k: Tensor::f_zeros(shape, options)?, v: Tensor::f_zeros(shape, options)? }))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(KvCache { layers, len: 0, max_len, batch })
+    }
+
+    /// One incremental step: appends `T` tokens per row to `cache` and returns their f32 logits `[B, T, V]`.
+    ///
+    /// `positions` `[B, T]` are the RoPE positions of the new tokens (a left-padded row starts at 0 at its
+    /// first real token). `key_mask` `[B, cache.len() + T]` says which slots hold real tokens (1) or padding (0),
+    /// covering the cached slots and the new ones. Always runs without autograd (inference only).
+    pub fn forward_step(
+        &self,
+        input_ids: &Tensor,
+        positions: &Tensor,
+        cache: &mut KvCache,
+        key_mask: &Tensor,
+    ) -> Result<Tensor> {
+        let hidden = self.forward_step_hidden(input_ids, positions, cache, key_mask)?;
+        tch::no_grad(|| self.lm_head(&hidden))
+    }
+
+    /// [`Self::forward_step`] without the LM head: normed hidden states `[B, T, H]`.
+    pub fn forward_step_hidden(
+        &self,
+        input_ids: &Tensor,
+        positions: &Tensor,
+        cache: &mut KvCache,
+        key_mask: &Tensor,
+    ) -> Result<Tensor> {
+        let (b, t) = check_2d(input_ids, "input_ids")?;
+        if positions.size() != input_ids.size() {
+            return Err(ModelError::Input(format!(
+                "positions has shape {:?} but input_ids has {:?}",
+                positions.size(),
+                input_ids.size()
+            )));
+        }
+        if b != cache.batch || cache.layers.len() != self.layers.len() {
+            return Err(ModelError::Input(format!(
+                "the KV cache was made for {} rows and {} layers, the step has {b} rows and the model {} layers",
+                cache.batch,
+                cache.layers.len(),
+                self.layers.len()
+            )));
+        }
+        let offset = cache.len;
+        if offset + t > cache.max_len {
+            return Err(ModelError::Generation(format!(
+                "KV cache overflow: {offset} cached + {t} new slots exceed its capacity of {}",
+                cache.max_len
+            )));
+        }
+        if key_mask.size() != [b, offset + t] {
+            return Err(ModelError::Input(format!(
+                "key_mask has shape {:?}, expected [{b}, {}] (cached + new slots)",
+                key_mask.size(),
+                offset + t
+            )));
+        }
+        let device = self.device();
+        let hidden = tch::no_grad(|| -> Result<Tensor> {
+            let input_ids = input_ids.f_to_device(device)?;
+            let positions = positions.f_to_device(device)?;
+            let key_mask = key_mask.f_to_device(device)?.f_ne(0)?;
+            let mask = attention_mask_4d(&key_mask, offset, t)?;
+            let (cos, sin) = self.rotary.cos_sin(&positions, self.dtype.kind())?;
+            let mut x = Tensor::f_embedding(&self.embed_tokens, &input_ids, -1, false, false)?;
+            for (layer, kv) in self.layers.iter().zip(cache.layers.iter_mut()) {
+                x = layer.forward(&x, &cos, &sin, &mask, Some((kv, offset)))?;
+            }
+            self.norm.forward(&x)
+        })?;
+        cache.len = offset + t;
+        Ok(hidden)
+    }
+}
+
+fn check_2d(t: &Tensor, what: &str) -> Result<(i64, i64)> {
+    match t.size().as_slice() {
+        &[b, l] if b > 0 && l > 0 => Ok((b, l)),
+        other => Err(ModelError::Input(format!("{what} must be a non-empty [batch, len] tensor, got shape {other:?}"))),
+    }
+}
+
+/// The boolean attention mask `[B, 1, T, S]` for `T` queries at slots `offset..offset+T` over `S` key slots:
+/// a query sees earlier-or-same slots that hold real tokens, and always itself, so no row is fully masked
+/// (an all-false row would make softmax produce NaN for padding queries).
+fn attention_mask_4d(key_mask: &Tensor, offset: i64, t: i64) -> Result<Tensor> {
+    let s = key_mask.size().get(1).copied().unwrap_or(0);
+    let device = key_mask.device();
+    let query_slots = Tensor::f_arange_start(offset, offset + t, (Kind::Int64, device))?.f_unsqueeze(1)?;
+    let key_slots = Tensor::f_arange(s, (Kind::Int64, device))?.f_unsqueeze(0)?;
+    let causal = key_slots.f_le_tensor(&query_slots)?;
+    let own = key_slots.f_eq_tensor(&query_slots)?;
+    let keys = key_mask.f_unsqueeze(1)?.f_unsqueeze(1)?;
+    Ok(causal.f_logical_and(&keys)?.f_logical_or(&own)?)
+}

@@ -1,0 +1,50 @@
+//! The model on a CUDA device agrees with the CPU. Skipped (with the reason printed) where libtorch sees no GPU.
+
+mod common;
+
+use common::*;
+use jetrl_model::{generate, log_probs_of, parse_device, CausalLm, DType, SamplingParams};
+use tch::Device;
+
+fn cuda() -> Option<Device> {
+    if !tch::Cuda::is_available() {
+        eprintln!("SKIP: libtorch sees no CUDA device");
+        return None;
+    }
+    Some(parse_device("cuda:0").expect("cuda:0 parses when CUDA is available"))
+}
+
+#[test]
+fn cuda_f32_log_probs_match_the_hf_reference() {
+    let Some(device) = cuda() else { return };
+    let dir = hf_sample_llama();
+    let reference = read_reference(&dir);
+    let model = CausalLm::load(&dir, device, DType::F32).unwrap();
+    let ours: Vec<Vec<f32>> = reference.sequences.iter().map(|ids| log_probs_of(&model, ids).unwrap()).collect();
+    let d = diff(&ours, &reference.logprobs);
+    println!("cuda f32 vs transformers: max {:.3e} mean {:.3e}", d.max, d.mean);
+    // TF32 matmuls may be enabled on the GPU: allow a little more than the CPU tolerance.
+    assert!(d.max <= 2e-3 && d.mean <= 1e-4, "{d:?}");
+}
+
+#[test]
+fn cuda_bf16_generation_log_probs_match_cuda_bf16_forward() {
+    let Some(device) = cuda() else { return };
+    let model = CausalLm::load(&hf_sample_llama(), device, DType::BF16).unwrap();
+    let prompts = vec![vec![1u32, 87, 85, 266], vec![5, 9], vec![223, 231, 35, 47, 260, 71, 92]];
+    tch::manual_seed(5);
+    let params = [SamplingParams { temperature: 1.0, top_p: 0.95, max_new_tokens: 12, ..Default::default() }];
+    let gens = generate(&model, &prompts, &params, &[]).unwrap();
+    let mut diffs = Vec::new();
+    for (p, g) in prompts.iter().zip(&gens) {
+        let full = [p.clone(), g.tokens.clone()].concat();
+        let lp = log_probs_of(&model, &full).unwrap();
+        let recomputed = lp[p.len() - 1..].to_vec();
+        diffs.push((g.logprobs.clone(), recomputed));
+    }
+    let (a, b): (Vec<_>, Vec<_>) = diffs.into_iter().unzip();
+    let d = diff(&a, &b);
+    println!("cuda bf16 generation vs forward: max {:.3e} mean {:.3e}", d.max, d.mean);
+    // bf16 rounds differently between one-token decode steps and a full forward.
+    assert!(d.mean <= 5e-2, "{d:?}");
+}

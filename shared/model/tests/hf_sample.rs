@@ -1,0 +1,89 @@
+//! The golden checkpoint written by transformers 5 (`tests/golden/hf-sample/llama`): jetrl must reproduce its
+//! log-probs within 1e-4 on the CPU in f32 and its chat ids exactly.
+
+mod common;
+
+use common::*;
+use jetrl_model::{logprobs_jsonl, CausalLm, DType, ModelError, Tokenizer};
+use tch::Device;
+
+#[test]
+fn hf_sample_llama_log_probs_match_transformers_per_sequence_and_padded() {
+    let d = check_against_reference(&hf_sample_llama());
+    assert!(d.count > 100, "the reference should cover many tokens, got {}", d.count);
+}
+
+#[test]
+fn hf_sample_chat_template_ids_match_transformers() {
+    let dir = hf_sample_llama();
+    let reference = read_reference(&dir);
+    assert!(!reference.chat.is_empty());
+    let tokenizer = Tokenizer::from_dir(&dir).unwrap();
+    for case in &reference.chat {
+        let ids = tokenizer.apply_chat_template(&case.messages, case.add_generation_prompt).unwrap();
+        assert_eq!(ids, case.ids, "add_generation_prompt={}", case.add_generation_prompt);
+    }
+}
+
+#[test]
+fn hf_sample_special_tokens_come_from_generation_config_and_tokenizer_config() {
+    let tokenizer = Tokenizer::from_dir(&hf_sample_llama()).unwrap();
+    assert_eq!(tokenizer.eos_token_ids(), &[2, 0]);
+    assert_eq!(tokenizer.pad_token_id(), Some(0));
+    let ids = tokenizer.encode("What is 7 times 6?", false).unwrap();
+    assert_eq!(tokenizer.decode(&ids, false).unwrap(), "What is 7 times 6?");
+}
+
+#[test]
+fn logprobs_jsonl_answers_ids_and_messages_lines() {
+    let dir = hf_sample_llama();
+    let reference = read_reference(&dir);
+    let ids_line = serde_json::json!({ "ids": reference.sequences[1] }).to_string();
+    let chat = &reference.chat[0];
+    let messages_line = serde_json::json!({
+        "messages": [{"role": "user", "content": "What is 7 times 6?"}],
+        "add_generation_prompt": chat.add_generation_prompt,
+    })
+    .to_string();
+    let input = format!("{ids_line}\n\n{messages_line}\n");
+    let mut output = Vec::new();
+    logprobs_jsonl(&dir, input.as_bytes(), &mut output).unwrap();
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8(output).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 2, "one answer per non-blank input line");
+
+    let answer_ids: Vec<u32> = serde_json::from_value(lines[0]["ids"].clone()).unwrap();
+    let answer_lp: Vec<f32> = serde_json::from_value(lines[0]["logprobs"].clone()).unwrap();
+    assert_eq!(answer_ids, reference.sequences[1]);
+    let d = diff(&[answer_lp], &[reference.logprobs[1].clone()]);
+    assert!(d.max <= LOGPROB_TOL, "{d:?}");
+
+    let chat_ids: Vec<u32> = serde_json::from_value(lines[1]["ids"].clone()).unwrap();
+    let chat_lp: Vec<f32> = serde_json::from_value(lines[1]["logprobs"].clone()).unwrap();
+    assert_eq!(chat_ids, chat.ids);
+    assert_eq!(chat_lp.len(), chat_ids.len() - 1);
+}
+
+#[test]
+fn logprobs_jsonl_names_the_bad_line() {
+    let input = "{\"ids\": [1, 2, 3]}\n{\"ids\": \"nope\"}\n";
+    let mut output = Vec::new();
+    let err = logprobs_jsonl(&hf_sample_llama(), input.as_bytes(), &mut output).unwrap_err();
+    assert!(matches!(err, ModelError::Line { line: 2, .. }), "{err}");
+    assert_eq!(String::from_utf8(output).unwrap().lines().count(), 1, "the good line before was answered");
+
+    let input = "{\"ids\": [1, 2, 100000]}\n";
+    let err = logprobs_jsonl(&hf_sample_llama(), input.as_bytes(), Vec::new()).unwrap_err();
+    assert!(matches!(err, ModelError::Line { line: 1, .. }), "{err}");
+}
+
+#[test]
+fn hf_sample_loads_in_bf16_close_to_the_f32_reference() {
+    let dir = hf_sample_llama();
+    let reference = read_reference(&dir);
+    let model = CausalLm::load(&dir, Device::Cpu, DType::BF16).unwrap();
+    let ours = per_sequence_logprobs(&model, &reference.sequences);
+    let d = diff(&ours, &reference.logprobs);
+    println!("bf16 vs f32 reference: max {:.3e} mean {:.3e}", d.max, d.mean);
+    assert!(d.mean < 0.05 && d.max < 0.5, "{d:?}");
+}

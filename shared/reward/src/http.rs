@@ -1,0 +1,246 @@
+//! A minimal HTTP/1.1 client for JSON POSTs to a reward-model server: one connection per request
+//! (`Connection: close`), bodies sized by `Content-Length`, chunked encoding or end of stream. Plain `http://`
+//! only; an `https://` server needs a TLS-terminating proxy in front (kept out to keep the build lean).
+
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+
+const MAX_HEAD_BYTES: usize = 64 << 10;
+const MAX_BODY_BYTES: usize = 64 << 20;
+
+/// Why an HTTP exchange failed before a status code was known.
+#[derive(Debug, thiserror::Error)]
+pub enum HttpError {
+    #[error("url {0:?} is not of the form http://host[:port][/path]")]
+    InvalidUrl(String),
+    #[error("connect to {address}: {source}")]
+    Connect { address: String, source: std::io::Error },
+    #[error("send: {0}")]
+    Send(std::io::Error),
+    #[error("receive: {0}")]
+    Receive(std::io::Error),
+    #[error("malformed response: {0}")]
+    MalformedResponse(String),
+    #[error("no complete response within {0:?}")]
+    Timeout(Duration),
+}
+
+/// Where requests go: `http://host:port/prefix`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpEndpoint {
+    host: String,
+    port: u16,
+    /// path prefix without a trailing `/` (empty for the root)
+    base_path: String,
+}
+
+impl HttpEndpoint {
+    pub fn parse(url: &str) -> Result<Self, HttpError> {
+        let invalid = || HttpError::InvalidUrl(url.to_string());
+        let rest = url.strip_prefix("http://").ok_or_else(invalid)?;
+        let (authority, path) = match rest.find('/') {
+            Some(slash) => rest.split_at(slash),
+            None => (rest, ""),
+        };
+        let (host, port) = if let Some(bracketed) = authority.strip_prefix('[') {
+            // IPv6 literal: [::1]:8000
+            let (host, after) = bracketed.split_once(']').ok_or_else(invalid)?;
+            let port = match after.strip_prefix(':') {
+                Some(port) => port.parse().map_err(|_| invalid())?,
+                None if after.is_empty() => 80,
+                None => return Err(invalid()),
+            };
+            (host.to_string(), port)
+        } else {
+            match authority.rsplit_once(':') {
+                Some((host, port)) => (host.to_string(), port.parse().map_err(|_| invalid())?),
+                None => (authority.to_string(), 80),
+            }
+        };
+        if host.is_empty() {
+            return Err(invalid());
+        }
+        Ok(Self { host, port, base_path: path.trim_end_matches('/').to_string() })
+    }
+
+    fn host_header(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// A response: status code and the whole body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpResponse {
+    pub status: u16,
+    pub body: Vec<u8>,
+}
+
+/// `POST {base}{path}` with a JSON body; the whole exchange (connect to last byte) is bounded by `timeout`.
+pub async fn post_json(
+    endpoint: &HttpEndpoint,
+    path: &str,
+    body: &[u8],
+    timeout: Duration,
+) -> Result<HttpResponse, HttpError> {
+    tokio::time::timeout(timeout, exchange(endpoint, path, body)).await.map_err(|_| HttpError::Timeout(timeout))?
+}
+
+async fn exchange(endpoint: &HttpEndpoint, path: &str, body: &[u8]) -> Result<HttpResponse, HttpError> {
+    let address = (endpoint.host.as_str(), endpoint.port);
+    let mut stream = TcpStream::connect(address)
+        .await
+        .map_err(|source| HttpError::Connect { address: endpoint.host_header(), source })?;
+    let head = format!(
+        "POST {}{} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nAccept: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\nUser-Agent: jetrl-reward\r\n\r\n",
+        endpoint.base_path,
+        path,
+        endpoint.host_header(),
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await.map_err(HttpError::Send)?;
+    stream.write_all(body).await.map_err(HttpError::Send)?;
+    stream.flush().await.map_err(HttpError::Send)?;
+    read_response(BufReader::new(stream)).await
+}
+
+async fn read_response<R: tokio::io::AsyncBufRead + Unpin>(mut reader: R) -> Result<HttpResponse, HttpError> {
+    let status_line = read_head_line(&mut reader).await?;
+    let status = parse_status_line(&status_line)?;
+    let mut content_length = None;
+    let mut chunked = false;
+    let mut head_bytes = status_line.len();
+    loop {
+        let line = read_head_line(&mut reader).await?;
+        head_bytes += line.len();
+        if head_bytes > MAX_HEAD_BYTES {
+            return Err(HttpError::MalformedResponse("response head too large".into()));
+        }
+        if line.is_empty() {
+            break;
+        }
+        let Some((name, value)) = line.split_once(':') else { continue };
+        let value = value.trim();
+        if name.eq_ignore_ascii_case("content-length") {
+            let length: usize =
+                value.parse().map_err(|_| HttpError::MalformedResponse(format!("Content-Length {value:?}")))?;
+            content_length = Some(length);
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            chunked = value.to_ascii_lowercase().contains("chunked");
+        }
+    }
+    let body = if chunked {
+        read_chunked_body(&mut reader).await?
+    } else if let Some(length) = content_length {
+        if length > MAX_BODY_BYTES {
+            return Err(HttpError::MalformedResponse(format!("body of {length} bytes is too large")));
+        }
+        let mut body = vec![0; length];
+        reader.read_exact(&mut body).await.map_err(HttpError::Receive)?;
+        body
+    } else {
+        let mut body = Vec::new();
+        (&mut reader).take(MAX_BODY_BYTES as u64 + 1).read_to_end(&mut body).await.map_err(HttpError::Receive)?;
+        if body.len() > MAX_BODY_BYTES {
+            return Err(HttpError::MalformedResponse("body too large".into()));
+        }
+        body
+    };
+    Ok(HttpResponse { status, body })
+}
+
+/// One CRLF-terminated line of the response head, without its terminator.
+async fn read_head_line<R: tokio::io::AsyncBufRead + Unpin>(reader: &mut R) -> Result<String, HttpError> {
+    let mut line = Vec::new();
+    let read =
+        (&mut *reader).take(MAX_HEAD_BYTES as u64).read_until(b'\n', &mut line).await.map_err(HttpError::Receive)?;
+    if read == 0 || line.last() != Some(&b'\n') {
+        return Err(HttpError::MalformedResponse("connection closed inside the response head".into()));
+    }
+    while matches!(line.last(), Some(b'\n' | b'\r')) {
+        line.pop();
+    }
+    String::from_utf8(line).map_err(|_| HttpError::MalformedResponse("response head is not UTF-8".into()))
+}
+
+fn parse_status_line(line: &str) -> Result<u16, HttpError> {
+    let mut parts = line.split_whitespace();
+    let version = parts.next().unwrap_or_default();
+    let code = parts.next().and_then(|code| code.parse::<u16>().ok());
+    match code {
+        Some(code) if version.starts_with("HTTP/1.") => Ok(code),
+        _ => Err(HttpError::MalformedResponse(format!("status line {line:?}"))),
+    }
+}
+
+async fn read_chunked_body<R: tokio::io::AsyncBufRead + Unpin>(reader: &mut R) -> Result<Vec<u8>, HttpError> {
+    let mut body = Vec::new();
+    loop {
+        let size_line = read_head_line(reader).await?;
+        let size_text = size_line.split(';').next().unwrap_or_default().trim();
+        let size = usize::from_str_radix(size_text, 16)
+            .map_err(|_| HttpError::MalformedResponse(format!("chunk size {size_text:?}")))?;
+        if size == 0 {
+            // Trailers, then the empty line that ends the message.
+            while !read_head_line(reader).await?.is_empty() {}
+            return Ok(body);
+        }
+        if body.len() + size > MAX_BODY_BYTES {
+            return Err(HttpError::MalformedResponse("body too large".into()));
+        }
+        let start = body.len();
+        body.resize(start + size, 0);
+        reader.read_exact(&mut body[start..]).await.map_err(HttpError::Receive)?;
+        let mut crlf = [0u8; 2];
+        reader.read_exact(&mut crlf).await.map_err(HttpError::Receive)?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_parse_into_host_port_and_prefix() {
+        let endpoint = HttpEndpoint::parse("http://rm.local:8000/api/").unwrap();
+        assert_eq!((endpoint.host.as_str(), endpoint.port, endpoint.base_path.as_str()), ("rm.local", 8000, "/api"));
+        assert_eq!(HttpEndpoint::parse("http://rm.local").unwrap().port, 80);
+        let v6 = HttpEndpoint::parse("http://[::1]:9000").unwrap();
+        assert_eq!((v6.host.as_str(), v6.port, v6.host_header()), ("::1", 9000, "[::1]:9000".to_string()));
+    }
+
+    #[test]
+    fn https_and_malformed_urls_are_rejected() {
+        assert!(HttpEndpoint::parse("https://rm.local").is_err());
+        assert!(HttpEndpoint::parse("http://:80").is_err());
+        assert!(HttpEndpoint::parse("http://rm.local:port").is_err());
+    }
+
+    #[tokio::test]
+    async fn chunked_body_is_reassembled() {
+        let raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\n{\"a\"\r\n3;x=y\r\n:1}\r\n0\r\n\r\n";
+        let response = read_response(&raw[..]).await.unwrap();
+        assert_eq!((response.status, response.body.as_slice()), (200, &b"{\"a\":1}"[..]));
+    }
+
+    #[tokio::test]
+    async fn body_without_length_runs_to_end_of_stream() {
+        let raw = b"HTTP/1.0 503 Busy\r\nX: y\r\n\r\nlater";
+        let response = read_response(&raw[..]).await.unwrap();
+        assert_eq!((response.status, response.body.as_slice()), (503, &b"later"[..]));
+    }
+
+    #[tokio::test]
+    async fn truncated_head_is_malformed() {
+        assert!(matches!(
+            read_response(&b"HTTP/1.1 200 OK\r\nContent-"[..]).await,
+            Err(HttpError::MalformedResponse(_))
+        ));
+    }
+}
