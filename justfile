@@ -26,3 +26,8 @@ lint:
 # golden vectors from any file in the schema of tests/golden/README.md
 golden *files="tests/golden/algos_sample.json tests/golden/rewards_sample.json": build
     ./target/debug/jetrl-golden {{files}}
+
+# a benchmark (benches/<name>/run.sh): dataplane, trainer_step, rollout_engine, reward; the last line
+# printed is one JSON object with the figures
+bench name: build
+    benches/{{name}}/run.sh
