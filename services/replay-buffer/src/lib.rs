@@ -9,6 +9,7 @@
 //! Payloads never pass through the buffer: it keeps keys, versions, lengths, scores and stream sequences;
 //! the trainer fetches trajectory bytes from the TRAJ stream directly.
 
+pub mod sampler;
 pub mod service;
 pub mod state;
 

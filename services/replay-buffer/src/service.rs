@@ -14,6 +14,7 @@ use jetrl_wire::v1::{
 };
 use jetrl_wire::{subjects, Message};
 
+use crate::sampler::{next_action, Action, EvictReason, Progress, SamplerConfig};
 use crate::state::BufferState;
 
 const SERVICE: &str = "buffer";
@@ -48,13 +49,16 @@ pub async fn run(
     bus.declare_topology().await?;
     let stop = shutdown.clone();
     jetrl_telemetry::serve_metrics(&cfg.buffer.metrics_addr, async move { stop.wait().await }).await?;
-    Buffer::start(bus).await?.serve(shutdown).await
+    Buffer::start(bus, SamplerConfig::from_job(&cfg)).await?.serve(shutdown).await
 }
 
 struct Buffer {
     bus: Bus,
     groups: GroupStore,
     state: BufferState,
+    sampler: SamplerConfig,
+    /// per request id: the sample loop's memory (refill credit, metrics) between iterations
+    progress: HashMap<String, Progress>,
     waiting: VecDeque<Waiting>,
     answers: HashMap<String, SampleResponse>,
     answer_order: VecDeque<String>,
@@ -65,7 +69,7 @@ struct Buffer {
 }
 
 impl Buffer {
-    async fn start(bus: Bus) -> Result<Self, BufferError> {
+    async fn start(bus: Bus, sampler: SamplerConfig) -> Result<Self, BufferError> {
         let groups = GroupStore::open(&bus).await?;
         let empty_bucket = groups.kv().status().await.map(|s| s.values() == 0).map_err(|e| BusError::Kv {
             bucket: subjects::GROUPS_BUCKET.into(),
@@ -82,6 +86,8 @@ impl Buffer {
             bus,
             groups,
             state: BufferState::default(),
+            sampler,
+            progress: HashMap::new(),
             waiting: VecDeque::new(),
             answers: HashMap::new(),
             answer_order: VecDeque::new(),
@@ -225,59 +231,166 @@ impl Buffer {
     }
 
     /// The answer to `request` if it can be given now: a remembered answer (retry), the groups a previous
-    /// incarnation already consumed for it (retry after a restart), or a fresh selection.
+    /// incarnation already consumed for it (retry after a restart), or the sampling policy's verdict
+    /// (which may first evict groups and ask the trainer for refills).
     async fn try_answer(&mut self, request: &SampleRequest) -> Option<SampleResponse> {
+        if request.peek {
+            // peeks consume nothing, so they are neither remembered nor found by request id
+            let mut progress = self.progress.remove(&request.request_id).unwrap_or_default();
+            let response = self.run_policy(request, &mut progress).await;
+            if response.as_ref().is_none_or(|r| r.not_ready) {
+                self.progress.insert(request.request_id.clone(), progress);
+            }
+            return response;
+        }
         if let Some(previous) = self.answers.get(&request.request_id) {
             return Some(previous.clone());
         }
-        let batch_size = request.batch_size as usize;
         let prior: Vec<String> =
             self.state.sampled_by(&request.request_id).iter().map(|g| g.status.uid.clone()).collect();
-        let uids = if !prior.is_empty() {
-            prior
-        } else {
-            let selected = self.state.select(&request.partition, batch_size)?;
-            let mut confirmed = Vec::with_capacity(selected.len());
-            let updates = selected.iter().map(|uid| {
-                let groups = self.groups.clone();
-                let (partition, uid, step, request_id) =
-                    (request.partition.clone(), uid.clone(), request.step, request.request_id.clone());
-                async move {
-                    let result = groups
-                        .update(&partition, &uid, |s| {
-                            s.sampled_step = step;
-                            s.sample_request_id = request_id.clone();
-                            Some(GroupState::Sampled)
-                        })
-                        .await;
-                    (uid, result)
-                }
-            });
-            for (uid, result) in futures::future::join_all(updates).await {
-                match result {
-                    Ok(_) => confirmed.push(uid),
-                    Err(err) => tracing::error!(%uid, error = %err, "could not mark group sampled"),
-                }
-            }
-            for uid in &confirmed {
-                self.state.mark_sampled(&request.partition, uid, request.step, &request.request_id);
-            }
-            if confirmed.len() < batch_size {
-                // Some records changed under us; what was confirmed is found again by request id next time.
+        if !prior.is_empty() {
+            return Some(self.respond(request, &prior, Default::default()));
+        }
+        let mut progress = self.progress.remove(&request.request_id).unwrap_or_default();
+        let response = self.run_policy(request, &mut progress).await;
+        if response.as_ref().is_none_or(|r| r.not_ready) {
+            self.progress.insert(request.request_id.clone(), progress);
+        }
+        response
+    }
+
+    /// Runs the sampling policy for one request until it answers, asks for refills, fails or must wait.
+    async fn run_policy(&mut self, request: &SampleRequest, progress: &mut Progress) -> Option<SampleResponse> {
+        let mut iterations = 0;
+        loop {
+            iterations += 1;
+            if iterations > 64 {
+                // every eviction shrinks the candidate set, so this never loops; stay safe anyway
                 return None;
             }
-            confirmed
-        };
+            match next_action(&self.state, &self.sampler, request, progress) {
+                Action::Evict(evicted) => {
+                    let done = self.evict(&request.partition, &evicted).await;
+                    progress.record_eviction(&done);
+                }
+                Action::Refill(n) => {
+                    progress.record_refill(n);
+                    metrics::counter!("jetrl_buffer_refills_total", "partition" => request.partition.clone())
+                        .increment(u64::from(n));
+                    return Some(SampleResponse {
+                        request_id: request.request_id.clone(),
+                        not_ready: true,
+                        refill: n,
+                        ..Default::default()
+                    });
+                }
+                Action::Answer { selected, discard } => {
+                    let surplus: Vec<(String, EvictReason)> =
+                        discard.into_iter().map(|uid| (uid, EvictReason::DiscardedSurplus)).collect();
+                    let done = self.evict(&request.partition, &surplus).await;
+                    progress.record_eviction(&done);
+                    match self.consume(request, &selected).await {
+                        Some(uids) => {
+                            let prefix = if request.partition == "val" { "validation" } else { "training" };
+                            let response = self.respond(request, &uids, progress.metrics(prefix));
+                            self.remember(response.clone());
+                            return Some(response);
+                        }
+                        None => return None,
+                    }
+                }
+                Action::Count(n) => {
+                    return Some(SampleResponse {
+                        request_id: request.request_id.clone(),
+                        sampleable: n,
+                        ..Default::default()
+                    })
+                }
+                Action::Wait => return None,
+                Action::Fail(error) => {
+                    tracing::error!(request_id = %request.request_id, %error, "sample request cannot be answered");
+                    return Some(SampleResponse {
+                        request_id: request.request_id.clone(),
+                        error,
+                        ..Default::default()
+                    });
+                }
+            }
+        }
+    }
+
+    /// Marks groups evicted (CAS), locally too; returns those actually evicted.
+    async fn evict(&mut self, partition: &str, groups: &[(String, EvictReason)]) -> Vec<(String, EvictReason)> {
+        let results = futures::future::join_all(groups.iter().map(|(uid, reason)| {
+            let store = self.groups.clone();
+            let (partition, uid, label) = (partition.to_string(), uid.clone(), reason.label());
+            async move { store.evict(&partition, &uid, label).await }
+        }))
+        .await;
+        let mut done = Vec::new();
+        for ((uid, reason), result) in groups.iter().zip(results) {
+            match result {
+                Ok(()) => {
+                    self.state.mark_evicted(partition, uid, reason.label());
+                    metrics::counter!("jetrl_buffer_evicted_groups_total", "reason" => reason.label()).increment(1);
+                    done.push((uid.clone(), reason.clone()));
+                }
+                Err(err) => tracing::error!(%uid, error = %err, "could not evict group"),
+            }
+        }
+        done
+    }
+
+    /// Marks the selected groups sampled (CAS, all in flight at once). None if any record changed under us:
+    /// what was confirmed is found again by request id next time.
+    async fn consume(&mut self, request: &SampleRequest, selected: &[String]) -> Option<Vec<String>> {
+        let updates = selected.iter().map(|uid| {
+            let groups = self.groups.clone();
+            let (partition, uid, step, request_id) =
+                (request.partition.clone(), uid.clone(), request.step, request.request_id.clone());
+            async move {
+                let result = groups
+                    .update(&partition, &uid, |s| {
+                        s.sampled_step = step;
+                        s.sample_request_id = request_id.clone();
+                        Some(GroupState::Sampled)
+                    })
+                    .await;
+                (uid, result)
+            }
+        });
+        let mut confirmed = Vec::with_capacity(selected.len());
+        for (uid, result) in futures::future::join_all(updates).await {
+            match result {
+                Ok(_) => confirmed.push(uid),
+                Err(err) => tracing::error!(%uid, error = %err, "could not mark group sampled"),
+            }
+        }
+        for uid in &confirmed {
+            self.state.mark_sampled(&request.partition, uid, request.step, &request.request_id);
+        }
+        (confirmed.len() == selected.len()).then_some(confirmed)
+    }
+
+    fn respond(
+        &self,
+        request: &SampleRequest,
+        uids: &[String],
+        metrics: std::collections::BTreeMap<String, f64>,
+    ) -> SampleResponse {
         let groups = uids
             .iter()
             .filter_map(|uid| self.state.group(&request.partition, uid))
             .map(|g| self.state.sampled_group(g))
             .collect::<Vec<_>>();
-        let response = SampleResponse { request_id: request.request_id.clone(), groups, ..Default::default() };
         metrics::counter!("jetrl_buffer_sampled_groups_total", "partition" => request.partition.clone())
-            .increment(response.groups.len() as u64);
-        self.remember(response.clone());
-        Some(response)
+            .increment(groups.len() as u64);
+        SampleResponse {
+            request_id: request.request_id.clone(),
+            groups,
+            metrics: metrics.into_iter().collect(),
+            ..Default::default()
+        }
     }
 
     fn remember(&mut self, response: SampleResponse) {
@@ -311,6 +424,7 @@ impl Buffer {
         let seqs = self.state.release(&request.request_ids);
         for id in &request.request_ids {
             self.answers.remove(id);
+            self.progress.remove(id);
         }
         let released = seqs.len() as u64;
         let result = self.delete_payloads(&seqs).await;

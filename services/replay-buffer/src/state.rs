@@ -86,6 +86,24 @@ impl BufferState {
         self.groups.get(&key(partition, uid))
     }
 
+    /// Marks a group evicted locally (the KV write is done by the caller).
+    pub fn mark_evicted(&mut self, partition: &str, uid: &str, reason: &str) {
+        if let Some(group) = self.groups.get_mut(&key(partition, uid)) {
+            group.status.set_state(GroupState::Evicted);
+            group.status.evicted_reason = reason.to_string();
+        }
+    }
+
+    /// Groups of `partition` still being generated or scored: pending, running, or terminal with a listed
+    /// trajectory not yet scored.
+    pub fn inflight(&self, partition: &str) -> Vec<&Group> {
+        self.groups
+            .values()
+            .filter(|g| g.status.partition == partition)
+            .filter(|g| g.state().is_inflight() || (g.state().is_terminal() && !g.is_complete()))
+            .collect()
+    }
+
     /// Marks a group sampled locally (the KV write is done by the caller).
     pub fn mark_sampled(&mut self, partition: &str, uid: &str, step: u64, request_id: &str) {
         if let Some(group) = self.groups.get_mut(&key(partition, uid)) {
