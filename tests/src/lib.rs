@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 
 pub use jetrl_bus::NatsServer;
 
+pub mod sim;
+
 /// Path of a workspace binary (`target/<profile>/<name>`), located from the test executable.
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");

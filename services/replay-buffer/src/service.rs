@@ -321,11 +321,15 @@ impl Buffer {
 
     /// Marks groups evicted (CAS), locally too; returns those actually evicted.
     async fn evict(&mut self, partition: &str, groups: &[(String, EvictReason)]) -> Vec<(String, EvictReason)> {
-        let results = futures::future::join_all(groups.iter().map(|(uid, reason)| {
-            let store = self.groups.clone();
-            let (partition, uid, label) = (partition.to_string(), uid.clone(), reason.label());
-            async move { store.evict(&partition, &uid, label).await }
-        }))
+        // Owned inputs (no borrowed closure arguments) keep this future `Send` for every lifetime.
+        let jobs: Vec<(GroupStore, String, String, &'static str)> = groups
+            .iter()
+            .map(|(uid, reason)| (self.groups.clone(), partition.to_string(), uid.clone(), reason.label()))
+            .collect();
+        let results = futures::future::join_all(
+            jobs.into_iter()
+                .map(|(store, partition, uid, label)| async move { store.evict(&partition, &uid, label).await }),
+        )
         .await;
         let mut done = Vec::new();
         for ((uid, reason), result) in groups.iter().zip(results) {
@@ -344,20 +348,21 @@ impl Buffer {
     /// Marks the selected groups sampled (CAS, all in flight at once). None if any record changed under us:
     /// what was confirmed is found again by request id next time.
     async fn consume(&mut self, request: &SampleRequest, selected: &[String]) -> Option<Vec<String>> {
-        let updates = selected.iter().map(|uid| {
-            let groups = self.groups.clone();
-            let (partition, uid, step, request_id) =
-                (request.partition.clone(), uid.clone(), request.step, request.request_id.clone());
-            async move {
-                let result = groups
-                    .update(&partition, &uid, |s| {
-                        s.sampled_step = step;
-                        s.sample_request_id = request_id.clone();
-                        Some(GroupState::Sampled)
-                    })
-                    .await;
-                (uid, result)
-            }
+        let jobs: Vec<(GroupStore, String, String, u64, String)> = selected
+            .iter()
+            .map(|uid| {
+                (self.groups.clone(), request.partition.clone(), uid.clone(), request.step, request.request_id.clone())
+            })
+            .collect();
+        let updates = jobs.into_iter().map(|(groups, partition, uid, step, request_id)| async move {
+            let result = groups
+                .update(&partition, &uid, |s| {
+                    s.sampled_step = step;
+                    s.sample_request_id = request_id.clone();
+                    Some(GroupState::Sampled)
+                })
+                .await;
+            (uid, result)
         });
         let mut confirmed = Vec::with_capacity(selected.len());
         for (uid, result) in futures::future::join_all(updates).await {
@@ -439,7 +444,9 @@ impl Buffer {
     async fn delete_payloads(&self, seqs: &[(u64, u64)]) -> Result<(), BusError> {
         let traj = self.bus.stream(subjects::TRAJ_STREAM).await?;
         let rewards = self.bus.stream(subjects::REWARDS_STREAM).await?;
-        let deletes = seqs.iter().flat_map(|(t, r)| [(&traj, *t), (&rewards, *r)]).map(|(stream, seq)| async move {
+        let jobs: Vec<(async_nats::jetstream::stream::Stream, u64)> =
+            seqs.iter().flat_map(|(t, r)| [(traj.clone(), *t), (rewards.clone(), *r)]).collect();
+        let deletes = jobs.into_iter().map(|(stream, seq)| async move {
             // Already gone (e.g. a retried release) is fine.
             let _ = stream.delete_message(seq).await;
         });

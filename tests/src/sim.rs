@@ -1,0 +1,151 @@
+//! A simulated rollout producer (and scorer) writing through the real data plane: group records in the
+//! GROUPS bucket, trajectory payloads in TRAJ, and — when no reward service runs — rewards in REWARDS. Used
+//! by the replay-buffer integration tests and the `dataplane` benchmark.
+
+use bytes::Bytes;
+use jetrl_bus::publish::Outgoing;
+use jetrl_bus::{Bus, BusError, GroupStore, Publisher};
+use jetrl_wire::keys::TrajectoryKey;
+use jetrl_wire::v1::{GroupState, GroupStatus, PromptTask, Reward, Trajectory};
+use jetrl_wire::{packed, subjects};
+
+/// What a simulated group looks like.
+#[derive(Debug, Clone)]
+pub struct GroupSpec {
+    pub uid: String,
+    pub partition: String,
+    pub submit_step: u64,
+    /// one score per session; the group's trajectories are `{uid}_{i}_0`
+    pub scores: Vec<f64>,
+    pub state: GroupState,
+    /// bytes of response token ids per trajectory (the payload size)
+    pub payload_bytes: usize,
+}
+
+impl GroupSpec {
+    pub fn finished(uid: &str, submit_step: u64, scores: &[f64]) -> Self {
+        Self {
+            uid: uid.into(),
+            partition: "train".into(),
+            submit_step,
+            scores: scores.to_vec(),
+            state: GroupState::Finished,
+            payload_bytes: 64,
+        }
+    }
+}
+
+/// Writes a pending record (as the trainer does).
+pub async fn submit(groups: &GroupStore, spec: &GroupSpec) -> Result<(), BusError> {
+    let task = PromptTask {
+        uid: spec.uid.clone(),
+        partition: spec.partition.clone(),
+        n: spec.scores.len() as u32,
+        submit_step: spec.submit_step,
+        data_source: "jetrl/reverse".into(),
+        ground_truth: "1234".into(),
+        ..Default::default()
+    };
+    let mut status = GroupStatus {
+        uid: spec.uid.clone(),
+        partition: spec.partition.clone(),
+        submit_step: spec.submit_step,
+        n: spec.scores.len() as u32,
+        task: Some(task),
+        ..Default::default()
+    };
+    status.set_state(GroupState::Pending);
+    groups.create(&status).await.map(|_| ())
+}
+
+/// A trajectory whose response is `payload_bytes / 4` token ids; the response text encodes the score for
+/// the simulated scorer.
+pub fn trajectory(spec: &GroupSpec, session: usize) -> Trajectory {
+    let tokens = (spec.payload_bytes / 4).max(1);
+    let ids: Vec<u32> = (0..tokens as u32).map(|t| t.wrapping_mul(2_654_435_761) % 151_000).collect();
+    Trajectory {
+        key: TrajectoryKey::new(spec.uid.clone(), session as u32, 0).to_string(),
+        uid: spec.uid.clone(),
+        session_id: session as u32,
+        partition: spec.partition.clone(),
+        submit_step: spec.submit_step,
+        prompt_ids: packed::pack_u32(&[1, 2, 3, 4]),
+        response_mask: Bytes::from(vec![1u8; tokens]),
+        logprobs: packed::pack_f32(&vec![-0.5; tokens]),
+        response_ids: packed::pack_u32(&ids),
+        response_text: format!("{}", spec.scores[session]),
+        data_source: "sim".into(),
+        ground_truth: String::new(),
+        min_version: spec.submit_step,
+        max_version: spec.submit_step,
+        ..Default::default()
+    }
+}
+
+/// Generates a group as a rollout worker would: running, every trajectory published and acknowledged, then
+/// the terminal status with the keys. Returns the trajectories' stream sequences.
+pub async fn produce(
+    bus: &Bus,
+    groups: &GroupStore,
+    publisher: &mut Publisher,
+    spec: &GroupSpec,
+) -> Result<Vec<u64>, BusError> {
+    groups.update(&spec.partition, &spec.uid, |_| Some(GroupState::Running)).await.map_err(|e| BusError::Kv {
+        bucket: subjects::GROUPS_BUCKET.into(),
+        key: spec.uid.clone(),
+        message: e.to_string(),
+    })?;
+    let mut keys = Vec::new();
+    for session in 0..spec.scores.len() {
+        let traj = trajectory(spec, session);
+        keys.push(traj.key.clone());
+        publisher
+            .publish(Outgoing::protobuf(
+                subjects::traj_subject(&spec.partition, &spec.uid),
+                Some(traj.key.clone()),
+                &traj,
+            ))
+            .await?;
+    }
+    let acks = publisher.drain().await?;
+    let state = spec.state;
+    groups
+        .update(&spec.partition, &spec.uid, |s| {
+            s.trajectory_keys = keys.clone();
+            Some(state)
+        })
+        .await
+        .map_err(|e| BusError::Kv {
+            bucket: subjects::GROUPS_BUCKET.into(),
+            key: spec.uid.clone(),
+            message: e.to_string(),
+        })?;
+    let _ = bus;
+    Ok(acks.iter().map(|a| a.sequence).collect())
+}
+
+/// Publishes the rewards of a produced group directly (when no reward service is running).
+pub async fn score(publisher: &mut Publisher, spec: &GroupSpec, seqs: &[u64]) -> Result<(), BusError> {
+    for (session, (&score, &seq)) in spec.scores.iter().zip(seqs).enumerate() {
+        let key = TrajectoryKey::new(spec.uid.clone(), session as u32, 0).to_string();
+        let mut reward = Reward {
+            key: key.clone(),
+            uid: spec.uid.clone(),
+            partition: spec.partition.clone(),
+            traj_seq: seq,
+            score,
+            submit_step: spec.submit_step,
+            session_id: session as u32,
+            response_len: (spec.payload_bytes / 4) as u32,
+            prompt_len: 4,
+            min_version: spec.submit_step,
+            max_version: spec.submit_step,
+            ..Default::default()
+        };
+        reward.extra.insert("acc".into(), score);
+        publisher
+            .publish(Outgoing::protobuf(subjects::reward_subject(&spec.partition, &spec.uid), Some(key), &reward))
+            .await?;
+    }
+    publisher.drain().await.map(|_| ())
+}
