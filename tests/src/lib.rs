@@ -12,9 +12,9 @@ pub mod sim;
 /// Path of a workspace binary (`target/<profile>/<name>`), located from the test executable.
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
-    // target/<profile>/deps/<test> -> target/<profile>/<name>
-    let dir = exe.parent().and_then(Path::parent).expect("target dir");
-    let path = dir.join(name);
+    // tests live in target/<profile>/deps/, binaries (benchmarks too) in target/<profile>/
+    let dir = exe.parent().expect("executable dir");
+    let path = if dir.ends_with("deps") { dir.parent().unwrap_or(dir).join(name) } else { dir.join(name) };
     assert!(path.exists(), "{} not found: build the binaries first (cargo build --bins)", path.display());
     path
 }

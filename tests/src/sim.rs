@@ -20,6 +20,8 @@ pub struct GroupSpec {
     pub state: GroupState,
     /// bytes of response token ids per trajectory (the payload size)
     pub payload_bytes: usize,
+    /// the scorer the reward service will pick (`sim` is unknown to it: a zero reward with a reason)
+    pub data_source: String,
 }
 
 impl GroupSpec {
@@ -31,6 +33,7 @@ impl GroupSpec {
             scores: scores.to_vec(),
             state: GroupState::Finished,
             payload_bytes: 64,
+            data_source: "sim".into(),
         }
     }
 }
@@ -73,9 +76,9 @@ pub fn trajectory(spec: &GroupSpec, session: usize) -> Trajectory {
         response_mask: Bytes::from(vec![1u8; tokens]),
         logprobs: packed::pack_f32(&vec![-0.5; tokens]),
         response_ids: packed::pack_u32(&ids),
-        response_text: format!("{}", spec.scores[session]),
-        data_source: "sim".into(),
-        ground_truth: String::new(),
+        response_text: if spec.data_source == "sim" { format!("{}", spec.scores[session]) } else { "4321".into() },
+        data_source: spec.data_source.clone(),
+        ground_truth: if spec.data_source == "sim" { String::new() } else { "1234".into() },
         min_version: spec.submit_step,
         max_version: spec.submit_step,
         ..Default::default()

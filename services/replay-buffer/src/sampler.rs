@@ -175,11 +175,10 @@ fn span(step: u64, submit_step: u64) -> u64 {
 /// The DAPO verdict on a complete finished group: `Ok(true)` = filter it (more than one value, zero spread).
 fn dapo_filtered(group: &Group, metric: &str) -> Result<bool, String> {
     let mut values = Vec::with_capacity(group.rewards.len());
-    for r in group.rewards.values() {
-        let r = &r.reward;
+    for (&slot, r) in &group.rewards {
         let value = match metric {
             "score" | "seq_reward" | "seq_final_reward" => Some(r.score),
-            other => r.extra.get(other).copied(),
+            other => r.extra(other),
         };
         match value {
             Some(v) => values.push(v),
@@ -187,8 +186,8 @@ fn dapo_filtered(group: &Group, metric: &str) -> Result<bool, String> {
                 return Err(format!(
                     "algorithm.filter_groups.metric {metric:?} is missing from the reward of trajectory {} \
                      (reward extras: {:?})",
-                    r.key,
-                    r.extra.keys().collect::<Vec<_>>()
+                    group.key(slot),
+                    r.extra_names()
                 ))
             }
         }
@@ -252,7 +251,7 @@ pub fn next_action(
             if g.state() == GroupState::Failure {
                 let evict_failed = match cfg.mode {
                     Mode::Async => true,
-                    Mode::Sync => cfg.sync_refill_failed_groups && g.status.trajectory_keys.is_empty(),
+                    Mode::Sync => cfg.sync_refill_failed_groups && g.expected.is_empty(),
                 };
                 if evict_failed {
                     evict.push((uid, EvictReason::RolloutFailure));
@@ -347,7 +346,7 @@ fn sampleable_count(state: &BufferState, cfg: &SamplerConfig, request: &SampleRe
             let failed = g.state() == GroupState::Failure
                 && match cfg.mode {
                     Mode::Async => true,
-                    Mode::Sync => cfg.sync_refill_failed_groups && g.status.trajectory_keys.is_empty(),
+                    Mode::Sync => cfg.sync_refill_failed_groups && g.expected.is_empty(),
                 };
             !(stale || filtered || failed)
         })
@@ -397,9 +396,10 @@ mod tests {
             s.set_state(state);
             self.state.apply_group(s);
             if state.is_terminal() {
-                for (k, &score) in keys.iter().zip(scores) {
+                for (session, (k, &score)) in keys.iter().zip(scores).enumerate() {
                     self.seq += 1;
                     let mut r = Reward {
+                        session_id: session as u32,
                         key: k.clone(),
                         uid: uid.into(),
                         partition: "train".into(),

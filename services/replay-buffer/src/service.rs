@@ -426,33 +426,23 @@ impl Buffer {
                 return;
             }
         };
-        let seqs = self.state.release(&request.request_ids);
+        let groups = self.state.release(&request.request_ids);
         for id in &request.request_ids {
             self.answers.remove(id);
             self.progress.remove(id);
         }
-        let released = seqs.len() as u64;
-        let result = self.delete_payloads(&seqs).await;
-        let response = ReleaseResponse {
-            released_trajectories: released,
-            error: result.err().map(|e| e.to_string()).unwrap_or_default(),
-        };
-        self.reply(&reply, &response).await;
-    }
-
-    /// Deletes released trajectory payloads and their reward records, all requests in flight at once.
-    async fn delete_payloads(&self, seqs: &[(u64, u64)]) -> Result<(), BusError> {
-        let traj = self.bus.stream(subjects::TRAJ_STREAM).await?;
-        let rewards = self.bus.stream(subjects::REWARDS_STREAM).await?;
-        let jobs: Vec<(async_nats::jetstream::stream::Stream, u64)> =
-            seqs.iter().flat_map(|(t, r)| [(traj.clone(), *t), (rewards.clone(), *r)]).collect();
-        let deletes = jobs.into_iter().map(|(stream, seq)| async move {
-            // Already gone (e.g. a retried release) is fine.
-            let _ = stream.delete_message(seq).await;
+        let released: usize = groups.iter().map(|g| g.2).sum();
+        // The index is gone; the payload purge runs in the background so the trainer's step never waits
+        // on storage. A purge that did not happen (a crash) leaves bytes behind for the streams' max age,
+        // never a group that can be sampled again (its record says sampled).
+        let bus = self.bus.clone();
+        tokio::spawn(async move {
+            if let Err(err) = purge_payloads(&bus, groups).await {
+                tracing::warn!(error = %err, "released payloads not purged");
+            }
         });
-        futures::stream::iter(deletes).buffer_unordered(256).collect::<Vec<_>>().await;
-        metrics::counter!("jetrl_buffer_released_trajectories_total").increment(seqs.len() as u64);
-        Ok(())
+        let response = ReleaseResponse { released_trajectories: released as u64, error: String::new() };
+        self.reply(&reply, &response).await;
     }
 
     async fn on_ledger(&self, msg: async_nats::Message) {
@@ -485,4 +475,31 @@ impl Buffer {
         metrics::gauge!("jetrl_buffer_indexed_trajectories").set(self.state.indexed_trajectories() as f64);
         metrics::gauge!("jetrl_buffer_waiting_requests").set(self.waiting.len() as f64);
     }
+}
+
+/// Purges released groups' payloads and rewards: one subject per group in each stream (`…<partition>.<uid>`),
+/// so a whole group goes in one request, many requests in flight.
+async fn purge_payloads(bus: &Bus, groups: Vec<(String, String, usize)>) -> Result<(), BusError> {
+    let traj = bus.stream(subjects::TRAJ_STREAM).await?;
+    let rewards = bus.stream(subjects::REWARDS_STREAM).await?;
+    let trajectories: usize = groups.iter().map(|g| g.2).sum();
+    let jobs: Vec<(async_nats::jetstream::stream::Stream, String)> = groups
+        .iter()
+        .flat_map(|(partition, uid, _)| {
+            [
+                (traj.clone(), subjects::traj_subject(partition, uid)),
+                (rewards.clone(), subjects::reward_subject(partition, uid)),
+            ]
+        })
+        .collect();
+    futures::stream::iter(jobs.into_iter().map(|(stream, subject)| async move {
+        if let Err(err) = stream.purge().filter(subject.clone()).await {
+            tracing::warn!(%subject, error = %err, "purge failed");
+        }
+    }))
+    .buffer_unordered(64)
+    .collect::<Vec<_>>()
+    .await;
+    metrics::counter!("jetrl_buffer_released_trajectories_total").increment(trajectories as u64);
+    Ok(())
 }

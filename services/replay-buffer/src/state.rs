@@ -1,25 +1,58 @@
 //! The replay buffer's pure state: group records, the index of scored trajectories, and the selection
 //! policy. No I/O, no tasks: the service feeds it events and carries out its decisions.
+//!
+//! The index is compact on purpose (≤ 1 KiB per buffered trajectory at 100k trajectories): a trajectory is
+//! known by `(session_id, index)` inside its group, strings shared by many trajectories (data source, extra
+//! metric names) are interned, and payloads never enter the buffer.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
+use jetrl_wire::keys::TrajectoryKey;
 use jetrl_wire::v1::{GroupState, GroupStatus, LedgerEntry, Reward, SampledGroup};
 
-/// One indexed trajectory: its score and where its payload is. The payload stays in the TRAJ stream.
+/// `(session_id, index)`: a trajectory's place in its group (its key is `{uid}_{session_id}_{index}`).
+pub type Slot = (u32, u32);
+
+/// One indexed trajectory: its score, index facts and where its payload is. The payload stays in the TRAJ
+/// stream.
 #[derive(Debug, Clone)]
 pub struct IndexedReward {
-    pub reward: Reward,
-    /// sequence of the Reward message in the REWARDS stream (deleted on release)
+    pub traj_seq: u64,
+    /// sequence of the Reward message in the REWARDS stream
     pub reward_seq: u64,
+    pub score: f64,
+    pub prompt_len: u32,
+    pub response_len: u32,
+    pub min_version: u64,
+    pub max_version: u64,
+    pub data_source: Arc<str>,
+    pub extra: Box<[(Arc<str>, f64)]>,
+    pub extra_text: Box<[(Arc<str>, Box<str>)]>,
+    pub failure_reason: Option<Box<str>>,
+}
+
+impl IndexedReward {
+    /// A numeric reward extra (`acc`, ...) by name.
+    pub fn extra(&self, name: &str) -> Option<f64> {
+        self.extra.iter().find(|(k, _)| &**k == name).map(|(_, v)| *v)
+    }
+
+    pub fn extra_names(&self) -> Vec<&str> {
+        self.extra.iter().map(|(k, _)| &**k).collect()
+    }
 }
 
 /// Everything the buffer knows about one prompt group.
 #[derive(Debug, Clone, Default)]
 pub struct Group {
-    /// the control record as last seen in the GROUPS bucket (the task payload is dropped to save memory)
+    /// the control record as last seen in the GROUPS bucket, without its task and trajectory keys (kept as
+    /// `expected` instead), to save memory
     pub status: GroupStatus,
-    /// scored trajectories, by key
-    pub rewards: BTreeMap<String, IndexedReward>,
+    /// the trajectories the worker listed with the terminal state
+    pub expected: Vec<Slot>,
+    /// scored trajectories
+    pub rewards: BTreeMap<Slot, IndexedReward>,
 }
 
 impl Group {
@@ -29,7 +62,12 @@ impl Group {
 
     /// Terminal, and every trajectory the worker listed has been scored.
     pub fn is_complete(&self) -> bool {
-        self.state().is_terminal() && self.status.trajectory_keys.iter().all(|k| self.rewards.contains_key(k))
+        self.state().is_terminal() && self.expected.iter().all(|k| self.rewards.contains_key(k))
+    }
+
+    /// The key of a trajectory of this group.
+    pub fn key(&self, slot: Slot) -> String {
+        TrajectoryKey::new(self.status.uid.clone(), slot.0, slot.1).to_string()
     }
 }
 
@@ -38,8 +76,10 @@ impl Group {
 pub struct BufferState {
     /// by `<partition>.<uid>`
     groups: HashMap<String, Group>,
-    /// rewards that arrived before their group record (the worker writes trajectories first)
-    orphans: HashMap<String, BTreeMap<String, IndexedReward>>,
+    /// rewards that arrived before their group record (a reward can overtake the terminal status)
+    orphans: HashMap<String, BTreeMap<Slot, IndexedReward>>,
+    /// interned strings (data sources, metric names)
+    strings: HashMap<Box<str>, Arc<str>>,
 }
 
 fn key(partition: &str, uid: &str) -> String {
@@ -47,14 +87,30 @@ fn key(partition: &str, uid: &str) -> String {
 }
 
 impl BufferState {
+    fn intern(&mut self, s: &str) -> Arc<str> {
+        if let Some(a) = self.strings.get(s) {
+            return a.clone();
+        }
+        let a: Arc<str> = Arc::from(s);
+        self.strings.insert(Box::from(s), a.clone());
+        a
+    }
+
     /// Applies a record from the GROUPS bucket (initial replay or change).
     pub fn apply_group(&mut self, mut status: GroupStatus) {
         status.task = None;
+        let expected: Vec<Slot> = std::mem::take(&mut status.trajectory_keys)
+            .iter()
+            .filter_map(|k| TrajectoryKey::parse(k).ok().map(|t| (t.session_id, t.index)))
+            .collect();
         let k = key(&status.partition, &status.uid);
         let group = self.groups.entry(k).or_default();
         // A re-issued group (back to pending) discards its partial trajectories.
         if status.state() == GroupState::Pending && group.state() != GroupState::Pending {
             group.rewards.clear();
+        }
+        if !expected.is_empty() || !status.state().is_terminal() {
+            group.expected = expected;
         }
         group.status = status;
         if let Some(orphans) = self.orphans.remove(&group.status.uid) {
@@ -67,18 +123,31 @@ impl BufferState {
         self.groups.remove(&key(partition, uid));
     }
 
-    /// Indexes a scored trajectory; false if the key was already indexed (a redelivery).
+    /// Indexes a scored trajectory; false if it was already indexed (a redelivery).
     pub fn apply_reward(&mut self, reward: Reward, reward_seq: u64) -> bool {
+        let slot = (reward.session_id, reward.index);
+        let entry = IndexedReward {
+            traj_seq: reward.traj_seq,
+            reward_seq,
+            score: reward.score,
+            prompt_len: reward.prompt_len,
+            response_len: reward.response_len,
+            min_version: reward.min_version,
+            max_version: reward.max_version,
+            data_source: self.intern(&reward.data_source),
+            extra: reward.extra.iter().map(|(k, v)| (self.intern(k), *v)).collect(),
+            extra_text: reward.extra_text.iter().map(|(k, v)| (self.intern(k), Box::from(v.as_str()))).collect(),
+            failure_reason: (!reward.failure_reason.is_empty()).then(|| Box::from(reward.failure_reason.as_str())),
+        };
         let k = key(&reward.partition, &reward.uid);
-        let entry = IndexedReward { reward, reward_seq };
         let map = match self.groups.get_mut(&k) {
             Some(group) => &mut group.rewards,
-            None => self.orphans.entry(entry.reward.uid.clone()).or_default(),
+            None => self.orphans.entry(reward.uid.clone()).or_default(),
         };
-        if map.contains_key(&entry.reward.key) {
+        if map.contains_key(&slot) {
             return false;
         }
-        map.insert(entry.reward.key.clone(), entry);
+        map.insert(slot, entry);
         true
     }
 
@@ -118,9 +187,7 @@ impl BufferState {
     pub fn sampleable(&self, partition: &str) -> Vec<&Group> {
         let mut out: Vec<&Group> =
             self.groups.values().filter(|g| g.status.partition == partition && g.is_complete()).collect();
-        out.sort_by(|a, b| {
-            a.status.submit_step.cmp(&b.status.submit_step).then_with(|| a.status.uid.cmp(&b.status.uid))
-        });
+        out.sort_by(|a, b| a.status.submit_step.cmp(&b.status.submit_step).then_with(|| a.status.uid.cmp(&b.status.uid)));
         out
     }
 
@@ -137,31 +204,50 @@ impl BufferState {
             .values()
             .filter(|g| g.state() == GroupState::Sampled && g.status.sample_request_id == request_id)
             .collect();
-        out.sort_by(|a, b| {
-            a.status.submit_step.cmp(&b.status.submit_step).then_with(|| a.status.uid.cmp(&b.status.uid))
-        });
+        out.sort_by(|a, b| a.status.submit_step.cmp(&b.status.submit_step).then_with(|| a.status.uid.cmp(&b.status.uid)));
         out
     }
 
-    /// The wire form of selected groups: every indexed trajectory, in key order.
+    /// The wire form of a selected group: every indexed trajectory, in key order.
     pub fn sampled_group(&self, group: &Group) -> SampledGroup {
+        let s = &group.status;
         SampledGroup {
-            uid: group.status.uid.clone(),
-            state: group.status.state,
-            submit_step: group.status.submit_step,
-            trajectories: group.rewards.values().map(|r| r.reward.clone()).collect(),
+            uid: s.uid.clone(),
+            state: s.state,
+            submit_step: s.submit_step,
+            trajectories: group
+                .rewards
+                .iter()
+                .map(|(&slot, r)| Reward {
+                    key: group.key(slot),
+                    uid: s.uid.clone(),
+                    partition: s.partition.clone(),
+                    traj_seq: r.traj_seq,
+                    score: r.score,
+                    extra: r.extra.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+                    extra_text: r.extra_text.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+                    failure_reason: r.failure_reason.as_deref().unwrap_or_default().to_string(),
+                    prompt_len: r.prompt_len,
+                    response_len: r.response_len,
+                    min_version: r.min_version,
+                    max_version: r.max_version,
+                    submit_step: s.submit_step,
+                    session_id: slot.0,
+                    index: slot.1,
+                    data_source: r.data_source.to_string(),
+                })
+                .collect(),
         }
     }
 
-    /// Drops the trajectory index of groups consumed by `request_ids`; returns (traj_seq, reward_seq)
-    /// of every trajectory so the caller can delete the payloads.
-    pub fn release(&mut self, request_ids: &[String]) -> Vec<(u64, u64)> {
+    /// Drops the trajectory index of groups consumed by `request_ids`; returns the released groups as
+    /// (partition, uid, trajectories) so the caller can purge their payloads (one subject per group).
+    pub fn release(&mut self, request_ids: &[String]) -> Vec<(String, String, usize)> {
         let mut out = Vec::new();
         for group in self.groups.values_mut() {
             if group.state() == GroupState::Sampled && request_ids.contains(&group.status.sample_request_id) {
-                for r in std::mem::take(&mut group.rewards).into_values() {
-                    out.push((r.reward.traj_seq, r.reward_seq));
-                }
+                let released = std::mem::take(&mut group.rewards).len();
+                out.push((group.status.partition.clone(), group.status.uid.clone(), released));
             }
         }
         out
@@ -178,8 +264,7 @@ impl BufferState {
 
     /// Number of indexed trajectories (for the memory-per-trajectory figure).
     pub fn indexed_trajectories(&self) -> usize {
-        self.groups.values().map(|g| g.rewards.len()).sum::<usize>()
-            + self.orphans.values().map(|m| m.len()).sum::<usize>()
+        self.groups.values().map(|g| g.rewards.len()).sum::<usize>() + self.orphans.values().map(|m| m.len()).sum::<usize>()
     }
 
     /// Ledger rows for `uids` (all when empty) of `partition` (all when empty), at most `limit`.
@@ -196,7 +281,7 @@ impl BufferState {
                 submit_step: g.status.submit_step,
                 sampled_step: g.status.sampled_step,
                 evicted_reason: g.status.evicted_reason.clone(),
-                trajectories: g.status.trajectory_keys.len() as u32,
+                trajectories: g.expected.len() as u32,
             })
             .collect();
         rows.sort_by(|a, b| a.submit_step.cmp(&b.submit_step).then_with(|| a.uid.cmp(&b.uid)));
@@ -223,7 +308,16 @@ mod tests {
     }
 
     fn reward(uid: &str, key: &str, seq: u64) -> Reward {
-        Reward { uid: uid.into(), key: key.into(), partition: "train".into(), traj_seq: seq, ..Default::default() }
+        let k = TrajectoryKey::parse(key).unwrap();
+        Reward {
+            uid: uid.into(),
+            key: key.into(),
+            partition: "train".into(),
+            traj_seq: seq,
+            session_id: k.session_id,
+            index: k.index,
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -288,7 +382,7 @@ mod tests {
         s.apply_group(status("a", GroupState::Finished, 1, &["a_0_0"]));
         s.apply_reward(reward("a", "a_0_0", 11), 21);
         s.mark_sampled("train", "a", 1, "r1");
-        assert_eq!(s.release(&["r1".into()]), vec![(11, 21)]);
+        assert_eq!(s.release(&["r1".into()]), vec![("train".to_string(), "a".to_string(), 1)]);
         assert_eq!(s.indexed_trajectories(), 0);
         assert_eq!(s.counts("train").get("sampled"), Some(&1));
     }

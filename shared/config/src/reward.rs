@@ -15,6 +15,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::{ensure, ConfigError};
 
+/// Upper bound of `reward.max_inflight` (see there).
+pub const MAX_REWARD_INFLIGHT: u32 = 4096;
+
 /// The reward service: how it runs and how it scores.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -23,8 +26,16 @@ pub struct RewardConfig {
     pub workers: u32,
     pub instance_id: Option<String>,
     pub metrics_addr: String,
-    /// trajectories pulled and scored concurrently
+    /// trajectories one instance holds at once (pulled, not yet acknowledged): bounds its memory and how much
+    /// work a crash sends back to the others. At most 4096: each held trajectory may have a reward publish
+    /// awaiting its acknowledgement, and the NATS client allows 5000 of those per connection (past that a
+    /// publish waits for a permit that an unpolled acknowledgement holds)
     pub max_inflight: u32,
+    /// trajectories scored per call of the scorer at most; several such micro-batches are scored and published
+    /// at once, up to `max_inflight`
+    pub batch_size: u32,
+    /// how long a trajectory may go without an acknowledgement or an in-progress signal before the server offers
+    /// it to another instance (the service signals progress every third of it while it holds one)
     pub ack_wait_s: f64,
     /// a user reward function run out of process (verl: `reward.custom_reward_function`)
     pub custom_reward_function: CustomRewardFunctionConfig,
@@ -42,7 +53,8 @@ impl Default for RewardConfig {
             workers: 1,
             instance_id: None,
             metrics_addr: "127.0.0.1:0".into(),
-            max_inflight: 256,
+            max_inflight: 1024,
+            batch_size: 64,
             ack_wait_s: 30.0,
             custom_reward_function: CustomRewardFunctionConfig::default(),
             reward_model: RewardModelConfig::default(),
@@ -55,6 +67,13 @@ impl Default for RewardConfig {
 impl RewardConfig {
     /// Cross-field checks of `reward.*`; every error names the offending key.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        ensure(
+            (1..=MAX_REWARD_INFLIGHT).contains(&self.max_inflight),
+            "reward.max_inflight",
+            format!("must be in 1..={MAX_REWARD_INFLIGHT} (got {})", self.max_inflight),
+        )?;
+        ensure(self.batch_size > 0, "reward.batch_size", "must be > 0")?;
+        ensure(self.ack_wait_s >= 1.0 && self.ack_wait_s.is_finite(), "reward.ack_wait_s", "must be >= 1")?;
         self.custom_reward_function.validate()?;
         if self.reward_model.enable && !self.custom_reward_function.is_configured() {
             self.reward_model.validate()?;
@@ -172,8 +191,12 @@ pub struct RewardModelConfig {
     pub max_backoff_s: f64,
     /// limit of one HTTP exchange (verl has none and can hang)
     pub request_timeout_s: f64,
-    /// text appended after the response (e.g. the RM chat template's end-of-turn `<|im_end|>\n`); the service
-    /// renders the prompt with the RM's template, the response follows, then this suffix
+    /// the reward model's HF directory (`tokenizer.json`, `tokenizer_config.json` with its chat template), verl's
+    /// `reward_model.model_path` as far as the prompt is concerned: a trajectory's chat messages plus the response
+    /// as the assistant turn are rendered with this template (a leading BOS stripped), as verl does
+    pub tokenizer_path: Option<String>,
+    /// text appended after the response when the prompt is not rendered with `tokenizer_path` (no tokenizer, or a
+    /// trajectory without chat messages): prompt text, response, then this suffix (e.g. `<|im_end|>\n`)
     pub response_suffix: String,
 }
 
@@ -189,6 +212,7 @@ impl Default for RewardModelConfig {
             backoff_s: 1.0,
             max_backoff_s: 30.0,
             request_timeout_s: 120.0,
+            tokenizer_path: None,
             response_suffix: String::new(),
         }
     }
@@ -206,6 +230,11 @@ impl RewardModelConfig {
         ensure(self.retries > 0, &format!("{key}.retries"), "must be > 0 (it counts attempts)")?;
         ensure(self.backoff_s >= 0.0, &format!("{key}.backoff_s"), "must be >= 0")?;
         ensure(self.max_backoff_s >= self.backoff_s, &format!("{key}.max_backoff_s"), "must be >= backoff_s")?;
+        ensure(
+            self.tokenizer_path.as_deref().is_none_or(|path| !path.trim().is_empty()),
+            &format!("{key}.tokenizer_path"),
+            "must not be empty when set",
+        )?;
         ensure(
             self.request_timeout_s > 0.0 && self.request_timeout_s.is_finite(),
             &format!("{key}.request_timeout_s"),
@@ -333,6 +362,28 @@ reward_kwargs:
         assert_eq!(cfg.custom_reward_function.timeout_s, 5.0);
         assert_eq!(cfg.reward_model.api, RewardModelApi::Sglang);
         assert_eq!(cfg.rule.gsm8k_method, Gsm8kMethod::Flexible);
+    }
+
+    #[test]
+    fn reward_model_tokenizer_path_loads_from_an_override_and_must_not_be_blank() {
+        let overrides = ["reward_model.tokenizer_path=/models/rm".to_string(), "reward_model.enable=true".to_string()];
+        let mut cfg: RewardConfig = crate::load(None, &overrides).unwrap();
+        assert_eq!(cfg.reward_model.tokenizer_path.as_deref(), Some("/models/rm"));
+        cfg.validate().unwrap();
+        cfg.reward_model.tokenizer_path = Some(" ".into());
+        assert!(cfg.validate().unwrap_err().to_string().contains("reward.reward_model.tokenizer_path"));
+    }
+
+    #[test]
+    fn reward_inflight_beyond_the_clients_publish_window_is_rejected() {
+        let mut cfg = RewardConfig { max_inflight: MAX_REWARD_INFLIGHT + 1, ..RewardConfig::default() };
+        assert!(cfg.validate().unwrap_err().to_string().contains("reward.max_inflight"));
+        cfg.max_inflight = 0;
+        assert!(cfg.validate().is_err());
+        cfg.max_inflight = MAX_REWARD_INFLIGHT;
+        cfg.validate().unwrap();
+        cfg.batch_size = 0;
+        assert!(cfg.validate().unwrap_err().to_string().contains("reward.batch_size"));
     }
 
     #[test]

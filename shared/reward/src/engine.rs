@@ -34,10 +34,20 @@ pub struct ScoreInput {
     /// verl's `reward_model.ground_truth` as text (search-R1: the JSON `{"target": [...]}`)
     pub ground_truth: String,
     pub extra_info: serde_json::Value,
-    /// the prompt as the reward model should read it (only the reward-model route uses it)
+    /// the prompt as text, already in chat format: the reward model reads it before the response when it cannot
+    /// render `raw_prompt` itself, and user functions receive it (for generative judges); may be empty
     pub prompt_str: String,
+    /// the prompt's chat messages (verl's `raw_prompt`): the reward model renders them with its own chat template
+    pub raw_prompt: Vec<ChatTurn>,
     /// valid response tokens, for the overlong penalty
     pub response_len: usize,
+}
+
+/// One message of a chat prompt, as chat templates read it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatTurn {
+    pub role: String,
+    pub content: String,
 }
 
 /// The score of one trajectory, or why there is none (then `score` is 0.0).
@@ -84,7 +94,8 @@ impl ScoreOutcome {
 enum Route {
     Rules,
     UserFunction(ExternalRunner),
-    RewardModel(RemoteRewardModel),
+    /// boxed: it carries the reward model's tokenizer
+    RewardModel(Box<RemoteRewardModel>),
 }
 
 /// Scores batches of trajectories; cheap to share behind an `Arc`.
@@ -105,7 +116,7 @@ impl RewardEngine {
         let route = if config.custom_reward_function.is_configured() {
             Route::UserFunction(ExternalRunner::start(&config.custom_reward_function).await?)
         } else if config.reward_model.enable {
-            Route::RewardModel(RemoteRewardModel::new(&config.reward_model)?)
+            Route::RewardModel(Box::new(RemoteRewardModel::new(&config.reward_model)?))
         } else {
             Route::Rules
         };
@@ -124,6 +135,12 @@ impl RewardEngine {
             Route::UserFunction(_) => "external",
             Route::RewardModel(_) => "reward_model",
         }
+    }
+
+    /// Whether the reward model renders prompts with its own chat template (`reward.reward_model.tokenizer_path`),
+    /// and therefore wants a trajectory's chat messages rather than its prompt text.
+    pub fn reward_model_renders_chat(&self) -> bool {
+        matches!(&self.route, Route::RewardModel(model) if model.renders_chat())
     }
 
     /// One outcome per input, in input order. Never fails and never panics: a trajectory that cannot be scored
@@ -197,7 +214,10 @@ impl RewardEngine {
         const SCORER: &str = "reward_model";
         let requests = inputs.iter().map(|input| async move {
             let started = Instant::now();
-            let scored = model.score(&model.model_input(&input.prompt_str, &input.solution_str)).await;
+            let scored = match model.model_input(input) {
+                Ok(text) => model.score(&text).await,
+                Err(error) => Err(error),
+            };
             metrics::histogram!(LATENCY_METRIC, "scorer" => SCORER).record(started.elapsed().as_secs_f64());
             match scored {
                 // verl's reward-model path reports the raw score, with no extra info and no overlong penalty.

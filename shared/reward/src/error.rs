@@ -28,6 +28,8 @@ pub enum FailureKind {
     HttpTransport,
     /// the reward model server's answer has no score where the API puts it
     RewardModelResponse,
+    /// the prompt could not be rendered with the reward model's chat template (the template raised)
+    PromptRender,
     /// a bug in a built-in scorer (it panicked); the service keeps running
     Internal,
 }
@@ -47,6 +49,7 @@ impl FailureKind {
             Self::HttpStatus => "http_status",
             Self::HttpTransport => "http_transport",
             Self::RewardModelResponse => "reward_model_response",
+            Self::PromptRender => "prompt_render",
             Self::Internal => "internal_error",
         }
     }

@@ -4,7 +4,8 @@
 //! ```text
 //! RewardEngine::score_batch(Vec<ScoreInput>) -> Vec<ScoreOutcome>
 //!   ├─ reward.custom_reward_function set  → external::ExternalRunner   (JSON lines over stdin/stdout)
-//!   ├─ reward.reward_model.enable         → remote_rm::RemoteRewardModel (vLLM /classify, SGLang /v1/embeddings)
+//!   ├─ reward.reward_model.enable         → remote_rm::RemoteRewardModel (vLLM /classify, SGLang /v1/embeddings;
+//!   │                                       chat messages rendered with the RM's template, jetrl-tokenizer)
 //!   └─ otherwise                          → rule::default_compute_score  (by data_source)
 //!   then overlong::apply_overlong_penalty (DAPO, rule and external routes), metrics
 //! ```
@@ -15,7 +16,9 @@
 //!   route verl would pick, and starts user-function processes.
 //! - [`RewardEngine::score_batch`]`(&self, Vec<ScoreInput>) -> Vec<ScoreOutcome>`: one outcome per input, in
 //!   order; never fails, never panics. A trajectory that cannot be scored gets `score = 0.0`, a
-//!   `failure_reason` and a stable [`FailureKind`].
+//!   `failure_reason` and a stable [`FailureKind`]. [`ScoreInput::raw_prompt`] (the prompt's [`ChatTurn`]s) is what
+//!   a reward model with `reward.reward_model.tokenizer_path` renders, as verl does; otherwise it reads
+//!   `prompt_str` + response + `response_suffix`.
 //! - [`rule::default_compute_score`]`(data_source, solution_str, ground_truth, &RuleScorerConfig)
 //!   -> Result<RewardResult, RuleError>`: verl's dispatcher (`openai/gsm8k`, the MATH sources, `math_dapo`/`math`/
 //!   `aime*`, `searchR1_*`) plus jetrl's `jetrl/*` digit tasks; an unknown source is
@@ -44,6 +47,6 @@ pub mod remote_rm;
 mod result;
 pub mod rule;
 
-pub use engine::{RewardEngine, ScoreInput, ScoreOutcome, FAILURES_METRIC, LATENCY_METRIC, SCORES_METRIC};
+pub use engine::{ChatTurn, RewardEngine, ScoreInput, ScoreOutcome, FAILURES_METRIC, LATENCY_METRIC, SCORES_METRIC};
 pub use error::{FailureKind, RewardError, ScoreFailure};
 pub use result::{ResultError, RewardResult};

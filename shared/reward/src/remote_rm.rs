@@ -2,12 +2,20 @@
 //! `POST /classify` → `data[-1].probs[-1]`, SGLang `POST /v1/embeddings` → `data[-1].embedding[-1]`.
 //! Failed exchanges and 5xx answers are retried with exponential backoff (capped); 4xx answers are not.
 //! A semaphore bounds the requests in flight.
+//!
+//! What the model reads (verl's `RewardLoopWorker._preprocess_reward_inputs`): with the RM's tokenizer
+//! (`reward.reward_model.tokenizer_path`) and the trajectory's chat messages, the messages plus the response as
+//! the assistant turn rendered with the RM's chat template (`add_generation_prompt=False`), a leading BOS
+//! stripped (the server adds its own). Without either, the prompt text the caller supplied, the response and
+//! `response_suffix`.
 
 use std::time::Duration;
 
 use jetrl_config::{RewardModelApi, RewardModelConfig};
+use jetrl_tokenizer::{Tokenizer, TokenizerError};
 use tokio::sync::Semaphore;
 
+use crate::engine::{ChatTurn, ScoreInput};
 use crate::error::FailureKind;
 use crate::http::{post_json, HttpEndpoint, HttpError};
 use crate::result::truncate_for_message;
@@ -17,6 +25,10 @@ use crate::result::truncate_for_message;
 pub enum RemoteRmError {
     #[error("reward_model.url: {0}")]
     Endpoint(HttpError),
+    #[error("reward_model.tokenizer_path {path}: {source}")]
+    TokenizerSetup { path: String, source: TokenizerError },
+    #[error("rendering the prompt with the reward model's chat template: {0}")]
+    PromptRender(TokenizerError),
     #[error("request failed after {attempts} attempt(s): {last}")]
     Exchange { attempts: u32, last: HttpError },
     #[error("HTTP {status} after {attempts} attempt(s): {body}")]
@@ -33,6 +45,7 @@ impl RemoteRmError {
     pub fn kind(&self) -> FailureKind {
         match self {
             Self::Endpoint(_) | Self::Exchange { .. } => FailureKind::HttpTransport,
+            Self::TokenizerSetup { .. } | Self::PromptRender(_) => FailureKind::PromptRender,
             Self::Status { .. } => FailureKind::HttpStatus,
             Self::UnreadableAnswer { .. } | Self::MissingScore { .. } => FailureKind::RewardModelResponse,
             Self::NonFiniteScore(_) => FailureKind::NonFiniteScore,
@@ -51,6 +64,8 @@ pub struct RemoteRewardModel {
     api: RewardModelApi,
     model: String,
     response_suffix: String,
+    /// the RM's tokenizer and chat template, when configured: the prompt is rendered the way verl renders it
+    tokenizer: Option<Tokenizer>,
     attempts: u32,
     first_backoff: Duration,
     max_backoff: Duration,
@@ -60,11 +75,27 @@ pub struct RemoteRewardModel {
 
 impl RemoteRewardModel {
     pub fn new(config: &RewardModelConfig) -> Result<Self, RemoteRmError> {
+        let tokenizer = match config.tokenizer_path.as_deref() {
+            Some(path) => Some(
+                Tokenizer::from_dir(std::path::Path::new(path))
+                    .map_err(|source| RemoteRmError::TokenizerSetup { path: path.to_string(), source })?,
+            ),
+            None => None,
+        };
+        if let Some(tokenizer) = &tokenizer {
+            if tokenizer.chat_template().is_none() {
+                return Err(RemoteRmError::TokenizerSetup {
+                    path: config.tokenizer_path.clone().unwrap_or_default(),
+                    source: TokenizerError::ChatTemplate("the reward model's tokenizer has no chat template".into()),
+                });
+            }
+        }
         Ok(Self {
             endpoint: HttpEndpoint::parse(&config.url).map_err(RemoteRmError::Endpoint)?,
             api: config.api,
             model: config.model.clone(),
             response_suffix: config.response_suffix.clone(),
+            tokenizer,
             attempts: config.retries.max(1),
             first_backoff: Duration::from_secs_f64(config.backoff_s.max(0.0)),
             max_backoff: Duration::from_secs_f64(config.max_backoff_s.max(0.0)),
@@ -73,10 +104,20 @@ impl RemoteRewardModel {
         })
     }
 
-    /// The text the reward model reads: the prompt as the caller rendered it (with the RM's chat template),
-    /// the response, then the configured suffix.
-    pub fn model_input(&self, prompt_str: &str, solution_str: &str) -> String {
-        format!("{prompt_str}{solution_str}{}", self.response_suffix)
+    /// Whether the RM's own chat template renders prompts (`reward.reward_model.tokenizer_path` is set).
+    pub fn renders_chat(&self) -> bool {
+        self.tokenizer.is_some()
+    }
+
+    /// The text the reward model reads for one trajectory (see the module docs): the chat messages and the
+    /// response rendered with the RM's template when both exist, else prompt text + response + suffix.
+    pub fn model_input(&self, input: &ScoreInput) -> Result<String, RemoteRmError> {
+        match &self.tokenizer {
+            Some(tokenizer) if !input.raw_prompt.is_empty() => {
+                render_chat(tokenizer, &input.raw_prompt, &input.solution_str).map_err(RemoteRmError::PromptRender)
+            }
+            _ => Ok(format!("{}{}{}", input.prompt_str, input.solution_str, self.response_suffix)),
+        }
     }
 
     /// Scores one text.
@@ -149,6 +190,18 @@ impl RemoteRewardModel {
         let doublings = failed_attempts.saturating_sub(1).min(20);
         self.first_backoff.saturating_mul(1 << doublings).min(self.max_backoff)
     }
+}
+
+/// verl: `apply_chat_template(raw_prompt + [{"role": "assistant", "content": response}],
+/// add_generation_prompt=False, tokenize=False)`, then a leading BOS removed.
+fn render_chat(tokenizer: &Tokenizer, raw_prompt: &[ChatTurn], response: &str) -> Result<String, TokenizerError> {
+    let assistant = ChatTurn { role: "assistant".into(), content: response.to_string() };
+    let chat: Vec<&ChatTurn> = raw_prompt.iter().chain(std::iter::once(&assistant)).collect();
+    let rendered = tokenizer.render_chat(&chat, None::<&[serde_json::Value]>, false)?;
+    Ok(match tokenizer.special_token("bos_token").filter(|bos| !bos.is_empty()) {
+        Some(bos) => rendered.strip_prefix(bos).map(str::to_string).unwrap_or(rendered),
+        None => rendered,
+    })
 }
 
 fn last(value: &serde_json::Value) -> Option<&serde_json::Value> {

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use jetrl_config::{RewardConfig, RewardModelApi};
-use jetrl_reward::{FailureKind, RewardEngine, ScoreInput};
+use jetrl_reward::{ChatTurn, FailureKind, RewardEngine, RewardError, ScoreInput};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
 
@@ -190,4 +190,74 @@ async fn unreachable_server_is_a_transport_failure() {
     let engine = RewardEngine::new(&config).await.unwrap();
     let outcome = &engine.score_batch(vec![input("k")]).await[0];
     assert_eq!(outcome.failure_kind, Some(FailureKind::HttpTransport));
+}
+
+/// A reward model directory with a word-level tokenizer and a ChatML template that starts with a BOS (`<s>`)
+/// and refuses `tool` turns.
+fn rm_tokenizer_dir() -> String {
+    concat!(env!("CARGO_MANIFEST_DIR"), "/../tokenizer/tests/fixtures/chatml-word-level").to_string()
+}
+
+fn chat_input(key: &str, turns: &[(&str, &str)]) -> ScoreInput {
+    ScoreInput {
+        raw_prompt: turns
+            .iter()
+            .map(|(role, content)| ChatTurn { role: (*role).into(), content: (*content).into() })
+            .collect(),
+        solution_str: "4321".into(),
+        ..input(key)
+    }
+}
+
+#[tokio::test]
+async fn rm_tokenizer_renders_prompt_messages_plus_response_as_verl_does_without_the_bos() {
+    let server = fake_server(vec![(200, VLLM_ANSWER)], Duration::ZERO).await;
+    let mut config = config(&server.url, RewardModelApi::Vllm);
+    config.reward_model.tokenizer_path = Some(rm_tokenizer_dir());
+    let engine = RewardEngine::new(&config).await.unwrap();
+    let outcome = &engine.score_batch(vec![chat_input("k", &[("system", "sort"), ("user", "reverse 1234")])]).await[0];
+    assert_eq!((outcome.score, outcome.failure_kind), (0.75, None));
+    // the whole conversation in the RM's template, no generation prompt, no BOS, no response_suffix
+    assert_eq!(
+        server.seen.lock().unwrap()[0].body["input"],
+        "<|im_start|>system\nsort<|im_end|>\n<|im_start|>user\nreverse 1234<|im_end|>\n<|im_start|>assistant\n4321<|im_end|>\n"
+    );
+}
+
+#[tokio::test]
+async fn trajectory_without_messages_falls_back_to_prompt_text_response_and_suffix() {
+    let server = fake_server(vec![(200, VLLM_ANSWER)], Duration::ZERO).await;
+    let mut config = config(&server.url, RewardModelApi::Vllm);
+    config.reward_model.tokenizer_path = Some(rm_tokenizer_dir());
+    let engine = RewardEngine::new(&config).await.unwrap();
+    engine.score_batch(vec![input("k")]).await;
+    assert_eq!(
+        server.seen.lock().unwrap()[0].body["input"],
+        "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\nthe answer<|im_end|>"
+    );
+}
+
+#[tokio::test]
+async fn chat_template_that_raises_fails_only_its_trajectory_without_a_request() {
+    let server = fake_server(vec![(200, VLLM_ANSWER)], Duration::ZERO).await;
+    let mut config = config(&server.url, RewardModelApi::Vllm);
+    config.reward_model.tokenizer_path = Some(rm_tokenizer_dir());
+    let engine = RewardEngine::new(&config).await.unwrap();
+    let outcomes = engine
+        .score_batch(vec![chat_input("bad", &[("tool", "42")]), chat_input("good", &[("user", "reverse 1234")])])
+        .await;
+    assert_eq!(outcomes[0].failure_kind, Some(FailureKind::PromptRender));
+    assert!(outcomes[0].failure_reason.as_deref().unwrap_or_default().contains("tool turns are not supported"));
+    assert_eq!((outcomes[1].score, outcomes[1].failure_kind), (0.75, None));
+    assert_eq!(server.seen.lock().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn unreadable_rm_tokenizer_directory_stops_the_engine_at_start_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = config("http://127.0.0.1:9", RewardModelApi::Vllm);
+    config.reward_model.tokenizer_path = Some(dir.path().display().to_string());
+    let err = RewardEngine::new(&config).await.err().expect("a directory without tokenizer.json is refused");
+    assert!(matches!(err, RewardError::RewardModelSetup(_)), "{err}");
+    assert!(err.to_string().contains("tokenizer_path"), "{err}");
 }

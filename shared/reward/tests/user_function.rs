@@ -22,6 +22,7 @@ fn input(key: &str, solution: &str, truth: &str) -> ScoreInput {
         ground_truth: truth.into(),
         extra_info: serde_json::json!({"index": 1}),
         prompt_str: "Q: ".into(),
+        raw_prompt: Vec::new(),
         response_len: 10,
     }
 }

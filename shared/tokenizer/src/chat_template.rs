@@ -10,7 +10,7 @@ use std::fmt::Write as _;
 use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, Value};
 
-use crate::error::{ModelError, Result};
+use crate::error::{Result, TokenizerError};
 
 const TEMPLATE_NAME: &str = "chat";
 
@@ -33,7 +33,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
-            .map_err(|e| ModelError::ChatTemplate(format!("does not compile: {}", describe(&e))))?;
+            .map_err(|e| TokenizerError::ChatTemplate(format!("does not compile: {}", describe(&e))))?;
         Ok(ChatTemplate { env, source: source.to_string() })
     }
 
@@ -44,8 +44,8 @@ impl ChatTemplate {
 
     /// Renders with the given variables (`messages`, `tools`, `add_generation_prompt`, special tokens, ...).
     pub fn render(&self, variables: BTreeMap<String, Value>) -> Result<String> {
-        let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| ModelError::ChatTemplate(describe(&e)))?;
-        template.render(Value::from(variables)).map_err(|e| ModelError::ChatTemplate(describe(&e)))
+        let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| TokenizerError::ChatTemplate(describe(&e)))?;
+        template.render(Value::from(variables)).map_err(|e| TokenizerError::ChatTemplate(describe(&e)))
     }
 }
 
@@ -358,7 +358,7 @@ mod tests {
     #[test]
     fn raise_exception_surfaces_the_templates_message() {
         let err = render("{{ raise_exception('roles must alternate') }}", serde_json::json!({})).unwrap_err();
-        assert!(matches!(err, ModelError::ChatTemplate(_)));
+        assert!(matches!(err, TokenizerError::ChatTemplate(_)));
         assert!(err.to_string().contains("roles must alternate"), "{err}");
     }
 

@@ -9,8 +9,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::chat_template::ChatTemplate;
-use crate::config::token_ids;
-use crate::error::{ModelError, Result};
+use crate::error::{Result, TokenizerError};
 
 /// A tokenizer with the special tokens and chat template that came with it.
 #[derive(Debug)]
@@ -29,12 +28,26 @@ pub struct Tokenizer {
 const DEFAULT_TEMPLATE: &str = "default";
 const TOOL_USE_TEMPLATE: &str = "tool_use";
 
+/// Reads an HF token-id field that may be null, an integer or a list of integers.
+fn token_ids(value: Option<&Value>, field: &str) -> Result<Vec<u32>> {
+    let as_id = |v: &Value| {
+        v.as_u64()
+            .and_then(|id| u32::try_from(id).ok())
+            .ok_or_else(|| TokenizerError::Config(format!("`{field}` must be a token id or a list of them, got {v}")))
+    };
+    match value {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(items)) => items.iter().map(as_id).collect(),
+        Some(v) => Ok(vec![as_id(v)?]),
+    }
+}
+
 fn read_json(path: &Path) -> Result<Option<Value>> {
     if !path.exists() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
-    serde_json::from_str(&text).map(Some).map_err(|e| ModelError::json(path.display().to_string(), e))
+    let text = std::fs::read_to_string(path).map_err(|e| TokenizerError::io(path, e))?;
+    serde_json::from_str(&text).map(Some).map_err(|e| TokenizerError::json(path.display().to_string(), e))
 }
 
 /// A special token in tokenizer_config.json: a string or an AddedToken object with `content`.
@@ -51,7 +64,7 @@ fn token_text(value: Option<&Value>) -> Option<String> {
 fn find_chat_templates(dir: &Path, tokenizer_config: Option<&Value>) -> Result<BTreeMap<String, String>> {
     let jinja = dir.join("chat_template.jinja");
     if jinja.exists() {
-        let source = std::fs::read_to_string(&jinja).map_err(|e| ModelError::io(&jinja, e))?;
+        let source = std::fs::read_to_string(&jinja).map_err(|e| TokenizerError::io(&jinja, e))?;
         return Ok(BTreeMap::from([(DEFAULT_TEMPLATE.to_string(), source)]));
     }
     let from_value = |value: Option<&Value>, origin: &str| -> Result<BTreeMap<String, String>> {
@@ -63,13 +76,13 @@ fn find_chat_templates(dir: &Path, tokenizer_config: Option<&Value>) -> Result<B
                 .map(|item| {
                     match (item.get("name").and_then(Value::as_str), item.get("template").and_then(Value::as_str)) {
                         (Some(name), Some(template)) => Ok((name.to_string(), template.to_string())),
-                        _ => Err(ModelError::ChatTemplate(format!(
+                        _ => Err(TokenizerError::ChatTemplate(format!(
                             "{origin}: a template list entry lacks `name` or `template`"
                         ))),
                     }
                 })
                 .collect(),
-            Some(other) => Err(ModelError::ChatTemplate(format!("{origin}: `chat_template` is {other}"))),
+            Some(other) => Err(TokenizerError::ChatTemplate(format!("{origin}: `chat_template` is {other}"))),
         }
     };
     if let Some(json) = read_json(&dir.join("chat_template.json"))? {
@@ -86,7 +99,7 @@ impl Tokenizer {
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         let inner = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;
+            .map_err(|e| TokenizerError::Tokenizer(format!("{}: {e}", path.display())))?;
         let tokenizer_config = read_json(&dir.join("tokenizer_config.json"))?;
         let generation_config = read_json(&dir.join("generation_config.json"))?;
         let model_config = read_json(&dir.join("config.json"))?;
@@ -130,7 +143,9 @@ impl Tokenizer {
             .into_iter()
             .map(|(name, source)| {
                 let template = ChatTemplate::new(&source).map_err(|e| match e {
-                    ModelError::ChatTemplate(reason) => ModelError::ChatTemplate(format!("template `{name}` {reason}")),
+                    TokenizerError::ChatTemplate(reason) => {
+                        TokenizerError::ChatTemplate(format!("template `{name}` {reason}"))
+                    }
                     other => other,
                 })?;
                 Ok((name, template))
@@ -141,12 +156,13 @@ impl Tokenizer {
 
     /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (e.g. a BOS).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let encoding = self.inner.encode(text, add_special_tokens).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        let encoding =
+            self.inner.encode(text, add_special_tokens).map_err(|e| TokenizerError::Tokenizer(e.to_string()))?;
         Ok(encoding.get_ids().to_vec())
     }
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special_tokens).map_err(|e| ModelError::Tokenizer(e.to_string()))
+        self.inner.decode(ids, skip_special_tokens).map_err(|e| TokenizerError::Tokenizer(e.to_string()))
     }
 
     /// Ids that end a generation.
@@ -157,6 +173,12 @@ impl Tokenizer {
     /// The padding id, when the checkpoint names one.
     pub fn pad_token_id(&self) -> Option<u32> {
         self.pad_token_id
+    }
+
+    /// A named special token's text (`bos_token`, `eos_token`, `pad_token`, ...) as tokenizer_config.json names
+    /// it: a reward model's rendered prompt must not start with the BOS that its server adds again.
+    pub fn special_token(&self, name: &str) -> Option<&str> {
+        self.special_tokens.get(name).map(String::as_str)
     }
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
@@ -189,7 +211,7 @@ impl Tokenizer {
     ) -> Result<String> {
         let tool_use = tools.is_some().then(|| self.chat_templates.get(TOOL_USE_TEMPLATE)).flatten();
         let Some(template) = tool_use.or_else(|| self.chat_templates.get(DEFAULT_TEMPLATE)) else {
-            return Err(ModelError::ChatTemplate(
+            return Err(TokenizerError::ChatTemplate(
                 "the checkpoint has no (default) chat template (chat_template.jinja or tokenizer_config.json)".into(),
             ));
         };

@@ -1,0 +1,337 @@
+//! `just bench dataplane`: the real data path against raw JetStream, in one run against one server.
+//!
+//! - jetrl: producers publish 16 KiB trajectories in groups of 8 (record pending → running → trajectories →
+//!   finished), the real reward service scores them, the real replay buffer indexes them, and a consumer
+//!   samples batches of groups, fetches every payload from the TRAJ stream and releases the step.
+//! - raw: the same number of 16 KiB messages published with pipelined acks and pulled with acks by
+//!   async-nats on a plain stream.
+//! - sample latency: for each sample request, how long after the later of (request sent, last needed group
+//!   complete) the answer arrived; p99 over all requests.
+//! - buffer memory: RSS growth of a separate `jetrl-replay-buffer` process while it indexes 100k trajectories.
+//!
+//! Last line: one JSON object.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use jetrl_bus::publish::Outgoing;
+use jetrl_bus::{Bus, GroupStore, NatsServer, Publisher};
+use jetrl_config::JobConfig;
+use jetrl_tests::sim::{self, GroupSpec};
+use jetrl_wire::v1::{ReleaseRequest, ReleaseResponse, SampleRequest, SampleResponse};
+use jetrl_wire::{subjects, Message};
+
+const PAYLOAD: usize = 16 * 1024;
+const GROUP: usize = 8;
+/// groups each producer keeps in flight (a rollout worker holds up to rollout.max_inflight_groups)
+const INFLIGHT_GROUPS: usize = 8;
+
+fn arg(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+async fn connect(url: &str, name: &str) -> (Bus, GroupStore) {
+    let bus =
+        Bus::connect(&jetrl_config::NatsConfig { url: url.into(), ..Default::default() }, name).await.expect("connect");
+    bus.declare_topology().await.expect("declare");
+    let groups = GroupStore::open(&bus).await.expect("groups");
+    (bus, groups)
+}
+
+/// Raw JetStream: publish `count` messages of PAYLOAD bytes (pipelined acks) while a pull consumer reads and
+/// acks them. Returns messages per second (end to end).
+async fn raw(url: &str, count: usize) -> f64 {
+    let (bus, _) = connect(url, "bench-raw").await;
+    let js = bus.jetstream().clone();
+    let stream = js
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: "BENCH_RAW".into(),
+            subjects: vec!["bench.raw".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("stream");
+    let consumer = stream
+        .create_consumer(async_nats::jetstream::consumer::pull::Config {
+            durable_name: Some("raw".into()),
+            ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
+            ..Default::default()
+        })
+        .await
+        .expect("consumer");
+    let payload = bytes::Bytes::from(vec![7u8; PAYLOAD]);
+    let started = Instant::now();
+    let reader = tokio::spawn(async move {
+        let mut messages = consumer.stream().max_messages_per_batch(512).messages().await.expect("messages");
+        let mut seen = 0;
+        while seen < count {
+            let Some(Ok(msg)) = messages.next().await else { break };
+            let _ = msg.ack().await;
+            seen += 1;
+        }
+    });
+    let mut publisher = Publisher::new(&bus, 1024);
+    for _ in 0..count {
+        publisher.publish(Outgoing::new("bench.raw", None, payload.clone())).await.expect("publish");
+    }
+    publisher.drain().await.expect("drain");
+    reader.await.expect("reader");
+    let rate = count as f64 / started.elapsed().as_secs_f64();
+    let _ = js.delete_stream("BENCH_RAW").await;
+    rate
+}
+
+/// The jetrl data path. Returns (trajectories per second, sample latency samples in ms).
+async fn jetrl_path(url: &str, groups_total: usize, batch_groups: usize, producers: usize) -> (f64, Vec<f64>) {
+    let mut cfg = JobConfig::default();
+    cfg.nats.url = url.into();
+    cfg.trainer.mode = "separate_async".into();
+    cfg.buffer.max_off_policy_threshold = 1_000_000;
+    cfg.reward.max_inflight = 512;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    // BENCH_REWARD=sim: producers publish rewards themselves (isolates the buffer from the reward service)
+    let sim_reward = std::env::var("BENCH_REWARD").is_ok_and(|v| v == "sim");
+    let services: &[&str] = if sim_reward { &["buffer"] } else { &["buffer", "reward"] };
+    for &service in services {
+        let cfg = cfg.clone();
+        let mut rx = stop_rx.clone();
+        let stop = async move {
+            let _ = rx.wait_for(|s| *s).await;
+        };
+        tokio::spawn(async move {
+            match service {
+                "buffer" => jetrl_replay_buffer::run(cfg, stop).await.map_err(|e| e.to_string()),
+                _ => jetrl_reward_service::run(cfg, stop).await.map_err(|e| e.to_string()),
+            }
+            .expect("service");
+        });
+    }
+    let (bus, _) = connect(url, "bench-consumer").await;
+    // uid -> when its last reward was acknowledged (the group is complete once the buffer sees it)
+    let completed: Arc<Mutex<HashMap<String, Instant>>> = Arc::new(Mutex::new(HashMap::new()));
+    let started = Instant::now();
+    let per_producer = groups_total / producers;
+    let groups_total = per_producer * producers;
+    let mut tasks = Vec::new();
+    for p in 0..producers {
+        let url = url.to_string();
+        tasks.push(tokio::spawn(async move {
+            let (bus, groups) = connect(&url, "bench-producer").await;
+            // like a rollout worker: several groups in flight at once, each written children-first
+            futures::stream::iter((0..per_producer).map(|i| {
+                let (bus, groups) = (bus.clone(), groups.clone());
+                async move {
+                    let mut publisher = Publisher::new(&bus, 64);
+                    let mut spec = GroupSpec::finished(&format!("p{p}g{i}"), 1, &[1.0; GROUP]);
+                    spec.payload_bytes = PAYLOAD;
+                    spec.data_source = "jetrl/reverse".into();
+                    sim::submit(&groups, &spec).await.expect("submit");
+                    let seqs = sim::produce(&bus, &groups, &mut publisher, &spec).await.expect("produce");
+                    if sim_reward {
+                        sim::score(&mut publisher, &spec, &seqs).await.expect("score");
+                    }
+                }
+            }))
+            .buffer_unordered(INFLIGHT_GROUPS)
+            .collect::<Vec<_>>()
+            .await;
+            eprintln!("  producer {p} done after {:.2}s", started.elapsed().as_secs_f64());
+        }));
+    }
+    // the reward service's output tells us when each group is complete
+    {
+        let completed = completed.clone();
+        let rewards = bus.stream(subjects::REWARDS_STREAM).await.expect("rewards stream");
+        let consumer = rewards
+            .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig {
+                filter_subject: format!("{}.>", subjects::REWARDS_SUBJECT),
+                ..Default::default()
+            })
+            .await
+            .expect("ordered");
+        tokio::spawn(async move {
+            let mut counts: HashMap<String, usize> = HashMap::new();
+            let mut messages = consumer.messages().await.expect("messages");
+            while let Some(Ok(msg)) = messages.next().await {
+                if let Ok(r) = jetrl_wire::v1::Reward::decode(msg.payload.as_ref()) {
+                    let c = counts.entry(r.uid.clone()).or_insert(0);
+                    *c += 1;
+                    if *c == GROUP {
+                        completed.lock().expect("lock").insert(r.uid, Instant::now());
+                    }
+                }
+            }
+        });
+    }
+    let traj = bus.stream(subjects::TRAJ_STREAM).await.expect("traj stream");
+    let mut consumed = 0usize;
+    let mut latencies = Vec::new();
+    let mut step = 0u64;
+    while consumed < groups_total * GROUP {
+        step += 1;
+        let request = SampleRequest {
+            request_id: format!("bench-{step}"),
+            step,
+            partition: "train".into(),
+            batch_size: batch_groups.min(groups_total - consumed / GROUP) as u32,
+            wait_ms: 5_000,
+            ..Default::default()
+        };
+        let sent = Instant::now();
+        let response = loop {
+            match bus.request::<_, SampleResponse>(subjects::BUFFER_SAMPLE, &request, Duration::from_secs(10)).await {
+                Ok(r) if !r.not_ready => break r,
+                Ok(_) => {}
+                // the buffer is still starting
+                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        };
+        let answered = Instant::now();
+        let ready = {
+            let done = completed.lock().expect("lock");
+            response.groups.iter().filter_map(|g| done.get(&g.uid).copied()).max().unwrap_or(sent)
+        };
+        // the first answer also waits for the services to start: not a sampling latency
+        if step > 1 {
+            latencies.push(answered.saturating_duration_since(ready.max(sent)).as_secs_f64() * 1000.0);
+        }
+        let seqs: Vec<u64> = response.groups.iter().flat_map(|g| g.trajectories.iter().map(|t| t.traj_seq)).collect();
+        let fetched: Vec<usize> = futures::stream::iter(seqs.into_iter().map(|seq| {
+            let traj = traj.clone();
+            async move { traj.direct_get(seq).await.map(|m| m.payload.len()).unwrap_or(0) }
+        }))
+        .buffer_unordered(64)
+        .collect()
+        .await;
+        assert!(fetched.iter().all(|&n| n > PAYLOAD), "a payload was missing");
+        consumed += fetched.len();
+        let fetched_at = Instant::now();
+        let _: ReleaseResponse = bus
+            .request(
+                subjects::BUFFER_RELEASE,
+                &ReleaseRequest { step, request_ids: vec![request.request_id.clone()] },
+                Duration::from_secs(30),
+            )
+            .await
+            .expect("release");
+        if std::env::var("BENCH_TRACE").is_ok() {
+            eprintln!(
+                "  step {step}: sample {:.1} ms, fetch {:.1} ms, release {:.1} ms",
+                (answered - sent).as_secs_f64() * 1e3,
+                (fetched_at - answered).as_secs_f64() * 1e3,
+                fetched_at.elapsed().as_secs_f64() * 1e3
+            );
+        }
+    }
+    let rate = consumed as f64 / started.elapsed().as_secs_f64();
+    for t in tasks {
+        t.await.expect("producer");
+    }
+    eprintln!("  consumer done after {:.2}s ({} sample requests)", started.elapsed().as_secs_f64(), step);
+    let _ = stop_tx.send(true);
+    (rate, latencies)
+}
+
+fn rss_bytes(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).map(|l| l.to_string()))
+        .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}
+
+/// RSS growth per indexed trajectory of a separate buffer process holding `count` trajectories.
+async fn buffer_memory(url: &str, count: usize) -> f64 {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("job.yaml");
+    std::fs::write(&config, format!("nats: {{url: \"{url}\"}}\ndata: {{task: {{name: reverse}}}}\n")).expect("config");
+    let mut child = std::process::Command::new(jetrl_tests::bin("jetrl-replay-buffer"))
+        .arg("--config")
+        .arg(&config)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("buffer process");
+    let (bus, groups) = connect(url, "bench-memory").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = rss_bytes(child.id());
+    let mut publisher = Publisher::new(&bus, 1024);
+    let group_count = count / GROUP;
+    for g in 0..group_count {
+        let spec = GroupSpec::finished(&format!("m{g}"), 1, &[0.5; GROUP]);
+        sim::submit(&groups, &spec).await.expect("submit");
+        groups.update("train", &spec.uid, |_| Some(jetrl_wire::v1::GroupState::Running)).await.expect("running");
+        let keys: Vec<String> = (0..GROUP).map(|i| format!("m{g}_{i}_0")).collect();
+        groups
+            .update("train", &spec.uid, |s| {
+                s.trajectory_keys = keys.clone();
+                Some(jetrl_wire::v1::GroupState::Finished)
+            })
+            .await
+            .expect("finished");
+        let seqs: Vec<u64> = (0..GROUP as u64).map(|i| g as u64 * 8 + i + 1).collect();
+        sim::score(&mut publisher, &spec, &seqs).await.expect("score");
+    }
+    // wait until the buffer has indexed everything (its ledger counts the finished groups)
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let ledger: jetrl_wire::v1::LedgerResponse = bus
+            .request(
+                subjects::BUFFER_LEDGER,
+                &jetrl_wire::v1::LedgerRequest { limit: 1, ..Default::default() },
+                Duration::from_secs(30),
+            )
+            .await
+            .expect("ledger");
+        if ledger.counts.get("finished").copied().unwrap_or(0) as usize >= group_count {
+            break;
+        }
+        assert!(Instant::now() < deadline, "buffer did not index {count} trajectories");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let after = rss_bytes(child.id());
+    let _ = child.kill();
+    let _ = child.wait();
+    (after.saturating_sub(before)) as f64 / count as f64
+}
+
+#[tokio::main]
+async fn main() {
+    let groups_total = arg("BENCH_GROUPS", 1000);
+    let batch = arg("BENCH_BATCH_GROUPS", 16);
+    let producers = arg("BENCH_PRODUCERS", 4);
+    let memory_trajs = arg("BENCH_MEMORY_TRAJECTORIES", 100_000);
+    let server = NatsServer::start().expect("nats-server");
+    let url = server.url();
+    let trajectories = groups_total * GROUP;
+    println!("dataplane: {groups_total} groups x {GROUP} trajectories of {PAYLOAD} bytes, {producers} producers, batches of {batch} groups");
+    let raw_rate = raw(&url, trajectories).await;
+    println!("raw JetStream publish+consume: {raw_rate:.0} msg/s");
+    let (jetrl_rate, mut latencies) = jetrl_path(&url, groups_total, batch, producers).await;
+    latencies.sort_by(|a, b| a.total_cmp(b));
+    let p99 = latencies[((latencies.len() as f64 * 0.99).ceil() as usize).saturating_sub(1).min(latencies.len() - 1)];
+    let p50 = latencies[latencies.len() / 2];
+    println!(
+        "jetrl path: {jetrl_rate:.0} traj/s; sample latency p50 {p50:.2} ms, p99 {p99:.2} ms over {} requests",
+        latencies.len()
+    );
+    let server2 = NatsServer::start().expect("nats-server");
+    let per_traj = buffer_memory(&server2.url(), memory_trajs).await;
+    println!("buffer RSS growth: {per_traj:.0} bytes per indexed trajectory ({memory_trajs} trajectories)");
+    println!(
+        "{}",
+        serde_json::json!({
+            "bench": "dataplane",
+            "payload_bytes": PAYLOAD,
+            "raw_traj_per_s": raw_rate.round(),
+            "jetrl_traj_per_s": jetrl_rate.round(),
+            "ratio": (jetrl_rate / raw_rate * 1000.0).round() / 1000.0,
+            "sample_latency_p99_ms": (p99 * 100.0).round() / 100.0,
+            "buffer_rss_bytes_per_traj": per_traj.round(),
+        })
+    );
+}
