@@ -38,8 +38,8 @@ impl GroupSpec {
     }
 }
 
-/// Writes a pending record (as the trainer does).
-pub async fn submit(groups: &GroupStore, spec: &GroupSpec) -> Result<(), BusError> {
+/// Writes a pending record (as the trainer does); returns it with its revision.
+pub async fn submit(groups: &GroupStore, spec: &GroupSpec) -> Result<(GroupStatus, u64), BusError> {
     let task = PromptTask {
         uid: spec.uid.clone(),
         partition: spec.partition.clone(),
@@ -58,7 +58,8 @@ pub async fn submit(groups: &GroupStore, spec: &GroupSpec) -> Result<(), BusErro
         ..Default::default()
     };
     status.set_state(GroupState::Pending);
-    groups.create(&status).await.map(|_| ())
+    let revision = groups.create(&status).await?;
+    Ok((status, revision))
 }
 
 /// A trajectory whose response is `payload_bytes / 4` token ids; the response text encodes the score for
@@ -86,18 +87,22 @@ pub fn trajectory(spec: &GroupSpec, session: usize) -> Trajectory {
 }
 
 /// Generates a group as a rollout worker would: running, every trajectory published and acknowledged, then
-/// the terminal status with the keys. Returns the trajectories' stream sequences.
+/// the terminal status with the keys. `known` is the pending record and revision when the caller has them
+/// (saves a read). Returns the trajectories' stream sequences.
 pub async fn produce(
     bus: &Bus,
     groups: &GroupStore,
     publisher: &mut Publisher,
     spec: &GroupSpec,
+    known: Option<(GroupStatus, u64)>,
 ) -> Result<Vec<u64>, BusError> {
-    groups.update(&spec.partition, &spec.uid, |_| Some(GroupState::Running)).await.map_err(|e| BusError::Kv {
+    let kv_err = |e: jetrl_bus::groups::GroupUpdateError| BusError::Kv {
         bucket: subjects::GROUPS_BUCKET.into(),
         key: spec.uid.clone(),
         message: e.to_string(),
-    })?;
+    };
+    let running =
+        groups.update_from(&spec.partition, &spec.uid, known, |_| Some(GroupState::Running)).await.map_err(kv_err)?;
     let mut keys = Vec::new();
     for session in 0..spec.scores.len() {
         let traj = trajectory(spec, session);
@@ -113,16 +118,12 @@ pub async fn produce(
     let acks = publisher.drain().await?;
     let state = spec.state;
     groups
-        .update(&spec.partition, &spec.uid, |s| {
+        .update_from(&spec.partition, &spec.uid, running, |s| {
             s.trajectory_keys = keys.clone();
             Some(state)
         })
         .await
-        .map_err(|e| BusError::Kv {
-            bucket: subjects::GROUPS_BUCKET.into(),
-            key: spec.uid.clone(),
-            message: e.to_string(),
-        })?;
+        .map_err(kv_err)?;
     let _ = bus;
     Ok(acks.iter().map(|a| a.sequence).collect())
 }

@@ -161,6 +161,7 @@ async fn malformed_message_on_each_subject_is_counted_set_aside_and_services_kee
                 partition: "nothing".into(),
                 batch_size: 0,
                 wait_ms: 10,
+                ..Default::default()
             },
             Duration::from_secs(10),
         )

@@ -90,12 +90,31 @@ impl GroupStore {
         &self,
         partition: &str,
         uid: &str,
-        mut change: impl FnMut(&mut GroupStatus) -> Option<GroupState>,
+        change: impl FnMut(&mut GroupStatus) -> Option<GroupState>,
     ) -> Result<Option<GroupStatus>, GroupUpdateError> {
+        Ok(self.update_from(partition, uid, None, change).await?.map(|(status, _)| status))
+    }
+
+    /// [`GroupStore::update`] starting from a record and revision the caller already holds (from `create`,
+    /// a previous update or a watch): the first compare-and-set needs no read, so a writer that knows the
+    /// revision pays one round trip instead of two. Falls back to re-reading when the revision moved.
+    /// Returns the new record and its revision.
+    pub async fn update_from(
+        &self,
+        partition: &str,
+        uid: &str,
+        known: Option<(GroupStatus, u64)>,
+        mut change: impl FnMut(&mut GroupStatus) -> Option<GroupState>,
+    ) -> Result<Option<(GroupStatus, u64)>, GroupUpdateError> {
         let key = subjects::group_key(partition, uid);
+        let mut known = known;
         for attempt in 0..MAX_CAS_ATTEMPTS {
-            let Some((mut status, revision)) = self.get(partition, uid).await? else {
-                return Err(GroupUpdateError::Missing { key });
+            let (mut status, revision) = match known.take() {
+                Some(k) => k,
+                None => match self.get(partition, uid).await? {
+                    Some(current) => current,
+                    None => return Err(GroupUpdateError::Missing { key }),
+                },
             };
             let from = status.state();
             let Some(to) = change(&mut status) else { return Ok(None) };
@@ -105,10 +124,12 @@ impl GroupStore {
             status.set_state(to);
             status.updated_unix_ms = jetrl_wire::now_unix_ms();
             match self.kv.update(&key, status.encode_to_vec().into(), revision).await {
-                Ok(_) => return Ok(Some(status)),
+                Ok(new_revision) => return Ok(Some((status, new_revision))),
                 Err(err) if err.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                     tracing::debug!(%key, attempt, "group record changed concurrently; retrying");
-                    tokio::time::sleep(Duration::from_millis(1 << attempt.min(6))).await;
+                    if attempt > 0 {
+                        tokio::time::sleep(Duration::from_millis(1 << attempt.min(6))).await;
+                    }
                 }
                 Err(err) => return Err(kv_err(&key, err).into()),
             }

@@ -19,6 +19,9 @@ use crate::{Bus, BusError};
 /// Publish attempts per message before giving up.
 const MAX_ATTEMPTS: u32 = 5;
 
+/// Largest ack window a [`Publisher`] keeps (below the context's `max_ack_inflight` of 4096).
+pub const MAX_WINDOW: usize = 4000;
+
 /// One message to publish.
 #[derive(Clone, Debug)]
 pub struct Outgoing {

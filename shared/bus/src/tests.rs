@@ -218,8 +218,20 @@ async fn reissue_evicts_inflight_groups_and_recreates_them_with_the_resume_step(
     let bus = bus(&server).await;
     let groups = GroupStore::open(&bus).await.unwrap();
     for (uid, state) in [("p", GroupState::Pending), ("r", GroupState::Running), ("f", GroupState::Finished)] {
-        let task = jetrl_wire::v1::PromptTask { uid: uid.into(), partition: "train".into(), n: 2, submit_step: 3, ..Default::default() };
-        let mut s = GroupStatus { uid: uid.into(), partition: "train".into(), submit_step: 3, task: Some(task), ..Default::default() };
+        let task = jetrl_wire::v1::PromptTask {
+            uid: uid.into(),
+            partition: "train".into(),
+            n: 2,
+            submit_step: 3,
+            ..Default::default()
+        };
+        let mut s = GroupStatus {
+            uid: uid.into(),
+            partition: "train".into(),
+            submit_step: 3,
+            task: Some(task),
+            ..Default::default()
+        };
         s.set_state(GroupState::Pending);
         groups.create(&s).await.unwrap();
         if state != GroupState::Pending {

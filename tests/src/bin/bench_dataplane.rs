@@ -127,8 +127,8 @@ async fn jetrl_path(url: &str, groups_total: usize, batch_groups: usize, produce
                     let mut spec = GroupSpec::finished(&format!("p{p}g{i}"), 1, &[1.0; GROUP]);
                     spec.payload_bytes = PAYLOAD;
                     spec.data_source = "jetrl/reverse".into();
-                    sim::submit(&groups, &spec).await.expect("submit");
-                    let seqs = sim::produce(&bus, &groups, &mut publisher, &spec).await.expect("produce");
+                    let known = sim::submit(&groups, &spec).await.expect("submit");
+                    let seqs = sim::produce(&bus, &groups, &mut publisher, &spec, Some(known)).await.expect("produce");
                     if sim_reward {
                         sim::score(&mut publisher, &spec, &seqs).await.expect("score");
                     }
