@@ -1,26 +1,42 @@
-//! The policy and its optimisation, on a dedicated thread (libtorch stays off the async reactor).
+//! The models and their optimisation, on a dedicated thread (libtorch stays off the async reactor).
 //!
-//! [`Actor::train`] is one PPO step over a batch of scored trajectories: recompute the behaviour
-//! log-probs with the current weights (π_old), compute advantages, then `ppo_epochs` passes over
-//! mini-batches of `ppo_mini_batch_size` prompt groups, each split into micro-batches that fit
-//! `ppo_max_token_len` tokens, with gradients accumulated and the loss normalised over the whole
-//! mini-batch (so the split does not change the gradient), global-norm clipping and AdamW.
+//! Roles, as verl's `need_reference_policy` / `need_critic`:
+//! - the actor (policy), always;
+//! - a frozen reference policy (the initial weights) when `actor.use_kl_loss` or `algorithm.use_kl_in_reward`;
+//! - a critic ([`crate::critic`]) when `critic.enable`, by default exactly for `gae`.
+//!
+//! [`Actor::train`] is one training step over a batch of scored trajectories, verl's `_step_once` after
+//! sampling: old log-probs (π_old, temperature-scaled) → reference log-probs → values → token rewards (minus
+//! the in-reward KL) → rollout correction → advantages → critic update → actor update. Each update is
+//! `ppo_epochs` passes over mini-batches of `ppo_mini_batch_size` prompt groups (seeded shuffle), each split
+//! into micro-batches that fit `ppo_max_token_len` tokens, with gradients accumulated and the loss normalised
+//! over the whole mini-batch (so the split does not change the gradient), global-norm clipping and AdamW.
+//! The LR schedules step once per training step, as verl's.
+//!
+//! Everything random in a step draws from seeds derived from (`run.seed`, step), so a resumed run repeats an
+//! uninterrupted one exactly: the checkpoint holds no opaque generator state.
 
-use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc::{sync_channel, SyncSender};
+use std::time::Instant;
 
 use jetrl_algos::{
-    compute_actor_loss, compute_advantage, entropy_from_logits, ActorLossInputs, ActorLossParams, AdvantageConfig,
-    AdvantageEstimator, AdvantageInputs, GlobalBatchInfo, PolicyLossInputs,
+    agg_loss, apply_kl_penalty, compute_actor_loss, compute_advantage, compute_rollout_correction, entropy_from_logits,
+    logprobs_from_logits, pf_ppo_resample, sum_pi_squared_from_logits, ActorLossInputs, ActorLossParams,
+    AdvantageConfig, AdvantageEstimator, AdvantageInputs, AggMode, GlobalBatchInfo, KlController, KlPenalty,
+    PfPpoReweight, PolicyLossInputs, RolloutCorrectionParams,
 };
 use jetrl_config::JobConfig;
 use jetrl_model::{CausalLm, DType};
-use rand::seq::SliceRandom;
-use rand::SeedableRng;
+use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 use tokio::sync::oneshot;
 
+pub use crate::batch::Sample;
+use crate::batch::{gather_rows, groups_of, mini_batches, split_by_token_budget, to_host, MicroBatch};
+use crate::checkpoint::{self, CheckpointError};
+use crate::critic::{Critic, ValueTargets};
 use crate::optim::{AdamW, LrSchedule, OptimError};
 
 #[derive(Debug, thiserror::Error)]
@@ -33,31 +49,23 @@ pub enum ActorError {
     Torch(#[from] tch::TchError),
     #[error(transparent)]
     Optim(#[from] OptimError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
     #[error("batch: {0}")]
     Batch(String),
     #[error("the actor thread has stopped")]
     Stopped,
 }
 
-/// One scored trajectory, as the trainer trains on it.
-#[derive(Debug, Clone, Default)]
-pub struct Sample {
-    pub key: String,
-    pub uid: String,
-    pub prompt: Vec<u32>,
-    pub response: Vec<u32>,
-    /// 1 = policy token (trained on), 0 = tool/observation token
-    pub response_mask: Vec<u8>,
-    /// behaviour log-probs from the rollout
-    pub rollout_logprobs: Vec<f32>,
-    pub score: f64,
-    pub min_version: u64,
-    pub max_version: u64,
-    pub submit_step: u64,
-    pub data_source: String,
-    pub ground_truth: String,
-    /// the response hit max_new_tokens
-    pub truncated: bool,
+/// What the actor carries from step to step besides tensors (saved in `trainer_state.json`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ActorState {
+    /// actor update calls made: the position of the actor's LR schedule
+    pub actor_updates: u64,
+    /// critic update calls made: the position of the critic's LR schedule
+    pub critic_updates: u64,
+    /// the in-reward KL coefficient and its controller (adaptive ones change every step)
+    pub kl_ctrl: Option<KlController>,
 }
 
 /// Training settings, resolved from the job config once.
@@ -68,330 +76,503 @@ struct Settings {
     epochs: u32,
     max_token_len: usize,
     shuffle: bool,
-    seed: u64,
+    shuffle_seed: u64,
     grad_clip: f64,
     /// the rollout temperature: log-probs are recomputed on logits / T, as the rollout sampled them
     temperature: f64,
+    /// the actor is updated only from this step on (verl `critic_warmup`)
+    critic_warmup: u64,
+    run_seed: u64,
+    calculate_sum_pi_squared: bool,
+    /// reuse the rollout log-probs as π_old (`rollout_correction.bypass_mode`)
+    bypass_old_log_prob: bool,
+}
+
+/// The result of one [`Actor::train`]: verl-named metrics and the phase timings (`timing_s/<phase>`).
+#[derive(Debug, Clone, Default)]
+pub struct TrainOutput {
+    pub metrics: BTreeMap<String, f64>,
+    pub timings: BTreeMap<String, f64>,
+}
+
+/// Per-row log-probs, and the entropy and Σπ² when asked, as `[rows, width]` host matrices.
+type ScoredRows = (Vec<f32>, Option<Vec<f32>>, Option<Vec<f32>>);
+
+/// Per-token columns of the whole batch as `[rows, width]` host matrices.
+struct Columns {
+    width: usize,
+    /// the response mask after rollout rejection
+    mask: Vec<f32>,
+    old_log_probs: Vec<f32>,
+    ref_log_probs: Option<Vec<f32>>,
+    advantages: Vec<f32>,
+    is_weights: Option<Vec<f32>>,
 }
 
 pub struct Actor {
     model: CausalLm,
     optim: AdamW,
     schedule: LrSchedule,
+    reference: Option<CausalLm>,
+    critic: Option<Critic>,
+    kl_ctrl: Option<KlController>,
+    kl_penalty: KlPenalty,
     loss: ActorLossParams,
+    correction: Option<RolloutCorrectionParams>,
     estimator: AdvantageEstimator,
     advantage: AdvantageConfig,
+    pf_ppo: Option<PfPpoReweight>,
     settings: Settings,
+    actor_updates: u64,
+    model_dir: PathBuf,
+    /// the dtype weights are shipped to rollout workers in (`model.dtype`)
+    ship_dtype: DType,
     pad_id: i64,
 }
 
-/// Per-row tensors of a micro-batch: prompts left-padded to `p`, responses right-padded to `r`.
-struct MicroBatch {
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    response_ids: Tensor,
-    response_mask: Tensor,
-    p: i64,
-    r: i64,
+/// The torch seed of a training step: a pure function of the run seed and the step.
+fn step_seed(run_seed: u64, step: u64) -> i64 {
+    (run_seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ step.wrapping_mul(0xbf58_476d_1ce4_e5b9)) as i64 & i64::MAX
+}
+
+/// The device and precision the trainer computes in: the configured ones on CUDA (bf16 weights, fp32 master
+/// copies in the optimizer); always f32 on the CPU, where bf16 matmuls are slow and master copies would only
+/// double the memory.
+pub fn compute_dtype(cfg: &JobConfig) -> Result<(Device, DType), ActorError> {
+    let device = jetrl_model::parse_device(&cfg.model.device)?;
+    let requested: DType = cfg.model.dtype.parse()?;
+    Ok((device, if device == Device::Cpu { DType::F32 } else { requested }))
 }
 
 impl Actor {
-    pub fn new(cfg: &JobConfig, total_updates: u64) -> Result<Self, ActorError> {
-        let device = jetrl_model::parse_device(&cfg.model.device)?;
-        let dtype: DType = cfg.model.dtype.parse()?;
+    /// Loads the models. `total_steps` is the LR schedules' horizon; `resume` a checkpoint directory
+    /// (`global_step_<n>`) and the actor state saved with it.
+    pub fn new(cfg: &JobConfig, total_steps: u64, resume: Option<(&Path, &ActorState)>) -> Result<Self, ActorError> {
+        let (device, dtype) = compute_dtype(cfg)?;
+        if device == Device::Cpu && cfg.model.dtype != "f32" {
+            tracing::info!(dtype = %cfg.model.dtype, "training in f32 on the CPU; weights are shipped as {}", cfg.model.dtype);
+        }
         tch::manual_seed(cfg.run.seed as i64);
-        let model = CausalLm::load(Path::new(&cfg.model.path), device, dtype)?;
+        let model_dir = PathBuf::from(&cfg.model.path);
+        let source = resume.map(|(dir, _)| dir.join("actor")).unwrap_or_else(|| model_dir.clone());
+        let model = CausalLm::load(&source, device, dtype)?;
         let params: Vec<(String, Tensor)> = model.parameters().into_iter().collect();
-        let optim = AdamW::new(params, &cfg.actor.optim);
+        let mut optim = AdamW::new(params, &cfg.actor.optim)?;
+        if let Some((dir, _)) = resume {
+            let actor_dir = dir.join("actor");
+            let meta: serde_json::Value = checkpoint::read_json(&actor_dir.join(checkpoint::OPTIMIZER_META_FILE))?;
+            let tensors = checkpoint::read_tensors(&actor_dir.join(checkpoint::OPTIMIZER_FILE))?;
+            optim.load_state_tensors(tensors, meta["step"].as_u64().unwrap_or(0))?;
+        }
+        let use_kl_in_reward = cfg.algorithm.use_kl_in_reward;
+        let reference = if cfg.actor.use_kl_loss || use_kl_in_reward {
+            let mut reference = CausalLm::load(&model_dir, device, dtype)?;
+            reference.var_store_mut().freeze();
+            Some(reference)
+        } else {
+            None
+        };
+        let critic = if cfg.critic.is_enabled(&cfg.algorithm) {
+            Some(Critic::new(cfg, total_steps, device, dtype, resume.map(|(dir, _)| dir))?)
+        } else {
+            None
+        };
+        let bypass = cfg.algorithm.rollout_correction.as_ref().is_some_and(|rc| rc.bypass_mode);
+        let correction = match &cfg.algorithm.rollout_correction {
+            Some(rc) if !rc.bypass_mode => Some(RolloutCorrectionParams::from_config(rc)?),
+            _ => None,
+        };
+        let estimator: AdvantageEstimator = cfg.algorithm.adv_estimator.parse()?;
+        let pf_ppo = (cfg.algorithm.use_pf_ppo && estimator == AdvantageEstimator::Gae)
+            .then(|| PfPpoReweight::from_config(&cfg.algorithm.pf_ppo))
+            .transpose()?;
         let temperature = f64::from(cfg.rollout.temperature);
-        Ok(Self {
+        let mut actor = Self {
             model,
             optim,
-            schedule: LrSchedule::new(&cfg.actor.optim, total_updates),
+            schedule: LrSchedule::new(&cfg.actor.optim, total_steps),
+            reference,
+            critic,
+            kl_ctrl: use_kl_in_reward.then(|| KlController::from_config(&cfg.algorithm.kl_ctrl)).transpose()?,
+            kl_penalty: cfg.algorithm.kl_penalty.parse()?,
             loss: ActorLossParams::from_config(&cfg.actor, cfg.algorithm.rollout_correction.as_ref())?,
-            estimator: cfg.algorithm.adv_estimator.parse()?,
+            correction,
+            estimator,
             advantage: AdvantageConfig::from_config(&cfg.algorithm),
+            pf_ppo,
             settings: Settings {
                 mini_batch_groups: cfg.actor.ppo_mini_batch_size.unwrap_or(0) as usize,
                 epochs: cfg.actor.ppo_epochs.max(1),
                 max_token_len: cfg.actor.ppo_max_token_len.max(1) as usize,
                 shuffle: cfg.actor.shuffle,
-                seed: cfg.actor.data_loader_seed,
+                shuffle_seed: cfg.actor.data_loader_seed,
                 grad_clip: cfg.actor.grad_clip,
                 temperature: if temperature > 0.0 { temperature } else { 1.0 },
+                critic_warmup: cfg.trainer.critic_warmup,
+                run_seed: cfg.run.seed,
+                calculate_sum_pi_squared: cfg.actor.calculate_sum_pi_squared
+                    || matches!(
+                        estimator,
+                        AdvantageEstimator::OptimalTokenBaseline | AdvantageEstimator::TirOptimalTokenBaseline
+                    ),
+                bypass_old_log_prob: bypass,
             },
+            actor_updates: 0,
+            model_dir,
+            ship_dtype: cfg.model.dtype.parse()?,
             pad_id: 0,
-        })
+        };
+        if let Some((_, state)) = resume {
+            actor.actor_updates = state.actor_updates;
+            if let Some(critic) = actor.critic.as_mut() {
+                critic.updates = state.critic_updates;
+            }
+            if state.kl_ctrl.is_some() && actor.kl_ctrl.is_some() {
+                actor.kl_ctrl = state.kl_ctrl.clone();
+            }
+        }
+        Ok(actor)
+    }
+
+    /// The id written into padding positions (any id works: padding is masked; the tokenizer's pad id keeps
+    /// embeddings of padding finite and familiar).
+    pub fn set_pad_id(&mut self, pad_id: u32) {
+        self.pad_id = i64::from(pad_id);
+        if let Some(critic) = self.critic.as_mut() {
+            critic.set_pad_id(i64::from(pad_id));
+        }
     }
 
     pub fn model(&self) -> &CausalLm {
         &self.model
     }
 
-    /// The weights as a safetensors blob (what rollout workers load).
+    pub fn has_critic(&self) -> bool {
+        self.critic.is_some()
+    }
+
+    pub fn has_reference(&self) -> bool {
+        self.reference.is_some()
+    }
+
+    /// The state to save with a checkpoint.
+    pub fn state(&self) -> ActorState {
+        ActorState {
+            actor_updates: self.actor_updates,
+            critic_updates: self.critic.as_ref().map_or(0, |c| c.updates),
+            kl_ctrl: self.kl_ctrl.clone(),
+        }
+    }
+
+    /// The weights as a safetensors blob in `model.dtype` (what rollout workers load).
     pub fn weights_blob(&self) -> Result<Vec<u8>, ActorError> {
-        Ok(self.model.to_safetensors_bytes()?)
+        Ok(self.model.to_safetensors_bytes_as(self.ship_dtype)?)
     }
 
-    fn device(&self) -> Device {
-        self.model.device()
-    }
-
-    fn micro_batch(&self, rows: &[&Sample]) -> Result<MicroBatch, ActorError> {
-        let p = rows.iter().map(|s| s.prompt.len()).max().unwrap_or(1).max(1) as i64;
-        let r = rows.iter().map(|s| s.response.len()).max().unwrap_or(1).max(1) as i64;
-        let n = rows.len() as i64;
-        let width = (p + r) as usize;
-        let mut ids = vec![self.pad_id; rows.len() * width];
-        let mut attn = vec![0i64; rows.len() * width];
-        let mut resp_ids = vec![self.pad_id; rows.len() * r as usize];
-        let mut resp_mask = vec![0f32; rows.len() * r as usize];
-        for (i, s) in rows.iter().enumerate() {
-            let row = &mut ids[i * width..(i + 1) * width];
-            let arow = &mut attn[i * width..(i + 1) * width];
-            let offset = p as usize - s.prompt.len();
-            for (j, &t) in s.prompt.iter().enumerate() {
-                row[offset + j] = i64::from(t);
-                arow[offset + j] = 1;
-            }
-            for (j, &t) in s.response.iter().enumerate() {
-                row[p as usize + j] = i64::from(t);
-                arow[p as usize + j] = 1;
-                resp_ids[i * r as usize + j] = i64::from(t);
-                resp_mask[i * r as usize + j] = f32::from(s.response_mask.get(j).copied().unwrap_or(1));
-            }
+    /// Writes `actor/` (and `critic/`) of a checkpoint into `dir` and returns the state to save with them.
+    pub fn save_checkpoint(&self, dir: &Path) -> Result<ActorState, ActorError> {
+        let actor_dir = dir.join("actor");
+        self.model.save(&actor_dir)?;
+        checkpoint::copy_model_side_files(&self.model_dir, &actor_dir)?;
+        checkpoint::write_tensors(&actor_dir.join(checkpoint::OPTIMIZER_FILE), &self.optim.state_tensors())?;
+        checkpoint::write_json(
+            &actor_dir.join(checkpoint::OPTIMIZER_META_FILE),
+            &serde_json::json!({"step": self.optim.step}),
+        )?;
+        if let Some(critic) = &self.critic {
+            critic.save(&dir.join("critic"), &self.model_dir)?;
         }
-        let device = self.device();
-        Ok(MicroBatch {
-            input_ids: Tensor::from_slice(&ids).view([n, p + r]).to_device(device),
-            attention_mask: Tensor::from_slice(&attn).view([n, p + r]).to_device(device),
-            response_ids: Tensor::from_slice(&resp_ids).view([n, r]).to_device(device),
-            response_mask: Tensor::from_slice(&resp_mask).view([n, r]).to_device(device),
-            p,
-            r,
-        })
+        Ok(self.state())
     }
 
-    /// Logits of the response positions, `[n, r, V]` f32 divided by the temperature.
-    fn response_logits(&self, mb: &MicroBatch) -> Result<Tensor, ActorError> {
-        let hidden = self.model.forward_hidden(&mb.input_ids, &mb.attention_mask)?;
+    /// Response-position logits `[n, r, V]`, f32, divided by the rollout temperature.
+    fn response_logits(model: &CausalLm, mb: &MicroBatch, temperature: f64) -> Result<Tensor, ActorError> {
+        let hidden = model.forward_hidden(&mb.input_ids, &mb.attention_mask)?;
         // position p-1+j predicts response token j
-        let h = hidden.f_narrow(1, mb.p - 1, mb.r)?;
-        let logits = self.model.lm_head(&h)?.f_to_kind(Kind::Float)?;
-        Ok(if self.settings.temperature != 1.0 { logits.f_div_scalar(self.settings.temperature)? } else { logits })
+        let logits = model.lm_head(&hidden.f_narrow(1, mb.p - 1, mb.r)?)?;
+        Ok(if temperature != 1.0 { logits.f_div_scalar(temperature)? } else { logits })
     }
 
-    fn response_log_probs(logits: &Tensor, response_ids: &Tensor) -> Result<Tensor, ActorError> {
-        Ok(logits
-            .f_log_softmax(-1, Kind::Float)?
-            .f_gather(-1, &response_ids.f_unsqueeze(-1)?, false)?
-            .f_squeeze_dim(-1)?)
-    }
-
-    /// Splits rows into micro-batches whose padded size stays within the token budget.
-    fn micro_batches<'a>(&self, rows: &[&'a Sample]) -> Vec<Vec<&'a Sample>> {
-        let mut out: Vec<Vec<&Sample>> = Vec::new();
-        let mut current: Vec<&Sample> = Vec::new();
-        let (mut p, mut r) = (0usize, 0usize);
-        for &s in rows {
-            let np = p.max(s.prompt.len());
-            let nr = r.max(s.response.len());
-            if !current.is_empty() && (current.len() + 1) * (np + nr) > self.settings.max_token_len {
-                out.push(std::mem::take(&mut current));
-                p = s.prompt.len();
-                r = s.response.len();
-            } else {
-                p = np;
-                r = nr;
+    /// Log-probs of every row's response under `model` without autograd, as a `[rows, width]` host matrix,
+    /// with the per-token entropy and Σπ² when asked.
+    fn score_rows(
+        &self,
+        model: &CausalLm,
+        samples: &[Sample],
+        width: usize,
+        entropy: bool,
+        sum_pi_squared: bool,
+    ) -> Result<ScoredRows, ActorError> {
+        let rows: Vec<usize> = (0..samples.len()).collect();
+        let mut lp = vec![0f32; samples.len() * width];
+        let mut ent = entropy.then(|| vec![0f32; samples.len() * width]);
+        let mut spsq = sum_pi_squared.then(|| vec![0f32; samples.len() * width]);
+        let copy = |dst: &mut [f32], src: &[f32], chunk: &[usize], r: usize| {
+            for (k, &row) in chunk.iter().enumerate() {
+                let len = samples[row].response.len();
+                dst[row * width..row * width + len].copy_from_slice(&src[k * r..k * r + len]);
             }
-            current.push(s);
-        }
-        if !current.is_empty() {
-            out.push(current);
-        }
-        out
-    }
-
-    /// Behaviour log-probs under the current weights (π_old) and per-token entropy, row by row.
-    fn old_log_probs(&self, samples: &[Sample]) -> Result<(Vec<Vec<f32>>, f64), ActorError> {
-        let rows: Vec<&Sample> = samples.iter().collect();
-        let mut out = Vec::with_capacity(samples.len());
-        let (mut entropy_sum, mut tokens) = (0.0, 0.0);
+        };
         tch::no_grad(|| -> Result<(), ActorError> {
-            for chunk in self.micro_batches(&rows) {
-                let mb = self.micro_batch(&chunk)?;
-                let logits = self.response_logits(&mb)?;
-                let lp = Self::response_log_probs(&logits, &mb.response_ids)?.f_to_device(Device::Cpu)?;
-                let entropy = entropy_from_logits(&logits);
-                entropy_sum += (&entropy * &mb.response_mask).sum(Kind::Double).double_value(&[]);
-                tokens += mb.response_mask.sum(Kind::Double).double_value(&[]);
-                for (i, s) in chunk.iter().enumerate() {
-                    let row = Vec::<f32>::try_from(lp.get(i as i64).narrow(0, 0, s.response.len() as i64))?;
-                    out.push(row);
+            for chunk in split_by_token_budget(&rows, samples, self.settings.max_token_len) {
+                let refs: Vec<&Sample> = chunk.iter().map(|&i| &samples[i]).collect();
+                let mb = MicroBatch::build(&refs, self.pad_id, model.device())?;
+                let logits = Self::response_logits(model, &mb, self.settings.temperature)?;
+                let r = mb.r as usize;
+                copy(&mut lp, &to_host(&logprobs_from_logits(&logits, &mb.response_ids))?, &chunk, r);
+                if let Some(ent) = ent.as_mut() {
+                    copy(ent, &to_host(&entropy_from_logits(&logits))?, &chunk, r);
+                }
+                if let Some(spsq) = spsq.as_mut() {
+                    copy(spsq, &to_host(&sum_pi_squared_from_logits(&logits))?, &chunk, r);
                 }
             }
             Ok(())
         })?;
-        Ok((out, if tokens > 0.0 { entropy_sum / tokens } else { 0.0 }))
+        Ok((lp, ent, spsq))
     }
 
-    /// One training step on `samples`; returns verl-named metrics.
-    pub fn train(&mut self, samples: &[Sample]) -> Result<BTreeMap<String, f64>, ActorError> {
-        let mut metrics = BTreeMap::new();
+    /// One training step on `samples` (the global step `step`); returns verl-named metrics and timings.
+    pub fn train(&mut self, samples: &[Sample], step: u64) -> Result<TrainOutput, ActorError> {
         if samples.is_empty() {
             return Err(ActorError::Batch("no trajectories to train on".into()));
         }
+        tch::manual_seed(step_seed(self.settings.run_seed, step));
+        let mut out = TrainOutput::default();
+        let mut samples: Vec<Sample> = samples.to_vec();
         let n = samples.len();
-        let rmax = samples.iter().map(|s| s.response.len()).max().unwrap_or(1).max(1);
-        let (old, entropy) = self.old_log_probs(samples)?;
-        metrics.insert("actor/entropy".into(), entropy);
-
-        // rollout vs trainer log-prob agreement on the same weights (verl's rollout_probs_diff)
-        let (mut diff_sum, mut diff_max, mut diff_n) = (0.0f64, 0.0f64, 0.0f64);
-        for (s, o) in samples.iter().zip(&old) {
-            for (j, (&a, &b)) in s.rollout_logprobs.iter().zip(o).enumerate() {
-                if s.response_mask.get(j).copied().unwrap_or(1) == 1 {
-                    let d = (f64::from(a).exp() - f64::from(b).exp()).abs();
-                    diff_sum += d;
-                    diff_max = diff_max.max(d);
-                    diff_n += 1.0;
+        let width = samples.iter().map(|s| s.response.len()).max().unwrap_or(1).max(1);
+        let matrix = |f: &dyn Fn(&Sample, usize) -> f32, samples: &[Sample]| -> Vec<f32> {
+            let mut m = vec![0f32; samples.len() * width];
+            for (i, s) in samples.iter().enumerate() {
+                for j in 0..s.response.len() {
+                    m[i * width + j] = f(s, j);
                 }
             }
+            m
+        };
+        let mask = matrix(&|s, j| f32::from(s.response_mask.get(j).copied().unwrap_or(1)), &samples);
+        let rollout = matrix(&|s, j| s.rollout_logprobs.get(j).copied().unwrap_or(0.0), &samples);
+        let host_tensor = |m: &[f32], rows: usize| -> Result<Tensor, tch::TchError> {
+            Tensor::f_from_slice(m)?.f_view([rows as i64, width as i64])
+        };
+        let mask_t = host_tensor(&mask, n)?;
+        let agg = self.loss.policy.loss_agg_mode;
+        let full_batch = GlobalBatchInfo {
+            dp_size: 1,
+            batch_num_tokens: Some(mask.iter().map(|&m| f64::from(m)).sum::<f64>().max(1.0)),
+            global_batch_size: Some(n as f64),
+            loss_scale_factor: None,
+        };
+
+        // π_old: recomputed with the current weights, or the rollout's own in bypass mode
+        let t = Instant::now();
+        let (old, spsq) = if self.settings.bypass_old_log_prob {
+            (rollout.clone(), None)
+        } else {
+            let (old, entropy, spsq) =
+                self.score_rows(&self.model, &samples, width, true, self.settings.calculate_sum_pi_squared)?;
+            if let Some(entropy) = entropy {
+                let value = agg_loss(&host_tensor(&entropy, n)?, &mask_t, agg, &full_batch)?;
+                out.metrics.insert("actor/entropy".into(), f64::try_from(value)?);
+            }
+            rollout_probs_diff(&samples, &old, width, &mut out.metrics);
+            (old, spsq)
+        };
+        out.timings.insert("old_log_prob".into(), t.elapsed().as_secs_f64());
+
+        let t = Instant::now();
+        let reference = match &self.reference {
+            Some(model) => Some(self.score_rows(model, &samples, width, false, false)?.0),
+            None => None,
+        };
+        if reference.is_some() {
+            out.timings.insert("ref".into(), t.elapsed().as_secs_f64());
         }
-        if diff_n > 0.0 {
-            metrics.insert("training/rollout_probs_diff_mean".into(), diff_sum / diff_n);
-            metrics.insert("training/rollout_probs_diff_max".into(), diff_max);
+        let t = Instant::now();
+        let mut values = match &self.critic {
+            Some(critic) => Some(critic.values(&samples, width)?),
+            None => None,
+        };
+        if values.is_some() {
+            out.timings.insert("values".into(), t.elapsed().as_secs_f64());
         }
 
-        // token-level rewards: the score on the last valid response token
-        let mut rewards = vec![0f32; n * rmax];
-        let mut mask = vec![0f32; n * rmax];
-        for (i, s) in samples.iter().enumerate() {
-            for j in 0..s.response.len() {
-                mask[i * rmax + j] = f32::from(s.response_mask.get(j).copied().unwrap_or(1));
+        // token rewards: the score on the last response token, minus β·KL(π_old‖π_ref) when in the reward
+        let t = Instant::now();
+        let scores = matrix(&|s, j| if j + 1 == s.response.len() { s.score as f32 } else { 0.0 }, &samples);
+        let scores_t = host_tensor(&scores, n)?;
+        let old_t = host_tensor(&old, n)?;
+        let rewards_t = match (self.kl_ctrl.as_mut(), &reference) {
+            (Some(ctrl), Some(reference)) => {
+                let ref_t = host_tensor(reference, n)?;
+                let (rewards, kl) = apply_kl_penalty(&scores_t, &old_t, &ref_t, &mask_t, self.kl_penalty, ctrl)?;
+                out.metrics.insert("actor/reward_kl_penalty".into(), kl.current_kl);
+                out.metrics.insert("actor/reward_kl_penalty_coeff".into(), kl.coefficient);
+                rewards
             }
-            if let Some(last) = s.response.len().checked_sub(1) {
-                rewards[i * rmax + last] = s.score as f32;
+            _ => scores_t.shallow_clone(),
+        };
+        let (mask_t, is_weights) = match &self.correction {
+            Some(params) => {
+                let rc = compute_rollout_correction(&old_t, &host_tensor(&rollout, n)?, &mask_t, params)?;
+                out.metrics.extend(rc.metrics);
+                (rc.response_mask.f_to_kind(Kind::Float)?, rc.weights)
             }
-        }
-        let rewards_t = Tensor::from_slice(&rewards).view([n as i64, rmax as i64]);
-        let mask_t = Tensor::from_slice(&mask).view([n as i64, rmax as i64]);
+            None => (mask_t, None),
+        };
         let uids: Vec<String> = samples.iter().map(|s| s.uid.clone()).collect();
         let keys: Vec<String> = samples.iter().map(|s| s.key.clone()).collect();
-        let inputs =
-            AdvantageInputs { index: Some(&uids), keys: Some(&keys), ..AdvantageInputs::new(&rewards_t, &mask_t) };
-        let (advantages, _returns) = compute_advantage(self.estimator, &inputs, &self.advantage)?;
-        let advantages = advantages.f_to_kind(Kind::Float)?;
-        let adv_rows: Vec<Vec<f32>> = (0..n)
-            .map(|i| Vec::<f32>::try_from(advantages.get(i as i64).narrow(0, 0, samples[i].response.len() as i64)))
-            .collect::<Result<_, _>>()?;
-        let valid = mask_t.sum(Kind::Double).double_value(&[]).max(1.0);
-        let adv_masked = &advantages * &mask_t;
-        metrics.insert("critic/advantages/mean".into(), adv_masked.sum(Kind::Double).double_value(&[]) / valid);
-        metrics
-            .insert("critic/advantages/max".into(), advantages.masked_select(&mask_t.gt(0.5)).max().double_value(&[]));
-        metrics
-            .insert("critic/advantages/min".into(), advantages.masked_select(&mask_t.gt(0.5)).min().double_value(&[]));
+        let values_t = values.as_ref().map(|v| host_tensor(v, n)).transpose()?;
+        let spsq_t = spsq.as_ref().map(|v| host_tensor(v, n)).transpose()?;
+        let extra_scores = gdpo_components(&samples, &self.advantage.gdpo_reward_keys)?;
+        let inputs = AdvantageInputs {
+            index: Some(&uids),
+            keys: Some(&keys),
+            values: values_t.as_ref(),
+            extra_scores: extra_scores.as_ref(),
+            old_log_probs: Some(&old_t),
+            sum_pi_squared: spsq_t.as_ref(),
+            rollout_is_weights: is_weights.as_ref(),
+            ..AdvantageInputs::new(&rewards_t, &mask_t)
+        };
+        let (advantages, returns) = compute_advantage(self.estimator, &inputs, &self.advantage)?;
+        let mut cols = Columns {
+            width,
+            mask: to_host(&mask_t)?,
+            old_log_probs: old,
+            ref_log_probs: reference,
+            advantages: to_host(&advantages)?,
+            is_weights: is_weights.as_ref().map(to_host).transpose()?,
+        };
+        let mut returns = to_host(&returns)?;
+        let mut rewards = to_host(&rewards_t)?;
+        let mut scores = scores;
 
-        let update_metrics = self.update(samples, &old, &adv_rows)?;
-        metrics.extend(update_metrics);
-        Ok(metrics)
+        // PF-PPO: resample the batch by score (GAE only)
+        if let Some(method) = self.pf_ppo {
+            let seq_scores: Vec<f64> = samples.iter().map(|s| s.score).collect();
+            let picked = pf_ppo_resample(&seq_scores, method, step_seed(self.settings.run_seed, step) as u64)?;
+            samples = picked.iter().map(|&i| samples[i].clone()).collect();
+            let take = |m: &[f32]| -> Vec<f32> {
+                picked.iter().flat_map(|&i| m[i * width..(i + 1) * width].iter().copied()).collect()
+            };
+            cols.mask = take(&cols.mask);
+            cols.old_log_probs = take(&cols.old_log_probs);
+            cols.advantages = take(&cols.advantages);
+            cols.ref_log_probs = cols.ref_log_probs.as_deref().map(take);
+            cols.is_weights = cols.is_weights.as_deref().map(take);
+            values = values.as_deref().map(take);
+            returns = take(&returns);
+            rewards = take(&rewards);
+            scores = take(&scores);
+        }
+        data_metrics(&cols, &scores, &rewards, &returns, values.as_deref(), &mut out.metrics);
+        out.timings.insert("adv".into(), t.elapsed().as_secs_f64());
+
+        if let (Some(critic), Some(values)) = (self.critic.as_mut(), values.as_ref()) {
+            let t = Instant::now();
+            let targets = ValueTargets { width, mask: &cols.mask, values, returns: &returns };
+            out.metrics.extend(critic.update(&samples, &targets, step)?);
+            out.timings.insert("update_critic".into(), t.elapsed().as_secs_f64());
+        }
+        if self.settings.critic_warmup <= step {
+            let t = Instant::now();
+            out.metrics.extend(self.update_policy(&samples, &cols, step)?);
+            out.timings.insert("update_actor".into(), t.elapsed().as_secs_f64());
+        }
+        Ok(out)
     }
 
-    /// ppo_epochs × mini-batches of whole prompt groups, gradient accumulation over micro-batches.
-    fn update(
+    /// The actor update (verl `update_actor`): ppo_epochs × mini-batches of whole prompt groups.
+    fn update_policy(
         &mut self,
         samples: &[Sample],
-        old: &[Vec<f32>],
-        adv: &[Vec<f32>],
+        cols: &Columns,
+        step: u64,
     ) -> Result<BTreeMap<String, f64>, ActorError> {
-        let mut by_group: Vec<(String, Vec<usize>)> = Vec::new();
-        let mut index: HashMap<&str, usize> = HashMap::new();
-        for (i, s) in samples.iter().enumerate() {
-            let slot = *index.entry(s.uid.as_str()).or_insert_with(|| {
-                by_group.push((s.uid.clone(), Vec::new()));
-                by_group.len() - 1
-            });
-            by_group[slot].1.push(i);
-        }
-        let groups_per_mb =
-            if self.settings.mini_batch_groups == 0 { by_group.len() } else { self.settings.mini_batch_groups };
+        let groups = groups_of(samples);
+        let lr = self.schedule.lr(self.actor_updates);
         let mut sums: BTreeMap<String, f64> = BTreeMap::new();
         let mut updates = 0.0f64;
         for epoch in 0..self.settings.epochs {
-            let mut order: Vec<usize> = (0..by_group.len()).collect();
-            if self.settings.shuffle {
-                let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(
-                    self.settings.seed ^ (self.optim.step << 8) ^ u64::from(epoch),
-                );
-                order.shuffle(&mut rng);
-            }
-            for chunk in order.chunks(groups_per_mb.max(1)) {
-                let rows: Vec<usize> = chunk.iter().flat_map(|&g| by_group[g].1.iter().copied()).collect();
-                let m = self.update_mini_batch(samples, old, adv, &rows)?;
-                for (k, v) in m {
+            let batches = mini_batches(
+                &groups,
+                self.settings.mini_batch_groups,
+                self.settings.shuffle,
+                self.settings.shuffle_seed,
+                step,
+                epoch,
+            );
+            for rows in batches {
+                for (k, v) in self.update_mini_batch(samples, cols, &rows, lr)? {
                     *sums.entry(k).or_insert(0.0) += v;
                 }
                 updates += 1.0;
             }
         }
-        Ok(sums.into_iter().map(|(k, v)| (k, v / updates.max(1.0))).collect())
+        self.actor_updates += 1;
+        let mut out: BTreeMap<String, f64> = sums.into_iter().map(|(k, v)| (k, v / updates.max(1.0))).collect();
+        out.insert("actor/lr".into(), lr);
+        if self.loss.use_kl_loss {
+            out.insert("actor/kl_coef".into(), self.loss.kl_loss_coef);
+        }
+        Ok(out)
     }
 
+    /// One optimizer update over the rows of a mini-batch, gradients accumulated over micro-batches.
     fn update_mini_batch(
         &mut self,
         samples: &[Sample],
-        old: &[Vec<f32>],
-        adv: &[Vec<f32>],
+        cols: &Columns,
         rows: &[usize],
+        lr: f64,
     ) -> Result<BTreeMap<String, f64>, ActorError> {
-        let refs: Vec<&Sample> = rows.iter().map(|&i| &samples[i]).collect();
-        let total_tokens: f64 = refs.iter().map(|s| s.response_mask.iter().map(|&m| f64::from(m)).sum::<f64>()).sum();
+        let width = cols.width;
+        let total_tokens: f64 = rows
+            .iter()
+            .map(|&r| cols.mask[r * width..(r + 1) * width].iter().map(|&m| f64::from(m)).sum::<f64>())
+            .sum();
         let info = GlobalBatchInfo {
             dp_size: 1,
             batch_num_tokens: Some(total_tokens.max(1.0)),
-            global_batch_size: Some(refs.len() as f64),
+            global_batch_size: Some(rows.len() as f64),
             loss_scale_factor: None,
         };
+        let device = self.model.device();
         self.optim.zero_grad();
         let mut metrics: BTreeMap<String, f64> = BTreeMap::new();
-        let mut position = 0usize;
-        for chunk in self.micro_batches(&refs) {
-            let chunk_rows = &rows[position..position + chunk.len()];
-            position += chunk.len();
-            let mb = self.micro_batch(&chunk)?;
-            let pad = |src: &[Vec<f32>]| -> Tensor {
-                let mut flat = vec![0f32; chunk.len() * mb.r as usize];
-                for (i, &row) in chunk_rows.iter().enumerate() {
-                    for (j, &v) in src[row].iter().enumerate() {
-                        flat[i * mb.r as usize + j] = v;
-                    }
-                }
-                Tensor::from_slice(&flat).view([chunk.len() as i64, mb.r]).to_device(self.model.device())
-            };
-            let old_t = pad(old);
-            let adv_t = pad(adv);
-            let logits = self.response_logits(&mb)?;
-            let log_prob = Self::response_log_probs(&logits, &mb.response_ids)?;
+        for chunk in split_by_token_budget(rows, samples, self.settings.max_token_len) {
+            let refs: Vec<&Sample> = chunk.iter().map(|&i| &samples[i]).collect();
+            let mb = MicroBatch::build(&refs, self.pad_id, device)?;
+            let r = mb.r as usize;
+            let mask = gather_rows(&cols.mask, width, &chunk, r, device)?;
+            let old = gather_rows(&cols.old_log_probs, width, &chunk, r, device)?;
+            let adv = gather_rows(&cols.advantages, width, &chunk, r, device)?;
+            let reference =
+                cols.ref_log_probs.as_ref().map(|m| gather_rows(m, width, &chunk, r, device)).transpose()?;
+            let weights = cols.is_weights.as_ref().map(|m| gather_rows(m, width, &chunk, r, device)).transpose()?;
+            let logits = Self::response_logits(&self.model, &mb, self.settings.temperature)?;
+            let log_prob = logprobs_from_logits(&logits, &mb.response_ids);
             let entropy = (self.loss.entropy_coeff != 0.0).then(|| entropy_from_logits(&logits));
             let inputs = ActorLossInputs {
                 policy: PolicyLossInputs {
-                    old_log_prob: &old_t,
+                    old_log_prob: &old,
                     log_prob: &log_prob,
-                    advantages: &adv_t,
-                    response_mask: &mb.response_mask,
-                    rollout_is_weights: None,
+                    advantages: &adv,
+                    response_mask: &mask,
+                    rollout_is_weights: weights.as_ref(),
                 },
                 entropy: entropy.as_ref(),
-                ref_log_prob: None,
+                ref_log_prob: reference.as_ref(),
             };
             let (loss, m) = compute_actor_loss(&inputs, &self.loss, &info)?;
             loss.f_backward()?;
-            let weight = mb.response_mask.sum(Kind::Double).double_value(&[]) / total_tokens.max(1.0);
+            let weight = f64::try_from(mask.f_sum(Kind::Double)?)? / total_tokens.max(1.0);
             for (k, v) in m.to_map() {
-                // pg_loss of a micro-batch is already its share of the mini-batch loss: sum it; ratios
-                // and fractions are per-token means: weight them by the micro-batch's token share.
-                let contribution = if k == "actor/pg_loss" || k == "actor/entropy_loss" || k == "actor/kl_loss" {
+                // losses of a micro-batch are already its share of the mini-batch loss: sum them; ratios and
+                // fractions are per-token means: weight them by the micro-batch's token share.
+                let contribution = if matches!(k.as_str(), "actor/pg_loss" | "actor/entropy_loss" | "actor/kl_loss") {
                     v
                 } else {
                     v * weight
@@ -400,7 +581,6 @@ impl Actor {
             }
         }
         let grad_norm = self.optim.clip_grad_norm(self.settings.grad_clip)?;
-        let lr = self.schedule.lr(self.optim.step);
         if grad_norm.is_finite() {
             self.optim.step(lr)?;
         } else {
@@ -408,9 +588,123 @@ impl Actor {
         }
         self.optim.zero_grad();
         metrics.insert("actor/grad_norm".into(), grad_norm);
-        metrics.insert("actor/lr".into(), lr);
         Ok(metrics)
     }
+
+    /// One PPO update of the policy on fixed old log-probs and advantages (no π_old pass, no advantage
+    /// estimation): forward, backward, clipping, AdamW — the part the `trainer_step` benchmark measures.
+    pub fn ppo_update(
+        &mut self,
+        samples: &[Sample],
+        old_log_probs: &[Vec<f32>],
+        advantages: &[Vec<f32>],
+        lr: f64,
+    ) -> Result<BTreeMap<String, f64>, ActorError> {
+        let width = samples.iter().map(|s| s.response.len()).max().unwrap_or(1).max(1);
+        let flat = |rows: &[Vec<f32>]| -> Vec<f32> {
+            let mut m = vec![0f32; samples.len() * width];
+            for (i, row) in rows.iter().enumerate() {
+                let len = row.len().min(width);
+                m[i * width..i * width + len].copy_from_slice(&row[..len]);
+            }
+            m
+        };
+        let mask: Vec<Vec<f32>> =
+            samples.iter().map(|s| s.response_mask.iter().map(|&m| f32::from(m)).collect()).collect();
+        let cols = Columns {
+            width,
+            mask: flat(&mask),
+            old_log_probs: flat(old_log_probs),
+            ref_log_probs: None,
+            advantages: flat(advantages),
+            is_weights: None,
+        };
+        let rows: Vec<usize> = (0..samples.len()).collect();
+        self.update_mini_batch(samples, &cols, &rows, lr)
+    }
+}
+
+/// verl's `training/rollout_probs_diff_*`: how far the rollout's probabilities are from the trainer's on the
+/// same weights (a sanity check of the inference engine).
+fn rollout_probs_diff(samples: &[Sample], old: &[f32], width: usize, metrics: &mut BTreeMap<String, f64>) {
+    let (mut sum, mut max, mut count) = (0.0f64, 0.0f64, 0.0f64);
+    for (i, s) in samples.iter().enumerate() {
+        for (j, &a) in s.rollout_logprobs.iter().enumerate().take(s.response.len()) {
+            if s.response_mask.get(j).copied().unwrap_or(1) == 1 {
+                let d = (f64::from(a).exp() - f64::from(old[i * width + j]).exp()).abs();
+                sum += d;
+                max = max.max(d);
+                count += 1.0;
+            }
+        }
+    }
+    if count > 0.0 {
+        metrics.insert("training/rollout_probs_diff_mean".into(), sum / count);
+        metrics.insert("training/rollout_probs_diff_max".into(), max);
+    }
+}
+
+/// The reward components GDPO normalises, `[rows]` each, from the samples' reward extras.
+fn gdpo_components(samples: &[Sample], keys: &[String]) -> Result<Option<BTreeMap<String, Tensor>>, ActorError> {
+    if keys.is_empty() {
+        return Ok(None);
+    }
+    let mut out = BTreeMap::new();
+    for key in keys {
+        let column: Vec<f32> = samples.iter().map(|s| s.extra.get(key).copied().unwrap_or(0.0) as f32).collect();
+        out.insert(key.clone(), Tensor::f_from_slice(&column)?);
+    }
+    Ok(Some(out))
+}
+
+/// verl's `compute_data_metrics`: sequence scores and rewards, and advantages, returns and values over the
+/// valid tokens, each as mean/max/min; `critic/vf_explained_var` with a critic.
+fn data_metrics(
+    cols: &Columns,
+    scores: &[f32],
+    rewards: &[f32],
+    returns: &[f32],
+    values: Option<&[f32]>,
+    metrics: &mut BTreeMap<String, f64>,
+) {
+    let width = cols.width;
+    let rows = cols.mask.len() / width.max(1);
+    let seq_sum = |m: &[f32]| -> Vec<f64> {
+        (0..rows).map(|i| m[i * width..(i + 1) * width].iter().map(|&v| f64::from(v)).sum()).collect()
+    };
+    let valid = |m: &[f32]| -> Vec<f64> {
+        m.iter().zip(&cols.mask).filter(|(_, &k)| k > 0.0).map(|(&v, _)| f64::from(v)).collect()
+    };
+    stats(&seq_sum(scores), "critic/score", metrics);
+    stats(&seq_sum(rewards), "critic/rewards", metrics);
+    stats(&valid(&cols.advantages), "critic/advantages", metrics);
+    let returns_valid = valid(returns);
+    stats(&returns_valid, "critic/returns", metrics);
+    if let Some(values) = values {
+        let values_valid = valid(values);
+        stats(&values_valid, "critic/values", metrics);
+        let residual: Vec<f64> = returns_valid.iter().zip(&values_valid).map(|(r, v)| r - v).collect();
+        let var = |x: &[f64]| {
+            let mean = x.iter().sum::<f64>() / x.len().max(1) as f64;
+            x.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / x.len().max(1) as f64
+        };
+        metrics.insert("critic/vf_explained_var".into(), 1.0 - var(&residual) / (var(&returns_valid) + 1e-5));
+    }
+}
+
+/// `<name>/mean`, `/max`, `/min` of `values` (nothing when empty).
+pub fn stats(values: &[f64], name: &str, out: &mut BTreeMap<String, f64>) {
+    if values.is_empty() {
+        return;
+    }
+    out.insert(format!("{name}/mean"), values.iter().sum::<f64>() / values.len() as f64);
+    out.insert(format!("{name}/max"), values.iter().copied().fold(f64::MIN, f64::max));
+    out.insert(format!("{name}/min"), values.iter().copied().fold(f64::MAX, f64::min));
+}
+
+/// The aggregation mode of `actor.loss_agg_mode`, for callers outside the actor.
+pub fn agg_mode(cfg: &JobConfig) -> Result<AggMode, ActorError> {
+    Ok(cfg.actor.loss_agg_mode.parse()?)
 }
 
 type Job = Box<dyn FnOnce(&mut Actor) + Send>;
@@ -422,14 +716,15 @@ pub struct ActorHandle {
 }
 
 impl ActorHandle {
-    /// Builds the actor on a new thread; returns once the model is loaded (or failed to load).
-    pub fn spawn(cfg: JobConfig, total_updates: u64) -> Result<Self, ActorError> {
+    /// Builds the actor on a new thread; returns once the models are loaded (or failed to load).
+    pub fn spawn(cfg: JobConfig, total_steps: u64, resume: Option<(PathBuf, ActorState)>) -> Result<Self, ActorError> {
         let (tx, rx) = sync_channel::<Job>(16);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         std::thread::Builder::new()
             .name("trainer-actor".into())
             .spawn(move || {
-                let mut actor = match Actor::new(&cfg, total_updates) {
+                let resume_ref = resume.as_ref().map(|(dir, state)| (dir.as_path(), state));
+                let mut actor = match Actor::new(&cfg, total_steps, resume_ref) {
                     Ok(a) => {
                         let _ = ready_tx.send(Ok(()));
                         a

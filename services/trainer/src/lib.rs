@@ -6,18 +6,34 @@
 //!    then a task on the PROMPTS work queue, for each;
 //! 2. ask the replay buffer for the whole batch (`jetrl.buffer.sample`, retried with the same request id);
 //! 3. fetch the trajectory payloads from the TRAJ stream by sequence;
-//! 4. on the actor thread: recompute log-probs, compute advantages, PPO update ([`actor`]);
-//! 5. release the step's payloads, publish the new weights as version `step` and wait until every live
+//! 4. on the actor thread: old, reference and value passes, advantages, critic and actor updates ([`actor`]);
+//! 5. every `trainer.save_freq` steps, a checkpoint ([`checkpoint`]);
+//! 6. release the step's payloads, publish the new weights as version `step` and wait until every live
 //!    rollout worker has loaded it;
-//! 6. write the step's metrics (verl's names) to `metrics.jsonl`, NATS and Prometheus.
+//! 7. every `trainer.test_freq` steps, validation ([`validation`]);
+//! 8. write the step's metrics (verl's names) to `metrics.jsonl`, NATS, Prometheus and TensorBoard.
 //!
-//! - [`actor`]: model, optimizer and the PPO math on a dedicated thread.
-//! - [`optim`]: AdamW with saveable state and verl's LR schedules.
-//! - [`metrics_sink`]: metrics.jsonl, progress messages and the reward-curve picture.
+//! A trainer started where a checkpoint exists (`trainer.resume_mode: auto`, or a given path) loads it,
+//! re-issues the prompt groups that were still pending or running, re-publishes the checkpoint's weights and
+//! continues with the next step.
+//!
+//! - [`actor`]: the actor, reference and critic models, optimizers and the PPO math on a dedicated thread.
+//! - [`batch`]: trajectories as padded tensors, micro-batches by token budget, mini-batches of groups.
+//! - [`critic`]: the value model.
+//! - [`optim`]: AdamW with saveable state (fp32 master weights for bf16) and verl's LR schedules.
+//! - [`checkpoint`]: checkpoint directories (HF-compatible), resume resolution, retention.
+//! - [`validation`]: verl's validation metrics (`mean@N`, bootstrap `best@k`/`worst@k`, `maj@k`).
+//! - [`metrics_sink`]: metrics.jsonl, progress messages, TensorBoard, the reward-curve picture.
+//! - [`tensorboard`]: event files without TensorFlow.
 
 pub mod actor;
+pub mod batch;
+pub mod checkpoint;
+pub mod critic;
 pub mod metrics_sink;
 pub mod optim;
+pub mod tensorboard;
+pub mod validation;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -28,7 +44,8 @@ use jetrl_bus::publish::Outgoing;
 use jetrl_bus::weights::{manifest_for, WeightTransport};
 use jetrl_bus::{Bus, BusError, GroupStore, Publisher};
 use jetrl_config::JobConfig;
-use jetrl_data::{DataLoader, Example, Prompt};
+use jetrl_data::prompt::{PromptLimits, PromptTokenizer};
+use jetrl_data::{ChatMessage, DataLoader, Example, Prompt};
 use jetrl_model::Tokenizer;
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::keys::new_uid;
@@ -38,8 +55,10 @@ use jetrl_wire::v1::{
 };
 use jetrl_wire::{packed, subjects, Message};
 
-use crate::actor::{ActorError, ActorHandle, Sample};
+use crate::actor::{stats, ActorError, ActorHandle, Sample};
+use crate::checkpoint::{CheckpointError, TrainerState};
 use crate::metrics_sink::MetricsSink;
+use crate::validation::ValSample;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainerError {
@@ -51,6 +70,10 @@ pub enum TrainerError {
     Actor(#[from] ActorError),
     #[error("data: {0}")]
     Data(#[from] jetrl_data::DataError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("re-issuing in-flight groups: {0}")]
+    Reissue(String),
     #[error("tokenizer: {0}")]
     Tokenizer(String),
     #[error("run directory {path}: {message}")]
@@ -59,12 +82,25 @@ pub enum TrainerError {
     Buffer(String),
     #[error("weight sync of version {version}: {message}")]
     WeightSync { version: u64, message: String },
-    #[error("data.{key}: {message}")]
-    Prompt { key: &'static str, message: String },
     #[error("trainer.mode {0:?} is not implemented yet (only sync)")]
     Mode(String),
     #[error("shutdown requested")]
     Shutdown,
+}
+
+/// Keeps freed memory in the process heap instead of returning it to the kernel (glibc `mallopt`: no mmap for
+/// allocations under 1 GiB, no trimming below 4 GiB of free heap). libtorch's CPU allocator does not cache, so
+/// with glibc's defaults every large activation, gradient and temporary of a training step is a fresh `mmap`
+/// whose pages fault in again at every step; on the CPU that costs a sizeable share of the step (the same
+/// reason PyTorch users preload jemalloc or tcmalloc). Called once at start-up by the trainer binaries; a no-op
+/// elsewhere than glibc.
+pub fn keep_freed_memory_in_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator parameters; it is called before the trainer allocates tensors.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+    }
 }
 
 /// Runs the trainer until training completes or `shutdown` resolves.
@@ -92,39 +128,83 @@ pub async fn run(
     }
 }
 
+/// The model's tokenizer as the dataset's prompt tokenizer (chat template from `tokenizer_config.json`).
+struct ModelPrompts<'a>(&'a Tokenizer);
+
+impl PromptTokenizer for ModelPrompts<'_> {
+    fn chat_ids(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
+        let messages: Vec<serde_json::Value> =
+            messages.iter().map(|m| serde_json::json!({"role": m.role, "content": m.content})).collect();
+        self.0.apply_chat_template(&messages, true).map_err(|e| format!("chat template: {e}"))
+    }
+
+    fn text_ids(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.0.encode(text, true).map_err(|e| e.to_string())
+    }
+}
+
 struct Trainer {
     cfg: JobConfig,
     bus: Bus,
     groups: GroupStore,
     actor: ActorHandle,
     tokenizer: Tokenizer,
+    limits: PromptLimits,
     loader: DataLoader,
     val: Vec<Example>,
     sink: MetricsSink,
     shutdown: Shutdown,
     total_steps: u64,
+    /// the last step of the checkpoint this run resumed from (0: a fresh run)
+    start_step: u64,
+    resumed: bool,
+    ckpt_root: PathBuf,
     transport: WeightTransport,
 }
 
 impl Trainer {
     async fn new(cfg: JobConfig, bus: Bus, shutdown: Shutdown) -> Result<Self, TrainerError> {
-        let (train, val) = jetrl_data::load_datasets(&cfg.data)?;
+        let (mut train, mut val) = jetrl_data::load_datasets(&cfg.data)?;
+        let model_dir = PathBuf::from(&cfg.model.path);
+        let tokenizer = Tokenizer::from_dir(&model_dir)
+            .map_err(|e| TrainerError::Tokenizer(format!("{}: {e}", model_dir.display())))?;
+        let limits = PromptLimits::from_config(&cfg.data)?;
+        if cfg.data.filter_overlong_prompts {
+            let prompts = ModelPrompts(&tokenizer);
+            let (kept, dropped) = jetrl_data::prompt::filter_overlong(train, &prompts, limits.max_len)?;
+            train = kept;
+            let (kept, dropped_val) = jetrl_data::prompt::filter_overlong(val, &prompts, limits.max_len)?;
+            val = kept;
+            tracing::info!(dropped, dropped_val, max_prompt_length = limits.max_len, "overlong prompts filtered");
+        }
         let batch = cfg.data.train_batch_size as u64;
         let steps_per_epoch = (train.len() as u64 / batch).max(1);
         let total_steps =
             cfg.trainer.total_training_steps.unwrap_or(steps_per_epoch * u64::from(cfg.trainer.total_epochs.max(1)));
-        let groups_per_update = cfg.actor.ppo_mini_batch_size.map(u64::from).unwrap_or(batch).max(1);
-        let updates_per_step = batch.div_ceil(groups_per_update) * u64::from(cfg.actor.ppo_epochs.max(1));
-        let loader = DataLoader::new(train, cfg.data.shuffle, cfg.data.seed)?;
-        let model_dir = PathBuf::from(&cfg.model.path);
-        let tokenizer = Tokenizer::from_dir(&model_dir)
-            .map_err(|e| TrainerError::Tokenizer(format!("{}: {e}", model_dir.display())))?;
+        let mut loader = DataLoader::new(train, cfg.data.shuffle, cfg.data.seed)?;
+
+        let ckpt_root = checkpoint::root_dir(&cfg);
+        let resume = match checkpoint::resolve_resume(&cfg)? {
+            Some(dir) => {
+                let state: TrainerState = checkpoint::read_json(&dir.join(checkpoint::TRAINER_STATE_FILE))?;
+                Some((dir, state))
+            }
+            None => None,
+        };
+        let start_step = resume.as_ref().map_or(0, |(_, s)| s.global_step);
+        if let Some((dir, state)) = &resume {
+            loader.restore(state.dataloader);
+            tracing::info!(dir = %dir.display(), step = state.global_step, "resuming from checkpoint");
+        }
         let actor_cfg = cfg.clone();
-        let actor = tokio::task::spawn_blocking(move || ActorHandle::spawn(actor_cfg, total_steps * updates_per_step))
+        let actor_resume = resume.as_ref().map(|(dir, state)| (dir.clone(), state.actor.clone()));
+        let actor = tokio::task::spawn_blocking(move || ActorHandle::spawn(actor_cfg, total_steps, actor_resume))
             .await
             .map_err(|_| ActorError::Stopped)??;
+        let pad_id = tokenizer.pad_token_id().or_else(|| tokenizer.eos_token_ids().first().copied()).unwrap_or(0);
+        actor.call(move |a| a.set_pad_id(pad_id)).await?;
         let run_dir = PathBuf::from(&cfg.run.dir);
-        let sink = MetricsSink::open(&bus, &run_dir, false)
+        let sink = MetricsSink::open(&bus, &run_dir, &cfg.trainer, resume.as_ref().map(|_| start_step))
             .map_err(|e| TrainerError::RunDir { path: run_dir.display().to_string(), message: e.to_string() })?;
         let transport = match cfg.checkpoint.transport.as_str() {
             "shared_fs" => {
@@ -132,32 +212,53 @@ impl Trainer {
             }
             _ => WeightTransport::ObjectStore { chunk_bytes: cfg.checkpoint.chunk_bytes as usize },
         };
-        tracing::info!(total_steps, train_examples = loader.len(), val_examples = val.len(), batch, "trainer ready");
+        tracing::info!(
+            total_steps,
+            start_step,
+            train_examples = loader.len(),
+            val_examples = val.len(),
+            batch,
+            "trainer ready"
+        );
         Ok(Self {
             groups: GroupStore::open(&bus).await?,
             cfg,
             bus,
             actor,
             tokenizer,
+            limits,
             loader,
             val,
             sink,
             shutdown,
             total_steps,
+            start_step,
+            resumed: resume.is_some(),
+            ckpt_root,
             transport,
         })
     }
 
     async fn train(&mut self) -> Result<(), TrainerError> {
         let started = Instant::now();
-        // Every worker starts from the trainer's weights, whatever it loaded from disk.
-        self.publish_weights(0, false).await?;
-        if self.cfg.trainer.val_before_train && !self.val.is_empty() {
-            let val = self.validate(0).await?;
-            tracing::info!(?val, "validation before training");
-            self.sink.record(0, &val).await;
+        // Every worker starts from the trainer's weights, whatever it loaded from disk; after a resume the
+        // workers may hold newer weights than the checkpoint, so they must report exactly its version.
+        self.publish_weights(self.start_step, self.resumed).await?;
+        if self.resumed {
+            self.reissue_inflight().await?;
         }
-        for step in 1..=self.total_steps {
+        if (self.cfg.trainer.val_before_train || self.cfg.trainer.val_only) && !self.val.is_empty() {
+            let t = Instant::now();
+            let mut val = self.validate(self.start_step).await?;
+            val.insert("timing_s/testing".into(), t.elapsed().as_secs_f64());
+            val.insert("training/global_step".into(), self.start_step as f64);
+            tracing::info!(?val, "validation before training");
+            self.sink.record(self.start_step, &val).await;
+            if self.cfg.trainer.val_only {
+                return Ok(());
+            }
+        }
+        for step in self.start_step + 1..=self.total_steps {
             if self.shutdown.is_triggered() {
                 return Err(TrainerError::Shutdown);
             }
@@ -172,22 +273,37 @@ impl Trainer {
             metrics.insert("training/epoch".into(), self.loader.state().epoch as f64);
             metrics.insert("training/total_steps".into(), self.total_steps as f64);
             metrics.insert("timing_s/elapsed".into(), started.elapsed().as_secs_f64());
-            tracing::info!(
-                step,
-                score = metrics.get("critic/score/mean").copied().unwrap_or(f64::NAN),
-                pg_loss = metrics.get("actor/pg_loss").copied().unwrap_or(f64::NAN),
-                step_s = metrics.get("timing_s/step").copied().unwrap_or(f64::NAN),
-                "step done"
-            );
             self.sink.record(step, &metrics).await;
         }
         self.write_summary(started.elapsed().as_secs_f64());
         Ok(())
     }
 
+    /// verl's `_reissue_inflight_prompts`: prompt groups the previous incarnation left pending or running are
+    /// re-created under fresh uids and published again, before any new work.
+    async fn reissue_inflight(&self) -> Result<(), TrainerError> {
+        let reissued = self
+            .groups
+            .reissue_inflight("train", self.start_step + 1)
+            .await
+            .map_err(|e| TrainerError::Reissue(e.to_string()))?;
+        if reissued.is_empty() {
+            return Ok(());
+        }
+        let mut publisher = Publisher::new(&self.bus, 512);
+        for r in &reissued {
+            let subject = subjects::prompt_subject(&r.task.partition);
+            publisher.publish(Outgoing::protobuf(subject, Some(r.task.uid.clone()), &r.task)).await?;
+        }
+        publisher.drain().await?;
+        tracing::info!(groups = reissued.len(), "in-flight prompt groups re-issued");
+        Ok(())
+    }
+
     async fn step(&mut self, step: u64) -> Result<BTreeMap<String, f64>, TrainerError> {
         let step_started = Instant::now();
         let mut metrics = BTreeMap::new();
+        let mut timings: BTreeMap<String, f64> = BTreeMap::new();
         let examples = self.loader.next_batch(self.cfg.data.train_batch_size as usize);
         let sampling = v1::SamplingParams {
             temperature: self.cfg.rollout.temperature,
@@ -202,38 +318,79 @@ impl Trainer {
         let t = Instant::now();
         let request_id = format!("train-{step}");
         let response = self.sample(&request_id, step, "train", submitted as u32).await?;
-        metrics.insert("timing_s/gen".into(), t.elapsed().as_secs_f64());
+        timings.insert("gen".into(), t.elapsed().as_secs_f64());
         metrics.extend(response.metrics.clone());
 
         let t = Instant::now();
         let samples = self.fetch_samples(&response).await?;
-        metrics.insert("timing_s/fetch".into(), t.elapsed().as_secs_f64());
-        batch_metrics(&samples, &response, step, &mut metrics);
+        timings.insert("fetch".into(), t.elapsed().as_secs_f64());
+        batch_metrics(&samples, &response, step, &self.cfg, &mut metrics);
         if let Some(dir) = &self.cfg.trainer.rollout_data_dir {
             self.dump_samples(Path::new(dir), step, &samples);
         }
 
-        let t = Instant::now();
         let train_samples = samples.clone();
-        let actor_metrics = self.actor.call(move |actor| actor.train(&train_samples)).await??;
-        metrics.insert("timing_s/update_actor".into(), t.elapsed().as_secs_f64());
-        metrics.extend(actor_metrics);
+        let out = self.actor.call(move |actor| actor.train(&train_samples, step)).await??;
+        metrics.extend(out.metrics);
+        timings.extend(out.timings);
+
+        let save_freq = self.cfg.trainer.save_freq;
+        if save_freq > 0 && (step % save_freq as u64 == 0 || step == self.total_steps) {
+            let t = Instant::now();
+            self.save_checkpoint(step).await?;
+            timings.insert("save_checkpoint".into(), t.elapsed().as_secs_f64());
+        }
 
         self.release(step, vec![request_id]).await;
 
         let t = Instant::now();
         self.publish_weights(step, false).await?;
-        metrics.insert("timing_s/update_weights".into(), t.elapsed().as_secs_f64());
+        timings.insert("update_weights".into(), t.elapsed().as_secs_f64());
 
         let step_s = step_started.elapsed().as_secs_f64();
+        timings.insert("step".into(), step_s);
         let tokens: usize = samples.iter().map(|s| s.prompt.len() + s.response.len()).sum();
-        metrics.insert("timing_s/step".into(), step_s);
+        let response_tokens: usize = samples.iter().map(|s| s.response.len()).sum();
+        for (phase, seconds) in &timings {
+            metrics.insert(format!("timing_s/{phase}"), *seconds);
+            // verl's per-token timings: generation per response token, the rest per token of the batch
+            let per = if phase == "gen" { response_tokens } else { tokens };
+            if phase != "step" && phase != "fetch" && per > 0 {
+                metrics.insert(format!("timing_per_token_ms/{phase}"), seconds * 1000.0 / per as f64);
+            }
+        }
         metrics.insert("perf/total_num_tokens".into(), tokens as f64);
+        metrics.insert("perf/time_per_step".into(), step_s);
         metrics.insert("perf/throughput".into(), tokens as f64 / step_s.max(1e-9));
         Ok(metrics)
     }
 
-    /// Tokenizes raw-text prompts; chat prompts are rendered by the worker with the model's template.
+    /// Writes `global_step_<step>/` (models and optimizers on the actor thread, then the trainer state),
+    /// commits it and prunes old checkpoints.
+    async fn save_checkpoint(&self, step: u64) -> Result<(), TrainerError> {
+        let staging = checkpoint::staging_dir(&self.ckpt_root, step);
+        if staging.exists() {
+            std::fs::remove_dir_all(&staging).map_err(|e| CheckpointError::io(&staging, e))?;
+        }
+        std::fs::create_dir_all(&staging).map_err(|e| CheckpointError::io(&staging, e))?;
+        let dir = staging.clone();
+        let actor_state = self.actor.call(move |a| a.save_checkpoint(&dir)).await??;
+        let state = TrainerState {
+            global_step: step,
+            total_training_steps: self.total_steps,
+            dataloader: self.loader.state(),
+            actor: actor_state,
+            seeds: checkpoint::Seeds::of(&self.cfg),
+        };
+        checkpoint::write_json(&staging.join(checkpoint::TRAINER_STATE_FILE), &state)?;
+        let dir = checkpoint::commit(&self.ckpt_root, step, checkpoint::keep_count(&self.cfg))?;
+        tracing::info!(dir = %dir.display(), step, "checkpoint saved");
+        Ok(())
+    }
+
+    /// The task of one prompt: its ids rendered and limited here (chat template, `data.truncation`), so the
+    /// prompt a worker generates from is exactly the one the dataset settings describe; chat messages travel
+    /// along for agent loops that need them.
     fn task_for(
         &self,
         example: &Example,
@@ -242,6 +399,7 @@ impl Trainer {
         n: u32,
         sampling: &v1::SamplingParams,
     ) -> Result<PromptTask, TrainerError> {
+        let ids = jetrl_data::prompt::tokenize_prompt(example, &ModelPrompts(&self.tokenizer), self.limits)?;
         let mut task = PromptTask {
             uid: new_uid(),
             partition: partition.into(),
@@ -253,30 +411,12 @@ impl Trainer {
             extra_info_json: example.extra_info.to_string(),
             agent_name: example.agent_name.clone().unwrap_or_default(),
             row_index: example.index,
+            prompt_ids: packed::pack_u32(&ids),
             ..Default::default()
         };
-        match &example.prompt {
-            Prompt::Text(text) => {
-                let ids = self.tokenizer.encode(text, true).map_err(|e| TrainerError::Tokenizer(e.to_string()))?;
-                if ids.len() > self.cfg.data.max_prompt_length as usize {
-                    return Err(TrainerError::Prompt {
-                        key: "max_prompt_length",
-                        message: format!(
-                            "row {} has {} prompt tokens (limit {})",
-                            example.index,
-                            ids.len(),
-                            self.cfg.data.max_prompt_length
-                        ),
-                    });
-                }
-                task.prompt_ids = packed::pack_u32(&ids);
-            }
-            Prompt::Messages(messages) => {
-                task.messages = messages
-                    .iter()
-                    .map(|m| v1::ChatMessage { role: m.role.clone(), content: m.content.clone() })
-                    .collect();
-            }
+        if let Prompt::Messages(messages) = &example.prompt {
+            task.messages =
+                messages.iter().map(|m| v1::ChatMessage { role: m.role.clone(), content: m.content.clone() }).collect();
         }
         Ok(task)
     }
@@ -337,6 +477,7 @@ impl Trainer {
             partition: partition.to_string(),
             batch_size,
             wait_ms: wait.as_millis() as u32,
+            ..Default::default()
         };
         let mut failures = 0u32;
         loop {
@@ -409,13 +550,14 @@ impl Trainer {
         }
     }
 
-    /// Ships the current weights as version `version` and waits for every live rollout worker to load them.
-    async fn publish_weights(&self, version: u64, checkpoint: bool) -> Result<(), TrainerError> {
+    /// Ships the current weights as version `version` and waits for every live rollout worker to load them
+    /// (`exact`: to report exactly that version, not a later one).
+    async fn publish_weights(&self, version: u64, exact: bool) -> Result<(), TrainerError> {
         let blob = self.actor.call(|actor| actor.weights_blob()).await??;
         let blob = bytes::Bytes::from(blob);
         let location = self.bus.store_weights(&self.transport, version, blob.clone()).await?;
         let manifest = manifest_for(&blob, version, version, &location)?;
-        let announce = WeightAnnounce { manifest: Some(manifest), checkpoint };
+        let announce = WeightAnnounce { manifest: Some(manifest), checkpoint: false };
         let mut attempt = 0;
         loop {
             match self
@@ -437,11 +579,12 @@ impl Trainer {
                 }
             }
         }
-        self.wait_for_workers(version).await
+        self.wait_for_workers(version, exact).await
     }
 
-    /// Waits until at least one rollout worker is alive and every live one reports `version`.
-    async fn wait_for_workers(&self, version: u64) -> Result<(), TrainerError> {
+    /// Waits until at least one rollout worker is alive and every live one reports `version` (or a later one,
+    /// unless `exact`).
+    async fn wait_for_workers(&self, version: u64, exact: bool) -> Result<(), TrainerError> {
         let timeout = Duration::from_secs_f64(self.cfg.trainer.weight_sync_timeout_s.max(1.0));
         let kv = self.bus.key_value(subjects::WORKERS_BUCKET).await?;
         let mut watch = kv.watch_with_history("rollout.>").await.map_err(|e| BusError::Kv {
@@ -456,7 +599,8 @@ impl Trainer {
             let now = jetrl_wire::now_unix_ms();
             let live: Vec<&Heartbeat> =
                 beats.values().filter(|b| b.state != "stopped" && now - b.unix_ms < 10_000).collect();
-            if !live.is_empty() && live.iter().all(|b| b.policy_version >= version) {
+            let loaded = |b: &&Heartbeat| if exact { b.policy_version == version } else { b.policy_version >= version };
+            if !live.is_empty() && live.iter().all(loaded) {
                 return Ok(());
             }
             tokio::select! {
@@ -480,7 +624,9 @@ impl Trainer {
         }
     }
 
-    /// Generates every validation prompt greedily (verl val_kwargs) and scores it.
+    /// verl's `_validate`: every validation prompt generated with `val_kwargs` (greedy by default), `n` times,
+    /// scored; metrics per data source ([`validation::validation_metrics`]); the generations dumped to
+    /// `validation_data_dir/<step>.jsonl` and `log_val_generations` of them logged.
     async fn validate(&mut self, step: u64) -> Result<BTreeMap<String, f64>, TrainerError> {
         let kw = &self.cfg.rollout.val_kwargs;
         let sampling = v1::SamplingParams {
@@ -493,50 +639,99 @@ impl Trainer {
         let n = kw.n.max(1);
         let chunk = self.cfg.data.val_batch_size.map(|b| b as usize).unwrap_or(self.val.len()).max(1);
         let val = self.val.clone();
-        let mut per_source: BTreeMap<String, (f64, f64, f64)> = BTreeMap::new();
         let mut request_ids = Vec::new();
+        let mut responses = Vec::new();
         for (i, examples) in val.chunks(chunk).enumerate() {
             let submitted = self.submit("val", step, examples, n, &sampling).await?;
             let request_id = format!("val-{step}-{i}");
-            let response = self.sample(&request_id, step, "val", submitted as u32).await?;
+            responses.push(self.sample(&request_id, step, "val", submitted as u32).await?);
             request_ids.push(request_id);
-            for t in response.groups.iter().flat_map(|g| g.trajectories.iter()) {
-                let entry = per_source.entry(t.data_source.clone()).or_default();
-                entry.0 += t.score;
-                entry.1 += t.extra.get("acc").copied().unwrap_or(t.score);
-                entry.2 += 1.0;
+        }
+        // one score per session: its final output (the largest output index), as verl
+        let mut finals: BTreeMap<(String, u32), &v1::Reward> = BTreeMap::new();
+        for t in responses.iter().flat_map(|r| r.groups.iter()).flat_map(|g| g.trajectories.iter()) {
+            let slot = finals.entry((t.uid.clone(), t.session_id)).or_insert(t);
+            if t.index > slot.index {
+                *slot = t;
             }
         }
-        self.release(step, request_ids).await;
-        let mut out = BTreeMap::new();
-        for (source, (score, acc, count)) in per_source {
-            let count = count.max(1.0);
-            out.insert(format!("val-core/{source}/acc/mean@{n}"), acc / count);
-            out.insert(format!("val-aux/{source}/reward/mean@{n}"), score / count);
+        let samples: Vec<ValSample> = finals
+            .values()
+            .map(|r| ValSample {
+                uid: r.uid.clone(),
+                data_source: r.data_source.clone(),
+                score: r.score,
+                extra: r.extra.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+                pred: r.extra_text.get("pred").cloned(),
+            })
+            .collect();
+        let out = validation::validation_metrics(&samples);
+        let dump_dir = self.cfg.trainer.validation_data_dir.clone();
+        let log_n = self.cfg.trainer.log_val_generations as usize;
+        if dump_dir.is_some() || log_n > 0 {
+            let finals_only = SampleResponse {
+                groups: vec![v1::SampledGroup {
+                    trajectories: finals.values().map(|r| (*r).clone()).collect(),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            };
+            let generations = self.fetch_samples(&finals_only).await?;
+            let rows = self.generation_rows(step, &generations, &finals_only.groups[0].trajectories);
+            if let Some(dir) = dump_dir {
+                write_jsonl(&Path::new(&dir).join(format!("{step}.jsonl")), &rows);
+            }
+            log_generations(&rows, log_n, step);
         }
+        self.release(step, request_ids).await;
         Ok(out)
+    }
+
+    /// verl's `_dump_generations` rows: input, output, gts, score, step and the reward extras.
+    fn generation_rows(&self, step: u64, samples: &[Sample], rewards: &[v1::Reward]) -> Vec<serde_json::Value> {
+        let by_key: HashMap<&str, &v1::Reward> = rewards.iter().map(|r| (r.key.as_str(), r)).collect();
+        samples
+            .iter()
+            .map(|s| {
+                let mut row = serde_json::json!({
+                    "input": self.tokenizer.decode(&s.prompt, false).unwrap_or_default(),
+                    "output": self.tokenizer.decode(&s.response, true).unwrap_or_default(),
+                    "gts": s.ground_truth,
+                    "score": s.score,
+                    "step": step,
+                    "uid": s.uid,
+                    "data_source": s.data_source,
+                });
+                if let (Some(obj), Some(r)) = (row.as_object_mut(), by_key.get(s.key.as_str())) {
+                    for (k, v) in &r.extra {
+                        obj.insert(k.clone(), serde_json::json!(v));
+                    }
+                    for (k, v) in &r.extra_text {
+                        obj.insert(k.clone(), serde_json::json!(v));
+                    }
+                }
+                row
+            })
+            .collect()
     }
 
     /// verl's rollout dump: one JSON line per trajectory (input, output, score, ground truth, step).
     fn dump_samples(&self, dir: &Path, step: u64, samples: &[Sample]) {
-        let mut out = String::new();
-        for s in samples {
-            let line = serde_json::json!({
-                "input": self.tokenizer.decode(&s.prompt, false).unwrap_or_default(),
-                "output": self.tokenizer.decode(&s.response, false).unwrap_or_default(),
-                "score": s.score,
-                "gts": s.ground_truth,
-                "step": step,
-                "uid": s.uid,
-                "key": s.key,
-            });
-            out.push_str(&line.to_string());
-            out.push('\n');
-        }
-        let path = dir.join(format!("{step}.jsonl"));
-        if let Err(err) = std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&path, out)) {
-            tracing::warn!(error = %err, path = %path.display(), "rollout dump not written");
-        }
+        let rows: Vec<serde_json::Value> = samples
+            .iter()
+            .map(|s| {
+                serde_json::json!({
+                    "input": self.tokenizer.decode(&s.prompt, false).unwrap_or_default(),
+                    "output": self.tokenizer.decode(&s.response, false).unwrap_or_default(),
+                    "score": s.score,
+                    "gts": s.ground_truth,
+                    "step": step,
+                    "uid": s.uid,
+                    "key": s.key,
+                })
+            })
+            .collect();
+        write_jsonl(&dir.join(format!("{step}.jsonl")), &rows);
     }
 
     fn write_summary(&self, wall_s: f64) {
@@ -564,6 +759,41 @@ impl Trainer {
     }
 }
 
+/// Writes one JSON object per line; a failure is logged, not fatal (dumps are diagnostics).
+fn write_jsonl(path: &Path, rows: &[serde_json::Value]) {
+    let mut out = String::new();
+    for row in rows {
+        out.push_str(&row.to_string());
+        out.push('\n');
+    }
+    let written = path.parent().map_or(Ok(()), std::fs::create_dir_all).and_then(|_| std::fs::write(path, out));
+    if let Err(err) = written {
+        tracing::warn!(error = %err, path = %path.display(), "dump not written");
+    }
+}
+
+/// verl's `_maybe_log_val_generations` for the console: `n` generations (sorted by input, then shuffled with
+/// seed 42) written to the log.
+fn log_generations(rows: &[serde_json::Value], n: usize, step: u64) {
+    use rand::seq::SliceRandom;
+    use rand::SeedableRng;
+    if n == 0 {
+        return;
+    }
+    let mut rows: Vec<&serde_json::Value> = rows.iter().collect();
+    rows.sort_by(|a, b| a["input"].as_str().cmp(&b["input"].as_str()));
+    rows.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(42));
+    for row in rows.into_iter().take(n) {
+        tracing::info!(
+            step,
+            input = row["input"].as_str().unwrap_or_default(),
+            output = row["output"].as_str().unwrap_or_default(),
+            score = row["score"].as_f64().unwrap_or(f64::NAN),
+            "validation generation"
+        );
+    }
+}
+
 fn sample_from(traj: &Trajectory, reward: &v1::Reward) -> Result<Sample, String> {
     let response = packed::unpack_u32(&traj.response_ids).map_err(|e| e.to_string())?;
     let mut mask = traj.response_mask.to_vec();
@@ -582,46 +812,91 @@ fn sample_from(traj: &Trajectory, reward: &v1::Reward) -> Result<Sample, String>
         response_mask: mask,
         rollout_logprobs: logprobs,
         score: reward.score,
+        extra: reward.extra.iter().map(|(k, v)| (k.clone(), *v)).collect(),
         min_version: traj.min_version,
         max_version: traj.max_version,
         submit_step: traj.submit_step,
         data_source: traj.data_source.clone(),
         ground_truth: traj.ground_truth.clone(),
         truncated: traj.finish_reason == v1::FinishReason::Length as i32,
+        num_turns: traj.num_turns,
     })
 }
 
-/// verl's data metrics for a batch (critic/score, response_length, prompt_length, off-policy spans).
-fn batch_metrics(samples: &[Sample], response: &SampleResponse, step: u64, out: &mut BTreeMap<String, f64>) {
-    let stats = |values: Vec<f64>, name: &str, out: &mut BTreeMap<String, f64>| {
-        if values.is_empty() {
-            return;
-        }
-        let n = values.len() as f64;
-        out.insert(format!("{name}/mean"), values.iter().sum::<f64>() / n);
-        out.insert(format!("{name}/max"), values.iter().copied().fold(f64::MIN, f64::max));
-        out.insert(format!("{name}/min"), values.iter().copied().fold(f64::MAX, f64::min));
-    };
-    stats(samples.iter().map(|s| s.score).collect(), "critic/score", out);
-    stats(samples.iter().map(|s| s.score).collect(), "critic/rewards", out);
-    stats(samples.iter().map(|s| s.response.len() as f64).collect(), "response_length", out);
-    stats(samples.iter().map(|s| s.prompt.len() as f64).collect(), "prompt_length", out);
+/// verl's data metrics of a batch that do not need the actor: response and prompt lengths (with their clip
+/// ratios), off-policy spans and staleness, turns, failures.
+fn batch_metrics(
+    samples: &[Sample],
+    response: &SampleResponse,
+    step: u64,
+    cfg: &JobConfig,
+    out: &mut BTreeMap<String, f64>,
+) {
+    stats(&samples.iter().map(|s| s.response.len() as f64).collect::<Vec<_>>(), "response_length", out);
+    stats(&samples.iter().map(|s| s.prompt.len() as f64).collect::<Vec<_>>(), "prompt_length", out);
     if !samples.is_empty() {
-        let clipped = samples.iter().filter(|s| s.truncated).count() as f64 / samples.len() as f64;
+        let n = samples.len() as f64;
+        let clipped = samples.iter().filter(|s| s.truncated).count() as f64 / n;
         out.insert("response_length/clip_ratio".into(), clipped);
+        let max_prompt = cfg.data.max_prompt_length as usize;
+        let prompt_clipped = samples.iter().filter(|s| s.prompt.len() >= max_prompt).count() as f64 / n;
+        out.insert("prompt_length/clip_ratio".into(), prompt_clipped);
+        if samples.iter().any(|s| s.num_turns > 0) {
+            stats(&samples.iter().map(|s| f64::from(s.num_turns)).collect::<Vec<_>>(), "training/num_turns", out);
+        }
     }
     stats(
-        samples.iter().map(|s| (s.max_version - s.min_version + 1) as f64).collect(),
+        &samples.iter().map(|s| (s.max_version - s.min_version + 1) as f64).collect::<Vec<_>>(),
         "training/off_policy/trajectory_spans",
         out,
     );
     stats(
-        samples.iter().map(|s| (step.saturating_sub(1)) as f64 - s.max_version as f64).collect(),
+        &samples.iter().map(|s| step.saturating_sub(1) as f64 - s.max_version as f64).collect::<Vec<_>>(),
         "training/off_policy/trajectory_staleness",
+        out,
+    );
+    stats(
+        &samples.iter().map(|s| step.saturating_sub(1) as f64 - s.min_version as f64).collect::<Vec<_>>(),
+        "training/off_policy/trajectory_staleness_worst",
         out,
     );
     let failed = response.groups.iter().filter(|g| g.state == GroupState::Failure as i32).count();
     out.insert("training/rollout_failure/groups".into(), failed as f64);
     out.insert("training/num_groups".into(), response.groups.len() as f64);
     out.insert("training/num_trajectories".into(), samples.len() as f64);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use jetrl_config::JobConfig;
+
+    /// A verl user's `trainer.*` and `data.*` keys load as they are; wrong values name their key.
+    #[test]
+    fn verl_trainer_and_data_keys_load_and_bad_values_name_the_key() {
+        let mut file = tempfile::NamedTempFile::new().unwrap();
+        writeln!(
+            file,
+            "data:\n  train_files: [a.parquet]\n  val_files: [b.jsonl]\n  truncation: middle\n  filter_overlong_prompts: true\n  \
+             val_batch_size: 8\n  train_max_samples: 100\n\
+             trainer:\n  save_freq: 10\n  test_freq: 5\n  max_actor_ckpt_to_keep: 2\n  resume_mode: auto\n  \
+             default_local_dir: /tmp/ck\n  log_val_generations: 4\n  validation_data_dir: /tmp/val\n  \
+             logger: [console, tensorboard, wandb]\n  critic_warmup: 3\n  val_only: false"
+        )
+        .unwrap();
+        let cfg = JobConfig::load(Some(file.path()), &[]).unwrap();
+        assert_eq!(cfg.trainer.max_actor_ckpt_to_keep, Some(2));
+        assert_eq!(cfg.data.truncation, "middle");
+        assert_eq!(cfg.trainer.logger, vec!["console", "tensorboard", "wandb"]);
+        let bad = |o: &str| JobConfig::load(Some(file.path()), &[o.to_string()]).unwrap_err().to_string();
+        assert!(bad("data.truncation=both").contains("data.truncation"));
+        assert!(bad("trainer.resume_mode=resume_path").contains("trainer.resume_from_path"));
+        assert!(bad("trainer.logger=[\"neptune\"]").contains("trainer.logger"));
+        let path = JobConfig::load(
+            Some(file.path()),
+            &["trainer.resume_mode=resume_path".into(), "trainer.resume_from_path=/ck/global_step_10".into()],
+        );
+        assert!(path.is_ok(), "{path:?}");
+    }
 }

@@ -13,6 +13,7 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    jetrl_trainer::keep_freed_memory_in_heap();
     let args = Args::parse();
     let cfg = jetrl_config::JobConfig::load(args.config.as_deref(), &args.overrides)?;
     jetrl_telemetry::init_tracing(&cfg.log.level, &cfg.log.format);

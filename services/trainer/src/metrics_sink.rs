@@ -1,13 +1,17 @@
-//! Where step metrics go: `metrics.jsonl` in the run directory (one JSON object per step, verl's names),
-//! `jetrl.trainer.metrics` on NATS (for `jetrl run`'s progress display), Prometheus gauges, and the
-//! reward-curve picture.
+//! Where step metrics go (verl's `trainer.logger`): `metrics.jsonl` in the run directory (one JSON object per
+//! step, verl's names; always written, `jetrl run` and the tests read it), `jetrl.trainer.metrics` on NATS (for
+//! `jetrl run`'s progress display), Prometheus gauges, TensorBoard event files (`tensorboard`), a log line per
+//! step (`console`), and the reward-curve picture.
 
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use jetrl_bus::Bus;
+use jetrl_config::TrainerConfig;
 use jetrl_wire::subjects;
+
+use crate::tensorboard::EventWriter;
 
 pub struct MetricsSink {
     bus: Bus,
@@ -15,34 +19,72 @@ pub struct MetricsSink {
     run_dir: PathBuf,
     /// (step, critic/score/mean) so far, for the curve
     curve: Vec<(u64, f64)>,
+    tensorboard: Option<EventWriter>,
+    console: bool,
+}
+
+/// The step a metrics line belongs to.
+fn line_step(v: &serde_json::Value) -> Option<u64> {
+    v["training/global_step"].as_f64().map(|s| s as u64)
 }
 
 impl MetricsSink {
-    /// Opens `<run_dir>/metrics.jsonl`; a fresh run (`append` false) truncates it.
-    pub fn open(bus: &Bus, run_dir: &Path, append: bool) -> std::io::Result<Self> {
+    /// Opens `<run_dir>/metrics.jsonl`. A fresh run truncates it; a run resumed after step `resumed_from`
+    /// keeps the lines up to that step and drops later ones (they belonged to the steps being redone), so the
+    /// file reads as one uninterrupted run.
+    pub fn open(
+        bus: &Bus,
+        run_dir: &Path,
+        trainer: &TrainerConfig,
+        resumed_from: Option<u64>,
+    ) -> std::io::Result<Self> {
         std::fs::create_dir_all(run_dir)?;
         let path = run_dir.join("metrics.jsonl");
         let mut curve = Vec::new();
-        if append {
+        let mut kept = String::new();
+        if let Some(resumed) = resumed_from {
             if let Ok(text) = std::fs::read_to_string(&path) {
                 for line in text.lines() {
-                    if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
-                        if let (Some(s), Some(r)) =
-                            (v["training/global_step"].as_f64(), v["critic/score/mean"].as_f64())
-                        {
-                            curve.push((s as u64, r));
-                        }
+                    let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+                    if line_step(&v).is_some_and(|s| s > resumed) {
+                        continue;
                     }
+                    if let (Some(s), Some(r)) = (line_step(&v), v["critic/score/mean"].as_f64()) {
+                        curve.push((s, r));
+                    }
+                    kept.push_str(line);
+                    kept.push('\n');
                 }
             }
         }
-        let jsonl =
-            std::fs::OpenOptions::new().create(true).write(true).append(append).truncate(!append).open(&path)?;
-        Ok(Self { bus: bus.clone(), jsonl, run_dir: run_dir.to_path_buf(), curve })
+        let mut jsonl = std::fs::OpenOptions::new().create(true).write(true).truncate(true).open(&path)?;
+        jsonl.write_all(kept.as_bytes())?;
+        let tensorboard = if trainer.logger.iter().any(|l| l == "tensorboard") {
+            let dir = trainer.tensorboard_dir.clone().map(PathBuf::from).unwrap_or_else(|| run_dir.join("tensorboard"));
+            Some(EventWriter::create(&dir, resumed_from.map(|s| s + 1))?)
+        } else {
+            None
+        };
+        for logger in &trainer.logger {
+            if !["console", "jsonl", "tensorboard"].contains(&logger.as_str()) {
+                tracing::warn!(logger, "trainer.logger backend not supported by jetrl; ignored");
+            }
+        }
+        Ok(Self {
+            bus: bus.clone(),
+            jsonl,
+            run_dir: run_dir.to_path_buf(),
+            curve,
+            tensorboard,
+            console: trainer.logger.iter().any(|l| l == "console"),
+        })
     }
 
     pub async fn record(&mut self, step: u64, metrics: &BTreeMap<String, f64>) {
-        let line = serde_json::to_string(metrics).unwrap_or_default();
+        // JSON has no NaN or infinity: such values are left out of the line
+        let finite: BTreeMap<&String, f64> =
+            metrics.iter().filter(|(_, v)| v.is_finite()).map(|(k, v)| (k, *v)).collect();
+        let line = serde_json::to_string(&finite).unwrap_or_default();
         if let Err(err) = writeln!(self.jsonl, "{line}").and_then(|_| self.jsonl.flush()) {
             tracing::error!(error = %err, "cannot append to metrics.jsonl");
         }
@@ -53,6 +95,22 @@ impl MetricsSink {
             metrics::gauge!("jetrl_trainer_metric", "name" => name.clone()).set(*value);
         }
         metrics::gauge!("jetrl_trainer_step").set(step as f64);
+        if let Some(tb) = self.tensorboard.as_mut() {
+            if let Err(err) = tb.scalars(step, metrics) {
+                tracing::warn!(error = %err, "tensorboard event not written");
+            }
+        }
+        if self.console {
+            let get = |k: &str| metrics.get(k).copied().unwrap_or(f64::NAN);
+            tracing::info!(
+                step,
+                score = get("critic/score/mean"),
+                pg_loss = get("actor/pg_loss"),
+                grad_norm = get("actor/grad_norm"),
+                step_s = get("timing_s/step"),
+                "step metrics"
+            );
+        }
         if let Some(score) = metrics.get("critic/score/mean") {
             self.curve.push((step, *score));
         }

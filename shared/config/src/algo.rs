@@ -434,6 +434,8 @@ pub struct CriticConfig {
     pub ppo_mini_batch_size: Option<u32>,
     /// null inherits `actor.ppo_epochs`
     pub ppo_epochs: Option<u32>,
+    /// token budget per micro-batch; null inherits `actor.ppo_max_token_len`
+    pub ppo_max_token_len: Option<u32>,
     pub shuffle: bool,
     pub data_loader_seed: u64,
 }
@@ -449,6 +451,7 @@ impl Default for CriticConfig {
             loss_scale_factor: None,
             ppo_mini_batch_size: None,
             ppo_epochs: None,
+            ppo_max_token_len: None,
             shuffle: true,
             data_loader_seed: 42,
         }

@@ -83,6 +83,30 @@ impl JobConfig {
             "set data.task (a built-in task) or data.train_files",
         )?;
         ensure(["f32", "bf16"].contains(&self.model.dtype.as_str()), "model.dtype", "must be f32 or bf16")?;
+        ensure(
+            ["error", "left", "right", "middle"].contains(&self.data.truncation.as_str()),
+            "data.truncation",
+            format!("unknown value {:?} (error, left, right, middle)", self.data.truncation),
+        )?;
+        ensure(self.data.max_prompt_length > 0, "data.max_prompt_length", "must be > 0")?;
+        ensure(
+            ["auto", "resume_path", "path", "disable"].contains(&self.trainer.resume_mode.as_str()),
+            "trainer.resume_mode",
+            format!("unknown mode {:?} (auto, resume_path, disable)", self.trainer.resume_mode),
+        )?;
+        ensure(
+            !matches!(self.trainer.resume_mode.as_str(), "resume_path" | "path")
+                || self.trainer.resume_from_path.as_deref().is_some_and(|p| p.contains("global_step_")),
+            "trainer.resume_from_path",
+            "resume_mode resume_path needs a path to a `global_step_<n>` directory",
+        )?;
+        for logger in &self.trainer.logger {
+            ensure(
+                TRAINER_LOGGERS.contains(&logger.as_str()),
+                "trainer.logger",
+                format!("unknown logger {logger:?} (expected one of: {})", TRAINER_LOGGERS.join(", ")),
+            )?;
+        }
         Ok(())
     }
 
@@ -168,11 +192,21 @@ pub struct TaskConfig {
     pub max_len: u32,
     pub train_size: u32,
     pub val_size: u32,
+    /// the prompt text; `{task}` and `{digits}` are replaced (use `{digits}=` for the `tiny-digits` model,
+    /// whose vocabulary has no letters)
+    pub template: String,
 }
 
 impl Default for TaskConfig {
     fn default() -> Self {
-        Self { name: "reverse".into(), min_len: 4, max_len: 4, train_size: 20_000, val_size: 64 }
+        Self {
+            name: "reverse".into(),
+            min_len: 4,
+            max_len: 4,
+            train_size: 20_000,
+            val_size: 64,
+            template: "{task} {digits}=".into(),
+        }
     }
 }
 
@@ -181,19 +215,29 @@ impl Default for TaskConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
     pub task: Option<TaskConfig>,
-    /// verl-format parquet/JSONL files (rows with `prompt` chat messages, `data_source`, `reward_model.ground_truth`)
+    /// verl-format `.parquet` or `.jsonl` files (rows with `prompt` chat messages, `data_source`,
+    /// `reward_model.ground_truth`, `extra_info`)
     pub train_files: Vec<String>,
     pub val_files: Vec<String>,
+    /// rows kept from the train files; -1 = all (verl `train_max_samples`)
+    pub train_max_samples: i64,
+    /// rows kept from the val files; -1 = all (verl `val_max_samples`)
+    pub val_max_samples: i64,
     /// prompt groups per step
     pub train_batch_size: u32,
+    /// prompts per validation request; null = the whole validation set at once
     pub val_batch_size: Option<u32>,
+    /// prompt tokens after the chat template; longer prompts are filtered or truncated
     pub max_prompt_length: u32,
     pub max_response_length: u32,
     pub shuffle: bool,
+    /// shuffle the validation set (verl `validation_shuffle`)
+    pub validation_shuffle: bool,
     pub seed: u64,
     pub prompt_key: String,
+    /// drop rows whose templated prompt exceeds `max_prompt_length` when the dataset is loaded
     pub filter_overlong_prompts: bool,
-    /// `error`, `left`, `right` or `middle`
+    /// what to do with a prompt over `max_prompt_length`: `error`, `left`, `right` or `middle` (keep both ends)
     pub truncation: String,
 }
 
@@ -203,11 +247,14 @@ impl Default for DataConfig {
             task: None,
             train_files: vec![],
             val_files: vec![],
+            train_max_samples: -1,
+            val_max_samples: -1,
             train_batch_size: 1024,
             val_batch_size: None,
             max_prompt_length: 512,
             max_response_length: 512,
             shuffle: true,
+            validation_shuffle: false,
             seed: 42,
             prompt_key: "prompt".into(),
             filter_overlong_prompts: false,
@@ -256,6 +303,23 @@ pub struct RolloutConfig {
     pub heartbeat_interval_s: f64,
     /// redelivery delay of a task whose worker went silent (in-progress acks keep long groups alive)
     pub ack_wait_s: f64,
+    /// positions per sequence in the engine's KV cache (context + response); default
+    /// data.max_prompt_length + the response budget (multi-turn tool output counts towards it)
+    pub max_model_len: Option<u32>,
+    /// token positions in the preallocated KV cache, over all sequences; the engine runs
+    /// min(max_num_seqs, kv_cache_tokens / max_model_len) sequences at once. Default: max_num_seqs rows,
+    /// capped by kv_cache_memory_gb
+    pub kv_cache_tokens: Option<u64>,
+    /// memory cap of the default KV budget (ignored when kv_cache_tokens is set)
+    pub kv_cache_memory_gb: f64,
+    /// sampling seed of the worker's engine (requests without their own seed); default run.seed mixed with the
+    /// instance id, so workers draw different streams
+    pub seed: Option<u64>,
+    /// `processed_logprobs` (after penalty, temperature, top-k/top-p: the distribution sampled from) or
+    /// `raw_logprobs` (the model's log-softmax)
+    pub logprobs_mode: String,
+    pub multi_turn: MultiTurnConfig,
+    pub agent: AgentConfig,
 }
 
 impl Default for RolloutConfig {
@@ -275,7 +339,75 @@ impl Default for RolloutConfig {
             metrics_addr: "127.0.0.1:0".into(),
             heartbeat_interval_s: 1.0,
             ack_wait_s: 30.0,
+            max_model_len: None,
+            kv_cache_tokens: None,
+            kv_cache_memory_gb: 4.0,
+            seed: None,
+            logprobs_mode: "processed_logprobs".into(),
+            multi_turn: MultiTurnConfig::default(),
+            agent: AgentConfig::default(),
         }
+    }
+}
+
+/// verl's `rollout.multi_turn.*`: the tool agent loop (`tool_agent`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MultiTurnConfig {
+    /// model turns per trajectory at most (none: until no tool call or the response budget)
+    pub max_assistant_turns: Option<u32>,
+    /// tool-response turns per trajectory at most
+    pub max_user_turns: Option<u32>,
+    /// tool calls of one turn run concurrently; calls beyond this are ignored
+    pub max_parallel_calls: u32,
+    /// characters of one tool response kept
+    pub max_tool_response_length: u32,
+    /// `left` (keep the start), `right` (keep the end) or `middle` (keep both ends)
+    pub tool_response_truncate_side: String,
+    /// tool-call syntax the model writes: `hermes` (`<tool_call>{json}</tool_call>`)
+    pub format: String,
+    /// built-in tools offered to `tool_agent` rows (`calculator`, `python`); a row's `extra_info.tool_selection`
+    /// narrows the list
+    pub tools: Vec<String>,
+    /// seconds one tool call may take before it counts as failed (error text, reward 0)
+    pub tool_timeout_s: f64,
+    /// the python tool: interpreter, wall-clock limit, address-space limit, bytes of stdout+stderr kept
+    pub python_bin: String,
+    pub python_timeout_s: f64,
+    pub python_memory_mb: u64,
+    pub python_max_output_bytes: u64,
+}
+
+impl Default for MultiTurnConfig {
+    fn default() -> Self {
+        Self {
+            max_assistant_turns: None,
+            max_user_turns: None,
+            max_parallel_calls: 1,
+            max_tool_response_length: 256,
+            tool_response_truncate_side: "middle".into(),
+            format: "hermes".into(),
+            tools: vec!["calculator".into(), "python".into()],
+            tool_timeout_s: 30.0,
+            python_bin: "python3".into(),
+            python_timeout_s: 10.0,
+            python_memory_mb: 512,
+            python_max_output_bytes: 16 * 1024,
+        }
+    }
+}
+
+/// verl's `rollout.agent.*`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AgentConfig {
+    /// the agent loop of rows without `agent_name`: `single_turn_agent` or `tool_agent`
+    pub default_agent_loop: String,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        Self { default_agent_loop: "single_turn_agent".into() }
     }
 }
 
@@ -338,15 +470,34 @@ pub struct TrainerConfig {
     pub mode: String,
     pub total_training_steps: Option<u64>,
     pub total_epochs: u32,
-    /// -1 = never
+    /// save a checkpoint every this many steps (and at the last step); -1 = never
     pub save_freq: i64,
-    /// -1 = never
+    /// checkpoint root: `global_step_<n>/` directories and `latest_checkpointed_iteration.txt`;
+    /// default `<run.dir>/checkpoints`
+    pub default_local_dir: Option<String>,
+    /// checkpoints kept (oldest deleted first); null = all. `max_ckpt_to_keep` is the older spelling.
+    pub max_actor_ckpt_to_keep: Option<u32>,
+    pub max_critic_ckpt_to_keep: Option<u32>,
+    pub max_ckpt_to_keep: Option<u32>,
+    /// `auto` (latest checkpoint under default_local_dir, if any), `resume_path` (or `path`: exactly
+    /// `resume_from_path`) or `disable`
+    pub resume_mode: String,
+    /// a `global_step_<n>` directory, for resume_mode `resume_path`
+    pub resume_from_path: Option<String>,
+    /// validate every this many steps (and at the last step); -1 = never
     pub test_freq: i64,
     pub val_before_train: bool,
-    /// `auto`, `resume_path` or `disable`
-    pub resume_mode: String,
-    pub resume_from_path: Option<String>,
-    pub max_ckpt_to_keep: Option<u32>,
+    /// validate once and stop (verl `val_only`)
+    pub val_only: bool,
+    /// validation generations written to the log per validation (verl's generations table)
+    pub log_val_generations: u32,
+    /// the actor is not updated before this step; the critic is (verl `critic_warmup`)
+    pub critic_warmup: u64,
+    /// where metrics go besides `metrics.jsonl` (always written: `jetrl run` reads it): `console` (a log line
+    /// per step), `tensorboard` (event files), `jsonl`; verl's other backends are accepted and ignored
+    pub logger: Vec<String>,
+    /// TensorBoard event directory; default `<run.dir>/tensorboard`
+    pub tensorboard_dir: Option<String>,
     pub metrics_addr: String,
     /// how long to wait for rollout workers to load a new weight version
     pub weight_sync_timeout_s: f64,
@@ -365,11 +516,19 @@ impl Default for TrainerConfig {
             total_training_steps: None,
             total_epochs: 1,
             save_freq: -1,
-            test_freq: -1,
-            val_before_train: false,
+            default_local_dir: None,
+            max_actor_ckpt_to_keep: None,
+            max_critic_ckpt_to_keep: None,
+            max_ckpt_to_keep: None,
             resume_mode: "auto".into(),
             resume_from_path: None,
-            max_ckpt_to_keep: None,
+            test_freq: -1,
+            val_before_train: false,
+            val_only: false,
+            log_val_generations: 0,
+            critic_warmup: 0,
+            logger: vec!["console".into(), "jsonl".into()],
+            tensorboard_dir: None,
             metrics_addr: "127.0.0.1:0".into(),
             weight_sync_timeout_s: 300.0,
             sample_wait_s: 10.0,
@@ -378,6 +537,11 @@ impl Default for TrainerConfig {
         }
     }
 }
+
+/// verl's `trainer.logger` backends: the first three are written by jetrl, the rest are accepted so verl
+/// configs load, and ignored with a warning.
+pub const TRAINER_LOGGERS: &[&str] =
+    &["console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow", "vemlp_wandb", "clearml", "trackio", "file"];
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]

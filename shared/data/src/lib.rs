@@ -3,9 +3,14 @@
 //! - [`Example`]: one prompt row, verl's dataset schema (`prompt` chat messages or raw text, `data_source`,
 //!   `reward_model.ground_truth`, `extra_info`, optional `agent_name`).
 //! - [`tasks`]: built-in synthetic tasks with partial-credit rewards (the demo's job), generated from a seed.
-//! - [`load_jsonl`]: verl-format JSONL files.
+//! - [`load_file`]: verl-format files, `.parquet` (what verl's preprocessing scripts write; snappy, zstd and
+//!   gzip pages) or `.jsonl`, rows with `prompt` chat messages, `data_source`, `reward_model.ground_truth`,
+//!   `extra_info`.
+//! - [`prompt`]: the prompt as token ids — chat template, length filtering and truncation (verl `data.*`).
 //! - [`DataLoader`]: seeded shuffling, re-iterated forever, with a cursor that a checkpoint can save.
 
+pub mod parquet_rows;
+pub mod prompt;
 pub mod tasks;
 
 use std::path::Path;
@@ -24,8 +29,10 @@ pub enum DataError {
     UnknownTask(String),
     #[error("dataset is empty: {0}")]
     Empty(String),
-    #[error("dataset format of {0} is not supported (use .jsonl; parquet: convert with pandas `to_json(orient='records', lines=True)`)")]
+    #[error("dataset format of {0} is not supported (.parquet or .jsonl)")]
     Format(String),
+    #[error("prompt of row {index}: {message}")]
+    Prompt { index: u64, message: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -59,8 +66,6 @@ pub struct Example {
 #[derive(Deserialize)]
 struct VerlRow {
     #[serde(default)]
-    prompt: Option<serde_json::Value>,
-    #[serde(default)]
     data_source: Option<String>,
     #[serde(default)]
     reward_model: Option<serde_json::Value>,
@@ -75,6 +80,42 @@ fn ground_truth_text(value: &serde_json::Value) -> String {
         serde_json::Value::String(s) => s.clone(),
         serde_json::Value::Null => String::new(),
         other => other.to_string(),
+    }
+}
+
+/// Converts one verl row (a JSON object) into an [`Example`]; `row` is the row number, the index when the row
+/// has no `extra_info.index`.
+pub(crate) fn example_from_row(mut value: serde_json::Value, prompt_key: &str, row: usize) -> Result<Example, String> {
+    let prompt_value = value.get_mut(prompt_key).map(|v| v.take());
+    let parsed: VerlRow = serde_json::from_value(value).map_err(|e| e.to_string())?;
+    let prompt = match prompt_value {
+        Some(serde_json::Value::String(text)) => Prompt::Text(text),
+        Some(messages @ serde_json::Value::Array(_)) => {
+            Prompt::Messages(serde_json::from_value(messages).map_err(|e| format!("{prompt_key}: {e}"))?)
+        }
+        _ => return Err(format!("missing `{prompt_key}` (chat messages or text)")),
+    };
+    let ground_truth =
+        parsed.reward_model.as_ref().and_then(|rm| rm.get("ground_truth")).map(ground_truth_text).unwrap_or_default();
+    let extra_info = parsed.extra_info.unwrap_or(serde_json::Value::Null);
+    let index = extra_info.get("index").and_then(|v| v.as_u64()).unwrap_or(row as u64);
+    Ok(Example {
+        index,
+        data_source: parsed.data_source.unwrap_or_default(),
+        prompt,
+        ground_truth,
+        extra_info,
+        agent_name: parsed.agent_name,
+    })
+}
+
+/// Loads verl-format rows from a `.parquet` or `.jsonl` file. `prompt_key` names the prompt column (verl
+/// `data.prompt_key`).
+pub fn load_file(path: &Path, prompt_key: &str) -> Result<Vec<Example>, DataError> {
+    match path.extension().and_then(|e| e.to_str()) {
+        Some("parquet") => parquet_rows::load_parquet(path, prompt_key),
+        Some("jsonl") | Some("json") => load_jsonl(path, prompt_key),
+        _ => Err(DataError::Format(path.display().to_string())),
     }
 }
 
@@ -93,33 +134,31 @@ pub fn load_jsonl(path: &Path, prompt_key: &str) -> Result<Vec<Example>, DataErr
             continue;
         }
         let row_err = |message: String| DataError::Row { path: name.clone(), line: i + 1, message };
-        let mut value: serde_json::Value = serde_json::from_str(line).map_err(|e| row_err(e.to_string()))?;
-        let prompt_value = value.get_mut(prompt_key).map(|v| v.take());
-        let row: VerlRow = serde_json::from_value(value).map_err(|e| row_err(e.to_string()))?;
-        let prompt = match prompt_value.or(row.prompt) {
-            Some(serde_json::Value::String(text)) => Prompt::Text(text),
-            Some(messages @ serde_json::Value::Array(_)) => {
-                Prompt::Messages(serde_json::from_value(messages).map_err(|e| row_err(format!("{prompt_key}: {e}")))?)
-            }
-            _ => return Err(row_err(format!("missing `{prompt_key}` (chat messages or text)"))),
-        };
-        let ground_truth =
-            row.reward_model.as_ref().and_then(|rm| rm.get("ground_truth")).map(ground_truth_text).unwrap_or_default();
-        let extra_info = row.extra_info.unwrap_or(serde_json::Value::Null);
-        let index = extra_info.get("index").and_then(|v| v.as_u64()).unwrap_or(i as u64);
-        out.push(Example {
-            index,
-            data_source: row.data_source.unwrap_or_default(),
-            prompt,
-            ground_truth,
-            extra_info,
-            agent_name: row.agent_name,
-        });
+        let value: serde_json::Value = serde_json::from_str(line).map_err(|e| row_err(e.to_string()))?;
+        out.push(example_from_row(value, prompt_key, i).map_err(row_err)?);
     }
     if out.is_empty() {
         return Err(DataError::Empty(name));
     }
     Ok(out)
+}
+
+/// verl's `train_max_samples` / `val_max_samples`: keep `max` rows (a seeded random subset when shuffling,
+/// else the first ones); a negative `max` keeps all.
+pub fn limit_samples(examples: Vec<Example>, max: i64, shuffle: bool, seed: u64) -> Vec<Example> {
+    if max < 0 || max as usize >= examples.len() {
+        return examples;
+    }
+    let max = max as usize;
+    if !shuffle {
+        return examples.into_iter().take(max).collect();
+    }
+    let mut order: Vec<usize> = (0..examples.len()).collect();
+    order.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(seed));
+    let mut keep: Vec<usize> = order.into_iter().take(max).collect();
+    keep.sort_unstable();
+    let mut slots: Vec<Option<Example>> = examples.into_iter().map(Some).collect();
+    keep.into_iter().filter_map(|i| slots[i].take()).collect()
 }
 
 /// Where a [`DataLoader`] is: enough to resume the exact same sequence of batches.
@@ -201,12 +240,14 @@ pub fn load_datasets(cfg: &jetrl_config::DataConfig) -> Result<(Vec<Example>, Ve
     if !cfg.train_files.is_empty() {
         let mut train = Vec::new();
         for f in &cfg.train_files {
-            train.extend(load_jsonl(Path::new(f), &cfg.prompt_key)?);
+            train.extend(load_file(Path::new(f), &cfg.prompt_key)?);
         }
         let mut val = Vec::new();
         for f in &cfg.val_files {
-            val.extend(load_jsonl(Path::new(f), &cfg.prompt_key)?);
+            val.extend(load_file(Path::new(f), &cfg.prompt_key)?);
         }
+        let train = limit_samples(train, cfg.train_max_samples, cfg.shuffle, cfg.seed);
+        let val = limit_samples(val, cfg.val_max_samples, cfg.validation_shuffle, cfg.seed);
         return Ok((train, val));
     }
     let task = cfg.task.clone().unwrap_or_default();
@@ -270,5 +311,34 @@ mod tests {
         let got: Vec<u64> = b.next_batch(8).iter().map(|e| e.index).collect();
         assert_eq!(got, expected);
         assert_eq!(b.state().epoch, 1);
+    }
+
+    fn example(i: u64) -> Example {
+        Example {
+            index: i,
+            data_source: "t".into(),
+            prompt: Prompt::Text(i.to_string()),
+            ground_truth: String::new(),
+            extra_info: serde_json::Value::Null,
+            agent_name: None,
+        }
+    }
+
+    #[test]
+    fn max_samples_keeps_a_seeded_subset_in_file_order() {
+        let rows: Vec<Example> = (0..20).map(example).collect();
+        let first = limit_samples(rows.clone(), 5, false, 1);
+        assert_eq!(first.iter().map(|e| e.index).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);
+        let a = limit_samples(rows.clone(), 5, true, 1);
+        let b = limit_samples(rows.clone(), 5, true, 1);
+        assert_eq!(a, b);
+        assert!(a.windows(2).all(|w| w[0].index < w[1].index));
+        assert_eq!(limit_samples(rows, -1, true, 1).len(), 20);
+    }
+
+    #[test]
+    fn unknown_file_extension_is_a_format_error() {
+        let err = load_file(Path::new("data.csv"), "prompt").unwrap_err();
+        assert!(matches!(err, DataError::Format(_)), "{err}");
     }
 }

@@ -42,7 +42,7 @@ pub fn generate(cfg: &jetrl_config::TaskConfig, split: Split, seed: u64) -> Resu
             Example {
                 index,
                 data_source: format!("jetrl/{}", cfg.name),
-                prompt: Prompt::Text(format!("{} {}=", cfg.name, digits)),
+                prompt: Prompt::Text(cfg.template.replace("{task}", &cfg.name).replace("{digits}", &digits)),
                 ground_truth: answer(&digits),
                 extra_info: serde_json::json!({ "index": index, "split": if split == Split::Train { "train" } else { "val" } }),
                 agent_name: None,
@@ -57,8 +57,14 @@ mod tests {
 
     #[test]
     fn reverse_and_sort_examples_have_the_right_answers_and_are_seeded() {
-        let cfg =
-            jetrl_config::TaskConfig { name: "reverse".into(), min_len: 4, max_len: 4, train_size: 5, val_size: 2 };
+        let cfg = jetrl_config::TaskConfig {
+            name: "reverse".into(),
+            min_len: 4,
+            max_len: 4,
+            train_size: 5,
+            val_size: 2,
+            ..Default::default()
+        };
         let a = generate(&cfg, Split::Train, 1).unwrap();
         let b = generate(&cfg, Split::Train, 1).unwrap();
         assert_eq!(a, b);

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One PPO update (forward, backward, global-norm clipping, AdamW) on the same model config and batch in jetrl's
+# trainer (Actor::ppo_update) and in a PyTorch reference (benches/trainer_step/reference.py: transformers'
+# Qwen2 + torch.optim.AdamW), same run, CPU. The two sides alternate update by update (load from other
+# processes falls on both alike), with the same intra-op thread count: 1 by default, because on shared CI cores
+# a multi-threaded OpenMP update is at the mercy of every other process; pass `--threads N` on a dedicated
+# machine. The bench checks both compute the same first update (pg_loss and grad_norm) before comparing speed.
+# Arguments pass through to jetrl-trainer-bench (`--hidden`, `--layers`, `--vocab`, `--rows`, `--prompt-len`,
+# `--response-len`, `--warmup`, `--iters`, `--threads`). Default: Qwen2 shape, hidden 256, 4 layers, vocab 4096,
+# 16 sequences of ≤32 prompt + ≤96 response tokens.
+# Last line: {"bench":"trainer_step","jetrl_tok_per_s":…,"reference_tok_per_s":…,"ratio":…}
+# (GPU variant: not yet; it needs a machine with a GPU.)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+# `just bench` has built the workspace; this keeps the script usable on its own.
+cargo build --quiet -p jetrl-trainer --bin jetrl-trainer-bench
+exec ./target/debug/jetrl-trainer-bench --python .venv/bin/python --reference benches/trainer_step/reference.py "$@"

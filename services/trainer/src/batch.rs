@@ -1,0 +1,215 @@
+//! The training batch as the actor sees it: scored trajectories ([`Sample`]), their per-token columns padded
+//! to `[rows, response_len]`, micro-batches that fit a token budget, and mini-batches of whole prompt groups.
+
+use std::collections::{BTreeMap, HashMap};
+
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use tch::{Device, Kind, Tensor};
+
+/// One scored trajectory, as the trainer trains on it.
+#[derive(Debug, Clone, Default)]
+pub struct Sample {
+    pub key: String,
+    pub uid: String,
+    pub prompt: Vec<u32>,
+    pub response: Vec<u32>,
+    /// 1 = policy token (trained on), 0 = tool/observation token
+    pub response_mask: Vec<u8>,
+    /// behaviour log-probs from the rollout
+    pub rollout_logprobs: Vec<f32>,
+    pub score: f64,
+    /// numeric reward components (verl `reward_extra_info`; GDPO reads them)
+    pub extra: BTreeMap<String, f64>,
+    pub min_version: u64,
+    pub max_version: u64,
+    pub submit_step: u64,
+    pub data_source: String,
+    pub ground_truth: String,
+    /// the response hit max_new_tokens
+    pub truncated: bool,
+    pub num_turns: u32,
+}
+
+/// Per-row tensors of a micro-batch: prompts left-padded to `p`, responses right-padded to `r`, so position
+/// `p − 1 + j` of the sequence predicts response token `j` in every row.
+pub struct MicroBatch {
+    pub input_ids: Tensor,
+    pub attention_mask: Tensor,
+    pub response_ids: Tensor,
+    /// the samples' own response masks (1 = trained on)
+    pub response_mask: Tensor,
+    pub p: i64,
+    pub r: i64,
+}
+
+impl MicroBatch {
+    pub fn build(rows: &[&Sample], pad_id: i64, device: Device) -> Result<Self, tch::TchError> {
+        let p = rows.iter().map(|s| s.prompt.len()).max().unwrap_or(1).max(1);
+        let r = rows.iter().map(|s| s.response.len()).max().unwrap_or(1).max(1);
+        let width = p + r;
+        let mut ids = vec![pad_id; rows.len() * width];
+        let mut attn = vec![0i64; rows.len() * width];
+        let mut resp_ids = vec![pad_id; rows.len() * r];
+        let mut resp_mask = vec![0f32; rows.len() * r];
+        for (i, s) in rows.iter().enumerate() {
+            let offset = i * width + p - s.prompt.len();
+            for (j, &t) in s.prompt.iter().enumerate() {
+                ids[offset + j] = i64::from(t);
+                attn[offset + j] = 1;
+            }
+            for (j, &t) in s.response.iter().enumerate() {
+                ids[i * width + p + j] = i64::from(t);
+                attn[i * width + p + j] = 1;
+                resp_ids[i * r + j] = i64::from(t);
+                resp_mask[i * r + j] = f32::from(s.response_mask.get(j).copied().unwrap_or(1));
+            }
+        }
+        let (n, p, r) = (rows.len() as i64, p as i64, r as i64);
+        Ok(MicroBatch {
+            input_ids: Tensor::f_from_slice(&ids)?.f_view([n, p + r])?.f_to_device(device)?,
+            attention_mask: Tensor::f_from_slice(&attn)?.f_view([n, p + r])?.f_to_device(device)?,
+            response_ids: Tensor::f_from_slice(&resp_ids)?.f_view([n, r])?.f_to_device(device)?,
+            response_mask: Tensor::f_from_slice(&resp_mask)?.f_view([n, r])?.f_to_device(device)?,
+            p,
+            r,
+        })
+    }
+}
+
+/// Splits `rows` (kept in order) into runs whose padded size `rows × (max prompt + max response)` stays within
+/// `max_tokens`; a row larger than the budget gets a micro-batch of its own.
+pub fn split_by_token_budget(rows: &[usize], samples: &[Sample], max_tokens: usize) -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    let mut current: Vec<usize> = Vec::new();
+    let (mut p, mut r) = (0usize, 0usize);
+    for &row in rows {
+        let s = &samples[row];
+        let np = p.max(s.prompt.len());
+        let nr = r.max(s.response.len());
+        if !current.is_empty() && (current.len() + 1) * (np + nr) > max_tokens {
+            out.push(std::mem::take(&mut current));
+            p = s.prompt.len();
+            r = s.response.len();
+        } else {
+            p = np;
+            r = nr;
+        }
+        current.push(row);
+    }
+    if !current.is_empty() {
+        out.push(current);
+    }
+    out
+}
+
+/// Rows grouped by prompt (uid), groups in order of first appearance.
+pub fn groups_of(samples: &[Sample]) -> Vec<Vec<usize>> {
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut index: HashMap<&str, usize> = HashMap::new();
+    for (i, s) in samples.iter().enumerate() {
+        let slot = *index.entry(s.uid.as_str()).or_insert_with(|| {
+            groups.push(Vec::new());
+            groups.len() - 1
+        });
+        groups[slot].push(i);
+    }
+    groups
+}
+
+/// The mini-batches of one PPO epoch: `groups_per_mini_batch` whole prompt groups each (0 = all), the group
+/// order shuffled when `shuffle` with a seed derived from (`seed`, `step`, `epoch`) — so a resumed run
+/// shuffles exactly as an uninterrupted one.
+pub fn mini_batches(
+    groups: &[Vec<usize>],
+    groups_per_mini_batch: usize,
+    shuffle: bool,
+    seed: u64,
+    step: u64,
+    epoch: u32,
+) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..groups.len()).collect();
+    if shuffle {
+        let mixed =
+            seed ^ step.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(epoch).wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
+        order.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(mixed));
+    }
+    let per = if groups_per_mini_batch == 0 { groups.len().max(1) } else { groups_per_mini_batch };
+    order.chunks(per).map(|chunk| chunk.iter().flat_map(|&g| groups[g].iter().copied()).collect()).collect()
+}
+
+/// Row `i` of a `[rows, width]` host matrix, cut to `len`.
+pub fn row_of(matrix: &[f32], width: usize, i: usize, len: usize) -> &[f32] {
+    &matrix[i * width..i * width + len.min(width)]
+}
+
+/// Builds `[rows.len(), width]` from the rows `rows` of a host matrix of row width `src_width`, zero-padded.
+pub fn gather_rows(
+    matrix: &[f32],
+    src_width: usize,
+    rows: &[usize],
+    width: usize,
+    device: Device,
+) -> Result<Tensor, tch::TchError> {
+    let mut flat = vec![0f32; rows.len() * width];
+    let copy = width.min(src_width);
+    for (i, &row) in rows.iter().enumerate() {
+        flat[i * width..i * width + copy].copy_from_slice(&matrix[row * src_width..row * src_width + copy]);
+    }
+    Tensor::f_from_slice(&flat)?.f_view([rows.len() as i64, width as i64])?.f_to_device(device)
+}
+
+/// A `[rows, width]` f32 tensor as a host matrix.
+pub fn to_host(t: &Tensor) -> Result<Vec<f32>, tch::TchError> {
+    Vec::<f32>::try_from(t.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?.f_contiguous()?.f_view([-1])?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(uid: &str, p: usize, r: usize) -> Sample {
+        Sample {
+            uid: uid.into(),
+            prompt: vec![5; p],
+            response: vec![6; r],
+            response_mask: vec![1; r],
+            ..Sample::default()
+        }
+    }
+
+    #[test]
+    fn micro_batch_left_pads_prompts_and_right_pads_responses() {
+        let (a, b) = (sample("a", 2, 3), sample("b", 3, 1));
+        let mb = MicroBatch::build(&[&a, &b], 0, Device::Cpu).unwrap();
+        assert_eq!((mb.p, mb.r), (3, 3));
+        let attn = Vec::<i64>::try_from(mb.attention_mask.view([-1])).unwrap();
+        assert_eq!(attn, vec![0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0]);
+        let mask = Vec::<f32>::try_from(mb.response_mask.view([-1])).unwrap();
+        assert_eq!(mask, vec![1., 1., 1., 1., 0., 0.]);
+    }
+
+    #[test]
+    fn token_budget_counts_padded_tokens_and_keeps_row_order() {
+        let samples = vec![sample("a", 4, 4), sample("a", 4, 4), sample("b", 8, 8), sample("b", 2, 2)];
+        let mbs = split_by_token_budget(&[0, 1, 2, 3], &samples, 16);
+        assert_eq!(mbs, vec![vec![0, 1], vec![2], vec![3]]);
+    }
+
+    #[test]
+    fn mini_batches_keep_groups_whole_and_shuffle_reproducibly() {
+        let samples: Vec<Sample> = ["a", "b", "a", "c", "b", "c", "d", "d"].iter().map(|u| sample(u, 1, 1)).collect();
+        let groups = groups_of(&samples);
+        assert_eq!(groups, vec![vec![0, 2], vec![1, 4], vec![3, 5], vec![6, 7]]);
+        let first = mini_batches(&groups, 2, true, 7, 3, 0);
+        assert_eq!(first, mini_batches(&groups, 2, true, 7, 3, 0));
+        assert_eq!(first.len(), 2);
+        for mb in &first {
+            assert_eq!(mb.len(), 4);
+            for pair in mb.chunks(2) {
+                assert_eq!(samples[pair[0]].uid, samples[pair[1]].uid);
+            }
+        }
+        assert_eq!(mini_batches(&groups, 0, false, 7, 3, 0), vec![vec![0, 2, 1, 4, 3, 5, 6, 7]]);
+    }
+}

@@ -1,0 +1,219 @@
+//! `just bench trainer_step`: one PPO update (forward, backward, global-norm clipping, AdamW) on the same model
+//! and batch in jetrl's trainer and in a PyTorch reference (`benches/trainer_step/reference.py`, transformers'
+//! Qwen2 + torch.optim.AdamW), same process tree, same thread count, CPU.
+//!
+//! The bench writes a random-init Qwen2 model directory and the batch (token ids, masks, old log-probs,
+//! advantages) to a scratch directory, starts the reference on the same files, then alternates one jetrl update
+//! (`Actor::ppo_update`) and one reference update, `--warmup` untimed pairs then `--iters` timed ones, so load
+//! from other processes on a shared CPU falls on both sides alike; each side's median counts. Both sides must
+//! compute the same first update (pg_loss, grad_norm) or the bench fails. Last line:
+//! `{"bench":"trainer_step","jetrl_tok_per_s":…,"reference_tok_per_s":…,"ratio":…}`.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use jetrl_config::JobConfig;
+use jetrl_model::{CausalLm, DType, ModelConfig};
+use jetrl_trainer::actor::{Actor, Sample};
+use rand::{Rng, SeedableRng};
+
+#[derive(Parser)]
+struct Args {
+    /// the PyTorch reference script
+    #[arg(long, default_value = "benches/trainer_step/reference.py")]
+    reference: PathBuf,
+    /// the Python with torch and transformers
+    #[arg(long, default_value = ".venv/bin/python")]
+    python: PathBuf,
+    #[arg(long, default_value_t = 256)]
+    hidden: i64,
+    #[arg(long, default_value_t = 4)]
+    layers: i64,
+    #[arg(long, default_value_t = 4096)]
+    vocab: i64,
+    /// sequences in the batch (groups of 4)
+    #[arg(long, default_value_t = 16)]
+    rows: usize,
+    #[arg(long, default_value_t = 32)]
+    prompt_len: usize,
+    #[arg(long, default_value_t = 96)]
+    response_len: usize,
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    #[arg(long, default_value_t = 6)]
+    iters: usize,
+    /// intra-op threads, the same on both sides. One by default: on shared CI cores a multi-threaded OpenMP
+    /// update is at the mercy of every other process (updates 5-10× slower, at random); on a dedicated
+    /// machine pass the core count.
+    #[arg(long, default_value_t = 1)]
+    threads: i32,
+}
+
+fn model_config(a: &Args) -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": a.vocab,
+        "hidden_size": a.hidden,
+        "intermediate_size": a.hidden * 3,
+        "num_hidden_layers": a.layers,
+        "num_attention_heads": a.hidden / 64,
+        "num_key_value_heads": (a.hidden / 128).max(1),
+        "hidden_act": "silu",
+        "max_position_embeddings": 1024,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": true,
+        "use_sliding_window": false,
+        "attention_dropout": 0.0,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "dtype": "float32",
+    })
+}
+
+/// The batch both sides train on: prompts of 3/4 to full `prompt_len`, responses of 2/3 to full
+/// `response_len`, GRPO-like advantages (one value per sequence), old log-probs near the model's own.
+fn batch(a: &Args) -> (Vec<Sample>, Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+    let mut samples = Vec::new();
+    let (mut old, mut adv) = (Vec::new(), Vec::new());
+    for i in 0..a.rows {
+        let p = rng.gen_range(a.prompt_len * 3 / 4..=a.prompt_len);
+        let r = rng.gen_range(a.response_len * 2 / 3..=a.response_len);
+        let tok = |rng: &mut rand_chacha::ChaCha8Rng| rng.gen_range(3..a.vocab as u32);
+        samples.push(Sample {
+            key: format!("g{}_{}_0", i / 4, i % 4),
+            uid: format!("g{}", i / 4),
+            prompt: (0..p).map(|_| tok(&mut rng)).collect(),
+            response: (0..r).map(|_| tok(&mut rng)).collect(),
+            response_mask: vec![1; r],
+            ..Sample::default()
+        });
+        old.push((0..r).map(|_| -(a.vocab as f32).ln() + rng.gen_range(-0.05f32..0.05)).collect());
+        let a_i: f32 = rng.gen_range(-1.5f32..1.5);
+        adv.push(vec![a_i; r]);
+    }
+    (samples, old, adv)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn main() -> anyhow::Result<()> {
+    // the trainer binary's allocator setting, so the bench measures the trainer as it runs
+    jetrl_trainer::keep_freed_memory_in_heap();
+    let args = Args::parse();
+    tch::set_num_threads(args.threads.max(1));
+    let threads = tch::get_num_threads();
+    let work = tempfile::tempdir()?;
+    let model_dir = work.path().join("model");
+    tch::manual_seed(11);
+    let config = ModelConfig::from_json(model_config(&args))?;
+    CausalLm::random(config, tch::Device::Cpu, DType::F32, 0.02)?.save(&model_dir)?;
+    let (samples, old, adv) = batch(&args);
+    let batch_file = work.path().join("batch.json");
+    let rows: Vec<serde_json::Value> = samples
+        .iter()
+        .zip(&old)
+        .zip(&adv)
+        .map(|((s, o), a)| serde_json::json!({"prompt": s.prompt, "response": s.response, "old_log_probs": o, "advantages": a}))
+        .collect();
+    std::fs::write(&batch_file, serde_json::to_string(&rows)?)?;
+    let tokens: usize = samples.iter().map(|s| s.prompt.len() + s.response.len()).sum();
+
+    let mut cfg = JobConfig::default();
+    cfg.model.path = model_dir.display().to_string();
+    cfg.rollout.temperature = 1.0;
+    cfg.actor.optim.lr = 1e-5;
+    cfg.actor.optim.weight_decay = 0.01;
+    cfg.actor.grad_clip = 1.0;
+    // one micro-batch: the whole batch is one padded tensor on both sides
+    cfg.actor.ppo_max_token_len = 1 << 30;
+    let mut actor = Actor::new(&cfg, 1, None)?;
+    let mut reference = Command::new(&args.python)
+        .arg(&args.reference)
+        .arg("--model")
+        .arg(&model_dir)
+        .arg("--batch")
+        .arg(&batch_file)
+        .arg("--threads")
+        .arg(threads.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("starting {} {}", args.python.display(), args.reference.display()))?;
+    let mut to_ref = reference.stdin.take().context("reference stdin")?;
+    let mut from_ref = BufReader::new(reference.stdout.take().context("reference stdout")?);
+    let mut read_reply = || -> anyhow::Result<serde_json::Value> {
+        let mut line = String::new();
+        if from_ref.read_line(&mut line)? == 0 {
+            bail!("the reference exited");
+        }
+        serde_json::from_str(&line).with_context(|| format!("reference said {line:?}"))
+    };
+    let ready = read_reply()?;
+    if ready["tokens"].as_u64() != Some(tokens as u64) {
+        bail!("the reference counts {} tokens, jetrl {tokens}", ready["tokens"]);
+    }
+
+    let (mut jetrl_times, mut ref_times) = (Vec::new(), Vec::new());
+    for i in 0..args.warmup + args.iters {
+        let t = Instant::now();
+        let m = actor.ppo_update(&samples, &old, &adv, cfg.actor.optim.lr)?;
+        let jetrl_s = t.elapsed().as_secs_f64();
+        writeln!(to_ref, "step")?;
+        to_ref.flush()?;
+        let r = read_reply()?;
+        if i == 0 {
+            check_same_update(m["actor/pg_loss"], m["actor/grad_norm"], &r)?;
+            eprintln!(
+                "first update: pg_loss {:.6} / {:.6}, grad_norm {:.6} / {:.6} (jetrl / reference)",
+                m["actor/pg_loss"], r["pg_loss"], m["actor/grad_norm"], r["grad_norm"]
+            );
+        }
+        if i >= args.warmup {
+            jetrl_times.push(jetrl_s);
+            ref_times.push(r["s"].as_f64().context("reference time")?);
+        }
+    }
+    writeln!(to_ref, "quit")?;
+    drop(to_ref);
+    let _ = reference.wait();
+    let (jetrl_s, ref_s) = (median(jetrl_times), median(ref_times));
+    eprintln!(
+        "{tokens} tokens per update, {threads} threads, median of {} updates: jetrl {jetrl_s:.3}s, reference {ref_s:.3}s",
+        args.iters
+    );
+    let jetrl_tps = tokens as f64 / jetrl_s;
+    let ref_tps = tokens as f64 / ref_s;
+    println!(
+        "{}",
+        serde_json::json!({
+            "bench": "trainer_step",
+            "jetrl_tok_per_s": (jetrl_tps * 10.0).round() / 10.0,
+            "reference_tok_per_s": (ref_tps * 10.0).round() / 10.0,
+            "ratio": (jetrl_tps / ref_tps * 1000.0).round() / 1000.0,
+        })
+    );
+    Ok(())
+}
+
+/// Both sides must compute the same update, or the comparison means nothing.
+fn check_same_update(loss: f64, grad_norm: f64, reference: &serde_json::Value) -> anyhow::Result<()> {
+    let ref_loss = reference["pg_loss"].as_f64().unwrap_or(f64::NAN);
+    let ref_norm = reference["grad_norm"].as_f64().unwrap_or(f64::NAN);
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-3 * b.abs().max(1e-3);
+    if !close(loss, ref_loss) || !close(grad_norm, ref_norm) {
+        bail!("jetrl and the reference disagree: pg_loss {loss} vs {ref_loss}, grad_norm {grad_norm} vs {ref_norm}");
+    }
+    Ok(())
+}

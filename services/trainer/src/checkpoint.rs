@@ -1,0 +1,338 @@
+//! Checkpoint directories, laid out as verl's so its users find their way:
+//!
+//! ```text
+//! <default_local_dir>/
+//!   latest_checkpointed_iteration.txt      the step of the newest complete checkpoint (written last)
+//!   global_step_<n>/
+//!     actor/        HF model directory (model.safetensors, config.json, tokenizer files) — loads with
+//!                   `AutoModelForCausalLM.from_pretrained` unchanged — plus optimizer.safetensors
+//!                   (AdamW moments and fp32 master weights) and optimizer.json (step count)
+//!     critic/       when a critic is trained: HF `*ForTokenClassification` directory (num_labels 1, the value
+//!                   head is `score`), plus its optimizer files
+//!     trainer_state.json   global step, dataloader cursor, KL controller, update counters, seeds
+//! ```
+//!
+//! A checkpoint is written into `global_step_<n>.tmp/` and renamed when complete, so a crash while saving
+//! never leaves a directory that looks complete; `latest_checkpointed_iteration.txt` is replaced atomically
+//! after the rename.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use jetrl_config::JobConfig;
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+/// What a checkpoint holds besides tensors: enough to continue exactly where the run stopped.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// the last completed step; training resumes at the next one
+    pub global_step: u64,
+    pub total_training_steps: u64,
+    /// the dataloader's position after the batch of `global_step` was drawn (verl's `data.pt`)
+    pub dataloader: jetrl_data::LoaderState,
+    /// update counters and the KL controller
+    pub actor: crate::actor::ActorState,
+    /// The seeds every random choice derives from (with the step number): libtorch's generator is re-seeded
+    /// from `run` at every step, mini-batch shuffles from `actor_shuffle`, the dataloader from `data`. Together
+    /// with the step they are the complete RNG state.
+    pub seeds: Seeds,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Seeds {
+    pub run: u64,
+    pub data: u64,
+    pub actor_shuffle: u64,
+}
+
+impl Seeds {
+    pub fn of(cfg: &JobConfig) -> Self {
+        Self { run: cfg.run.seed, data: cfg.data.seed, actor_shuffle: cfg.actor.data_loader_seed }
+    }
+}
+
+/// verl's tracker file: the newest complete checkpoint's step.
+pub const LATEST_FILE: &str = "latest_checkpointed_iteration.txt";
+pub const TRAINER_STATE_FILE: &str = "trainer_state.json";
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+pub const OPTIMIZER_META_FILE: &str = "optimizer.json";
+const STEP_PREFIX: &str = "global_step_";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("checkpoint {path}: {message}")]
+    Io { path: String, message: String },
+    #[error("checkpoint {path}: {message}")]
+    Format { path: String, message: String },
+    #[error("resume: {0}")]
+    Resume(String),
+    #[error("torch: {0}")]
+    Torch(#[from] tch::TchError),
+}
+
+impl CheckpointError {
+    pub fn io(path: &Path, e: impl std::fmt::Display) -> Self {
+        Self::Io { path: path.display().to_string(), message: e.to_string() }
+    }
+
+    pub fn format(path: &Path, e: impl std::fmt::Display) -> Self {
+        Self::Format { path: path.display().to_string(), message: e.to_string() }
+    }
+}
+
+/// The checkpoint root of a job: `trainer.default_local_dir`, else `<run.dir>/checkpoints`.
+pub fn root_dir(cfg: &JobConfig) -> PathBuf {
+    cfg.trainer
+        .default_local_dir
+        .clone()
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(&cfg.run.dir).join("checkpoints"))
+}
+
+pub fn step_dir(root: &Path, step: u64) -> PathBuf {
+    root.join(format!("{STEP_PREFIX}{step}"))
+}
+
+/// The step of a `global_step_<n>` directory.
+pub fn step_of(dir: &Path) -> Option<u64> {
+    dir.file_name()?.to_str()?.strip_prefix(STEP_PREFIX)?.parse().ok()
+}
+
+/// Complete checkpoints under `root`, oldest first.
+pub fn list_steps(root: &Path) -> Vec<u64> {
+    let Ok(entries) = std::fs::read_dir(root) else { return Vec::new() };
+    let mut steps: Vec<u64> = entries
+        .flatten()
+        .filter(|e| e.path().is_dir() && e.path().join(TRAINER_STATE_FILE).exists())
+        .filter_map(|e| step_of(&e.path()))
+        .collect();
+    steps.sort_unstable();
+    steps
+}
+
+/// How many checkpoints to keep: `max_actor_ckpt_to_keep`, else `max_ckpt_to_keep`, else all.
+pub fn keep_count(cfg: &JobConfig) -> Option<usize> {
+    cfg.trainer.max_actor_ckpt_to_keep.or(cfg.trainer.max_ckpt_to_keep).map(|k| k.max(1) as usize)
+}
+
+/// The checkpoint to resume from, by `trainer.resume_mode`: `auto` takes the tracker file's step (or the
+/// newest complete directory) under the root, if any; `resume_path`/`path` takes `resume_from_path`, which
+/// must exist; `disable` starts fresh.
+pub fn resolve_resume(cfg: &JobConfig) -> Result<Option<PathBuf>, CheckpointError> {
+    match cfg.trainer.resume_mode.as_str() {
+        "disable" => Ok(None),
+        "resume_path" | "path" => {
+            let path = cfg.trainer.resume_from_path.as_deref().unwrap_or_default();
+            let dir = PathBuf::from(path);
+            if step_of(&dir).is_none() {
+                return Err(CheckpointError::Resume(format!(
+                    "trainer.resume_from_path {path:?} is not a `global_step_<n>` directory"
+                )));
+            }
+            if !dir.join(TRAINER_STATE_FILE).exists() {
+                return Err(CheckpointError::Resume(format!(
+                    "trainer.resume_from_path {path:?} has no {TRAINER_STATE_FILE} (not a complete checkpoint)"
+                )));
+            }
+            Ok(Some(dir))
+        }
+        _ => {
+            let root = root_dir(cfg);
+            let tracked = std::fs::read_to_string(root.join(LATEST_FILE))
+                .ok()
+                .and_then(|t| t.trim().parse::<u64>().ok())
+                .map(|step| step_dir(&root, step))
+                .filter(|dir| dir.join(TRAINER_STATE_FILE).exists());
+            Ok(tracked.or_else(|| list_steps(&root).last().map(|&s| step_dir(&root, s))))
+        }
+    }
+}
+
+/// Where a checkpoint of `step` is assembled before it is complete.
+pub fn staging_dir(root: &Path, step: u64) -> PathBuf {
+    root.join(format!("{STEP_PREFIX}{step}.tmp"))
+}
+
+/// Makes a fully written staging directory the checkpoint of `step`, points the tracker file at it, and
+/// deletes the oldest checkpoints beyond `keep`. Returns the final directory.
+pub fn commit(root: &Path, step: u64, keep: Option<usize>) -> Result<PathBuf, CheckpointError> {
+    let staging = staging_dir(root, step);
+    let dir = step_dir(root, step);
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).map_err(|e| CheckpointError::io(&dir, e))?;
+    }
+    std::fs::rename(&staging, &dir).map_err(|e| CheckpointError::io(&staging, e))?;
+    write_atomic(&root.join(LATEST_FILE), step.to_string().as_bytes())?;
+    if let Some(keep) = keep {
+        let steps = list_steps(root);
+        for old in steps.iter().take(steps.len().saturating_sub(keep)) {
+            let old_dir = step_dir(root, *old);
+            if let Err(err) = std::fs::remove_dir_all(&old_dir) {
+                tracing::warn!(dir = %old_dir.display(), error = %err, "old checkpoint not deleted");
+            }
+        }
+    }
+    Ok(dir)
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes).map_err(|e| CheckpointError::io(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| CheckpointError::io(path, e))
+}
+
+pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), CheckpointError> {
+    let text = serde_json::to_string_pretty(value).map_err(|e| CheckpointError::format(path, e))?;
+    std::fs::write(path, text + "\n").map_err(|e| CheckpointError::io(path, e))
+}
+
+pub fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, CheckpointError> {
+    let text = std::fs::read_to_string(path).map_err(|e| CheckpointError::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| CheckpointError::format(path, e))
+}
+
+/// Copies the tokenizer and generation files of an HF model directory (everything but weights and
+/// `config.json`, which the model writes itself), so the checkpoint is a complete model directory.
+pub fn copy_model_side_files(model_dir: &Path, out: &Path) -> Result<(), CheckpointError> {
+    let entries = std::fs::read_dir(model_dir).map_err(|e| CheckpointError::io(model_dir, e))?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
+        let is_weights = name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json");
+        if !path.is_file() || is_weights || name == "config.json" {
+            continue;
+        }
+        std::fs::copy(&path, out.join(name)).map_err(|e| CheckpointError::io(&path, e))?;
+    }
+    Ok(())
+}
+
+fn safetensors_dtype(kind: Kind) -> Option<safetensors::Dtype> {
+    Some(match kind {
+        Kind::Float => safetensors::Dtype::F32,
+        Kind::BFloat16 => safetensors::Dtype::BF16,
+        Kind::Half => safetensors::Dtype::F16,
+        Kind::Double => safetensors::Dtype::F64,
+        Kind::Int64 => safetensors::Dtype::I64,
+        _ => return None,
+    })
+}
+
+fn tch_kind(dtype: safetensors::Dtype) -> Option<Kind> {
+    Some(match dtype {
+        safetensors::Dtype::F32 => Kind::Float,
+        safetensors::Dtype::BF16 => Kind::BFloat16,
+        safetensors::Dtype::F16 => Kind::Half,
+        safetensors::Dtype::F64 => Kind::Double,
+        safetensors::Dtype::I64 => Kind::Int64,
+        _ => return None,
+    })
+}
+
+/// Writes named tensors (any device, kept in their dtype) as one safetensors file.
+pub fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), CheckpointError> {
+    let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        let dtype = safetensors_dtype(t.kind())
+            .ok_or_else(|| CheckpointError::format(path, format!("{name}: unsupported dtype {:?}", t.kind())))?;
+        let t = t.f_detach()?.f_to_device(Device::Cpu)?.f_contiguous()?;
+        let numel = t.numel();
+        let mut bytes = vec![0u8; numel * t.kind().elt_size_in_bytes()];
+        t.f_copy_data_u8(&mut bytes, numel)?;
+        let shape = t.size().iter().map(|&d| d as usize).collect();
+        owned.push((name.clone(), dtype, shape, bytes));
+    }
+    let views = owned
+        .iter()
+        .map(|(name, dtype, shape, bytes)| {
+            safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes)
+                .map(|v| (name.clone(), v))
+                .map_err(|e| CheckpointError::format(path, format!("{name}: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let metadata: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+    safetensors::tensor::serialize_to_file(views, Some(metadata), path).map_err(|e| CheckpointError::io(path, e))
+}
+
+/// Reads every tensor of a safetensors file onto the CPU, in file order.
+pub fn read_tensors(path: &Path) -> Result<Vec<(String, Tensor)>, CheckpointError> {
+    let bytes = std::fs::read(path).map_err(|e| CheckpointError::io(path, e))?;
+    let file = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| CheckpointError::format(path, e))?;
+    let mut out = Vec::new();
+    for (name, view) in file.tensors() {
+        let kind = tch_kind(view.dtype())
+            .ok_or_else(|| CheckpointError::format(path, format!("{name}: unsupported dtype {:?}", view.dtype())))?;
+        let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+        out.push((name, Tensor::f_from_data_size(view.data(), &shape, kind)?));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensors_round_trip_through_safetensors_in_their_dtype() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.safetensors");
+        let a = Tensor::from_slice(&[1.5f32, -2.0, 3.25, 0.0]).view([2, 2]);
+        let b = Tensor::from_slice(&[0.5f32, 1.0]).to_kind(Kind::BFloat16);
+        write_tensors(&path, &[("a".into(), a.shallow_clone()), ("b".into(), b.shallow_clone())]).unwrap();
+        let back: HashMap<String, Tensor> = read_tensors(&path).unwrap().into_iter().collect();
+        assert_eq!(back["a"].size(), vec![2, 2]);
+        assert!(back["a"].equal(&a));
+        assert_eq!(back["b"].kind(), Kind::BFloat16);
+        assert!(back["b"].equal(&b));
+    }
+
+    #[test]
+    fn commit_moves_staging_into_place_updates_the_tracker_and_keeps_the_newest() {
+        let root = tempfile::tempdir().unwrap();
+        for step in [2u64, 4, 6] {
+            let staging = staging_dir(root.path(), step);
+            std::fs::create_dir_all(&staging).unwrap();
+            std::fs::write(staging.join(TRAINER_STATE_FILE), "{}").unwrap();
+            commit(root.path(), step, Some(2)).unwrap();
+        }
+        assert_eq!(list_steps(root.path()), vec![4, 6]);
+        assert_eq!(std::fs::read_to_string(root.path().join(LATEST_FILE)).unwrap(), "6");
+        assert!(!staging_dir(root.path(), 6).exists());
+    }
+
+    fn cfg_with(root: &Path, mode: &str, path: Option<String>) -> JobConfig {
+        let mut cfg = JobConfig::default();
+        cfg.trainer.default_local_dir = Some(root.display().to_string());
+        cfg.trainer.resume_mode = mode.into();
+        cfg.trainer.resume_from_path = path;
+        cfg
+    }
+
+    #[test]
+    fn resume_mode_auto_finds_the_latest_complete_checkpoint_and_ignores_partial_ones() {
+        let root = tempfile::tempdir().unwrap();
+        assert!(resolve_resume(&cfg_with(root.path(), "auto", None)).unwrap().is_none());
+        for step in [3u64, 5] {
+            std::fs::create_dir_all(step_dir(root.path(), step)).unwrap();
+            std::fs::write(step_dir(root.path(), step).join(TRAINER_STATE_FILE), "{}").unwrap();
+        }
+        // a crashed save: no trainer_state.json
+        std::fs::create_dir_all(step_dir(root.path(), 9)).unwrap();
+        let found = resolve_resume(&cfg_with(root.path(), "auto", None)).unwrap().unwrap();
+        assert_eq!(step_of(&found), Some(5));
+        std::fs::write(root.path().join(LATEST_FILE), "3").unwrap();
+        let tracked = resolve_resume(&cfg_with(root.path(), "auto", None)).unwrap().unwrap();
+        assert_eq!(step_of(&tracked), Some(3));
+        assert!(resolve_resume(&cfg_with(root.path(), "disable", None)).unwrap().is_none());
+        let explicit = step_dir(root.path(), 5).display().to_string();
+        let chosen = resolve_resume(&cfg_with(root.path(), "resume_path", Some(explicit))).unwrap().unwrap();
+        assert_eq!(step_of(&chosen), Some(5));
+        let partial = step_dir(root.path(), 9).display().to_string();
+        assert!(matches!(
+            resolve_resume(&cfg_with(root.path(), "resume_path", Some(partial))),
+            Err(CheckpointError::Resume(_))
+        ));
+    }
+}

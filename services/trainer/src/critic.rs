@@ -1,0 +1,309 @@
+//! The critic (verl's value model): a second copy of the policy's architecture whose final hidden states feed
+//! a `Linear(hidden, 1)` value head, trained with PPO's clipped value loss. It is saved as an HF
+//! `*ForTokenClassification` model with one label (the head is `score`), which is what verl's critic is.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use jetrl_algos::{compute_value_loss, AggMode, GlobalBatchInfo};
+use jetrl_config::JobConfig;
+use jetrl_model::{CausalLm, DType};
+use tch::nn::VarStore;
+use tch::{Device, Kind, Tensor};
+
+use crate::actor::ActorError;
+use crate::batch::{gather_rows, groups_of, mini_batches, split_by_token_budget, to_host, MicroBatch, Sample};
+use crate::checkpoint::{self, CheckpointError};
+use crate::optim::{AdamW, LrSchedule};
+
+/// Settings of the critic's update, resolved from `critic.*` with verl's inheritance from `actor.*`.
+#[derive(Debug, Clone)]
+struct CriticSettings {
+    mini_batch_groups: usize,
+    epochs: u32,
+    max_token_len: usize,
+    shuffle: bool,
+    seed: u64,
+    grad_clip: f64,
+    cliprange_value: f64,
+    agg: AggMode,
+    loss_scale_factor: Option<f64>,
+}
+
+pub struct Critic {
+    model: CausalLm,
+    /// The value head lives in its own store: the trunk's store must keep exactly the HF causal-LM names so
+    /// checkpoints of the policy architecture load into it unchanged.
+    _head_store: VarStore,
+    head_weight: Tensor,
+    head_bias: Tensor,
+    optim: AdamW,
+    schedule: LrSchedule,
+    /// critic update calls made: the position of its LR schedule
+    pub updates: u64,
+    settings: CriticSettings,
+    pad_id: i64,
+}
+
+/// What the critic update needs per row, as `[rows, width]` host matrices.
+pub struct ValueTargets<'a> {
+    pub width: usize,
+    pub mask: &'a [f32],
+    pub values: &'a [f32],
+    pub returns: &'a [f32],
+}
+
+/// HF's initialisation of the new `score` head, normal(0, 0.02), drawn from a generator of its own seeded by
+/// the run seed: libtorch's global generator is shared by every thread of the process, so drawing from it
+/// would make the head depend on whatever else ran first.
+fn head_init(hidden: i64, seed: u64) -> Result<Tensor, tch::TchError> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 0x5c0e_4ead);
+    let values: Vec<f32> = (0..hidden)
+        .map(|_| {
+            // Box–Muller
+            let u1: f64 = rng.gen_range(f64::EPSILON..1.0);
+            let u2: f64 = rng.gen();
+            (0.02 * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+        })
+        .collect();
+    Tensor::f_from_slice(&values)?.f_view([1, hidden])
+}
+
+impl Critic {
+    /// The critic starts from the policy checkpoint (`model.path`) with a fresh head (normal(0, 0.02), zero
+    /// bias, from `run.seed`), or from `<resume>/critic`.
+    pub fn new(
+        cfg: &JobConfig,
+        total_steps: u64,
+        device: Device,
+        dtype: DType,
+        resume: Option<&Path>,
+    ) -> Result<Self, ActorError> {
+        let model = CausalLm::load(Path::new(&cfg.model.path), device, dtype)?;
+        let hidden = model.config().hidden_size;
+        let mut head_store = VarStore::new(device);
+        let root = head_store.root();
+        let score = &root / "score";
+        let head_weight = score.var("weight", &[1, hidden], tch::nn::Init::Const(0.0));
+        let head_bias = score.var("bias", &[1], tch::nn::Init::Const(0.0));
+        tch::no_grad(|| head_weight.shallow_clone().f_copy_(&head_init(hidden, cfg.run.seed)?))?;
+        head_store.set_kind(dtype.kind());
+        let mut params: Vec<(String, Tensor)> = model.parameters().into_iter().collect();
+        params.push(("score.weight".into(), head_weight.shallow_clone()));
+        params.push(("score.bias".into(), head_bias.shallow_clone()));
+        let critic = &cfg.critic;
+        let settings = CriticSettings {
+            mini_batch_groups: critic.ppo_mini_batch_size.or(cfg.actor.ppo_mini_batch_size).unwrap_or(0) as usize,
+            epochs: critic.ppo_epochs.unwrap_or(cfg.actor.ppo_epochs).max(1),
+            max_token_len: critic.ppo_max_token_len.unwrap_or(cfg.actor.ppo_max_token_len).max(1) as usize,
+            shuffle: critic.shuffle,
+            seed: critic.data_loader_seed,
+            grad_clip: critic.grad_clip,
+            cliprange_value: critic.cliprange_value,
+            agg: critic.loss_agg_mode.as_deref().unwrap_or(&cfg.actor.loss_agg_mode).parse()?,
+            loss_scale_factor: critic.loss_scale_factor.or(cfg.actor.loss_scale_factor),
+        };
+        let mut out = Self {
+            model,
+            _head_store: head_store,
+            head_weight,
+            head_bias,
+            optim: AdamW::new(params, &critic.optim)?,
+            schedule: LrSchedule::new(&critic.optim, total_steps),
+            updates: 0,
+            settings,
+            pad_id: 0,
+        };
+        if let Some(dir) = resume {
+            out.load(&dir.join("critic"))?;
+        }
+        Ok(out)
+    }
+
+    pub fn set_pad_id(&mut self, pad_id: i64) {
+        self.pad_id = pad_id;
+    }
+
+    /// Values `[n, r]` (f32) at the response positions of a micro-batch: V_t is read at the state that
+    /// generates response token t, as verl's `values[:, -response_length - 1 : -1]`.
+    fn forward_values(&self, mb: &MicroBatch) -> Result<Tensor, ActorError> {
+        let hidden = self.model.forward_hidden(&mb.input_ids, &mb.attention_mask)?.f_narrow(1, mb.p - 1, mb.r)?;
+        Ok(hidden.f_linear(&self.head_weight, Some(&self.head_bias))?.f_squeeze_dim(-1)?.f_to_kind(Kind::Float)?)
+    }
+
+    /// The current values of every row, as a `[rows, width]` host matrix (zero past each response).
+    pub fn values(&self, samples: &[Sample], width: usize) -> Result<Vec<f32>, ActorError> {
+        let rows: Vec<usize> = (0..samples.len()).collect();
+        let mut out = vec![0f32; samples.len() * width];
+        tch::no_grad(|| -> Result<(), ActorError> {
+            for chunk in split_by_token_budget(&rows, samples, self.settings.max_token_len) {
+                let refs: Vec<&Sample> = chunk.iter().map(|&i| &samples[i]).collect();
+                let mb = MicroBatch::build(&refs, self.pad_id, self.model.device())?;
+                let values = to_host(&self.forward_values(&mb)?)?;
+                for (k, &row) in chunk.iter().enumerate() {
+                    let len = samples[row].response.len();
+                    out[row * width..row * width + len].copy_from_slice(&values[k * mb.r as usize..][..len]);
+                }
+            }
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// One critic update (verl `update_critic`): `ppo_epochs` passes over mini-batches of whole prompt
+    /// groups, gradients accumulated over token-budget micro-batches, global-norm clipping, AdamW.
+    pub fn update(
+        &mut self,
+        samples: &[Sample],
+        targets: &ValueTargets,
+        step: u64,
+    ) -> Result<BTreeMap<String, f64>, ActorError> {
+        let groups = groups_of(samples);
+        let lr = self.schedule.lr(self.updates);
+        let device = self.model.device();
+        let mut sums: BTreeMap<String, f64> = BTreeMap::new();
+        let mut count = 0.0;
+        for epoch in 0..self.settings.epochs {
+            let batches = mini_batches(
+                &groups,
+                self.settings.mini_batch_groups,
+                self.settings.shuffle,
+                self.settings.seed,
+                step,
+                epoch,
+            );
+            for rows in batches {
+                let tokens: f64 = rows
+                    .iter()
+                    .map(|&r| {
+                        targets.mask[r * targets.width..(r + 1) * targets.width]
+                            .iter()
+                            .map(|&m| f64::from(m))
+                            .sum::<f64>()
+                    })
+                    .sum();
+                let info = GlobalBatchInfo {
+                    dp_size: 1,
+                    batch_num_tokens: Some(tokens.max(1.0)),
+                    global_batch_size: Some(rows.len() as f64),
+                    loss_scale_factor: self.settings.loss_scale_factor,
+                };
+                self.optim.zero_grad();
+                let (mut vf_loss, mut clipfrac, mut vpred) = (0.0, 0.0, 0.0);
+                for chunk in split_by_token_budget(&rows, samples, self.settings.max_token_len) {
+                    let refs: Vec<&Sample> = chunk.iter().map(|&i| &samples[i]).collect();
+                    let mb = MicroBatch::build(&refs, self.pad_id, device)?;
+                    let r = mb.r as usize;
+                    let mask = gather_rows(targets.mask, targets.width, &chunk, r, device)?;
+                    let old = gather_rows(targets.values, targets.width, &chunk, r, device)?;
+                    let returns = gather_rows(targets.returns, targets.width, &chunk, r, device)?;
+                    let vpreds = self.forward_values(&mb)?;
+                    let (loss, m) = compute_value_loss(
+                        &vpreds,
+                        &returns,
+                        &old,
+                        &mask,
+                        self.settings.cliprange_value,
+                        self.settings.agg,
+                        &info,
+                    )?;
+                    loss.f_backward()?;
+                    let share = f64::try_from(mask.f_sum(Kind::Double)?)? / tokens.max(1.0);
+                    vf_loss += f64::try_from(loss.f_detach()?)?;
+                    clipfrac += m.vf_clipfrac * share;
+                    vpred += m.vpred_mean * share;
+                }
+                let grad_norm = self.optim.clip_grad_norm(self.settings.grad_clip)?;
+                if grad_norm.is_finite() {
+                    self.optim.step(lr)?;
+                } else {
+                    tracing::warn!(grad_norm, "non-finite critic gradient norm: update skipped");
+                }
+                self.optim.zero_grad();
+                for (k, v) in [
+                    ("critic/vf_loss", vf_loss),
+                    ("critic/vf_clipfrac", clipfrac),
+                    ("critic/vpred_mean", vpred),
+                    ("critic/grad_norm", grad_norm),
+                ] {
+                    *sums.entry(k.to_string()).or_insert(0.0) += v;
+                }
+                count += 1.0;
+            }
+        }
+        self.updates += 1;
+        let mut out: BTreeMap<String, f64> = sums.into_iter().map(|(k, v)| (k, v / f64::max(count, 1.0))).collect();
+        out.insert("critic/lr".into(), lr);
+        Ok(out)
+    }
+
+    /// Writes `dir` as an HF token-classification model directory plus the optimizer state.
+    pub fn save(&self, dir: &Path, model_dir: &Path) -> Result<(), ActorError> {
+        std::fs::create_dir_all(dir).map_err(|e| CheckpointError::io(dir, e))?;
+        let mut tensors: Vec<(String, Tensor)> =
+            self.model.parameters().into_iter().filter(|(name, _)| !name.starts_with("lm_head")).collect();
+        tensors.push(("score.weight".into(), self.head_weight.shallow_clone()));
+        tensors.push(("score.bias".into(), self.head_bias.shallow_clone()));
+        checkpoint::write_tensors(&dir.join(jetrl_model::WEIGHTS_FILE), &tensors)?;
+        let mut config = self.model.config().to_json(self.model.dtype());
+        if let Some(obj) = config.as_object_mut() {
+            let arch = obj
+                .get("architectures")
+                .and_then(|a| a.get(0))
+                .and_then(|a| a.as_str())
+                .unwrap_or("Qwen2ForCausalLM")
+                .replace("ForCausalLM", "ForTokenClassification");
+            obj.insert("architectures".into(), serde_json::json!([arch]));
+            obj.insert("num_labels".into(), serde_json::json!(1));
+            obj.insert("id2label".into(), serde_json::json!({"0": "LABEL_0"}));
+            obj.insert("label2id".into(), serde_json::json!({"LABEL_0": 0}));
+        }
+        checkpoint::copy_model_side_files(model_dir, dir)?;
+        checkpoint::write_json(&dir.join("config.json"), &config)?;
+        checkpoint::write_tensors(&dir.join(checkpoint::OPTIMIZER_FILE), &self.optim.state_tensors())?;
+        checkpoint::write_json(
+            &dir.join(checkpoint::OPTIMIZER_META_FILE),
+            &serde_json::json!({"step": self.optim.step}),
+        )?;
+        Ok(())
+    }
+
+    fn load(&mut self, dir: &Path) -> Result<(), ActorError> {
+        let weights = checkpoint::read_tensors(&dir.join(jetrl_model::WEIGHTS_FILE))?;
+        let mut params = self.model.parameters();
+        params.insert("score.weight".into(), self.head_weight.shallow_clone());
+        params.insert("score.bias".into(), self.head_bias.shallow_clone());
+        let mut seen = 0usize;
+        tch::no_grad(|| -> Result<(), ActorError> {
+            for (name, value) in &weights {
+                let Some(param) = params.get(name) else {
+                    return Err(ActorError::Checkpoint(CheckpointError::format(
+                        dir,
+                        format!("unexpected tensor {name}"),
+                    )));
+                };
+                if param.size() != value.size() {
+                    return Err(ActorError::Checkpoint(CheckpointError::format(
+                        dir,
+                        format!("{name} has shape {:?}, the critic has {:?}", value.size(), param.size()),
+                    )));
+                }
+                param.shallow_clone().f_copy_(value)?;
+                seen += 1;
+            }
+            Ok(())
+        })?;
+        let expected = params.keys().filter(|n| !n.starts_with("lm_head")).count();
+        if seen != expected {
+            return Err(ActorError::Checkpoint(CheckpointError::format(
+                dir,
+                format!("has {seen} of the critic's {expected} tensors"),
+            )));
+        }
+        let meta: serde_json::Value = checkpoint::read_json(&dir.join(checkpoint::OPTIMIZER_META_FILE))?;
+        let state = checkpoint::read_tensors(&dir.join(checkpoint::OPTIMIZER_FILE))?;
+        self.optim.load_state_tensors(state, meta["step"].as_u64().unwrap_or(0))?;
+        Ok(())
+    }
+}

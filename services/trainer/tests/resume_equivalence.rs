@@ -1,0 +1,182 @@
+//! Resuming from a checkpoint gives the same training as not stopping: N steps straight and N/2 steps, a
+//! checkpoint, a fresh actor loaded from it and N/2 more steps end with the same weights, on fixed batches
+//! (the real tiny model, every piece of state in play: shuffled mini-batches, micro-batches, warmup + cosine
+//! LR, AdamW moments, the reference model, an adaptive in-reward KL controller, the critic).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use jetrl_config::JobConfig;
+use jetrl_trainer::actor::{Actor, ActorState, Sample};
+use jetrl_trainer::checkpoint;
+use rand::{Rng, SeedableRng};
+use tch::Tensor;
+
+const STEPS: u64 = 4;
+
+/// The fixed batch of a step: 4 prompt groups of 4 trajectories, lengths varying, scores in [0, 1].
+fn batch(step: u64) -> Vec<Sample> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1000 + step);
+    let mut out = Vec::new();
+    for g in 0..4 {
+        let uid = format!("s{step}g{g}");
+        let prompt: Vec<u32> = (0..rng.gen_range(3..7)).map(|_| rng.gen_range(3..60)).collect();
+        for session in 0..4 {
+            let len = rng.gen_range(2..6);
+            let response: Vec<u32> = (0..len).map(|_| rng.gen_range(3..60)).collect();
+            out.push(Sample {
+                key: format!("{uid}_{session}_0"),
+                uid: uid.clone(),
+                prompt: prompt.clone(),
+                response,
+                response_mask: vec![1; len],
+                rollout_logprobs: (0..len).map(|_| -rng.gen_range(3.5f32..4.5)).collect(),
+                score: f64::from(rng.gen_range(0..=4u8)) / 4.0,
+                ..Sample::default()
+            });
+        }
+    }
+    out
+}
+
+fn config(model: &Path, critic: bool) -> JobConfig {
+    let mut cfg = JobConfig::default();
+    cfg.model.path = model.display().to_string();
+    cfg.run.seed = 5;
+    cfg.rollout.temperature = 0.9;
+    cfg.actor.optim.lr = 1e-3;
+    cfg.actor.optim.weight_decay = 0.01;
+    cfg.actor.optim.lr_warmup_steps = Some(1);
+    cfg.actor.optim.lr_scheduler_type = "cosine".into();
+    cfg.actor.optim.min_lr_ratio = 0.1;
+    cfg.actor.ppo_mini_batch_size = Some(2);
+    cfg.actor.ppo_epochs = 2;
+    cfg.actor.shuffle = true;
+    cfg.actor.ppo_max_token_len = 30;
+    cfg.actor.entropy_coeff = 0.01;
+    cfg.actor.use_kl_loss = true;
+    cfg.algorithm.use_kl_in_reward = true;
+    cfg.algorithm.kl_ctrl.kind = "adaptive".into();
+    cfg.algorithm.kl_ctrl.kl_coef = 0.05;
+    if critic {
+        cfg.algorithm.adv_estimator = "gae".into();
+        cfg.algorithm.lam = 0.95;
+        cfg.critic.optim.lr = 1e-3;
+        cfg.trainer.critic_warmup = 2;
+        cfg.algorithm.rollout_correction =
+            Some(jetrl_config::RolloutCorrectionConfig { rollout_is: Some("token".into()), ..Default::default() });
+    }
+    cfg
+}
+
+/// Every trainable tensor the run ends with: the actor's, and the critic's as its checkpoint holds them.
+fn final_weights(actor: &Actor, scratch: &Path) -> BTreeMap<String, Tensor> {
+    let mut out: BTreeMap<String, Tensor> =
+        actor.model().parameters().into_iter().map(|(k, v)| (format!("actor.{k}"), v.detach().copy())).collect();
+    if actor.has_critic() {
+        actor.save_checkpoint(scratch).unwrap();
+        for (k, v) in checkpoint::read_tensors(&scratch.join("critic").join("model.safetensors")).unwrap() {
+            out.insert(format!("critic.{k}"), v);
+        }
+    }
+    out
+}
+
+fn run_and_compare(critic: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    jetrl_model::init_model("tiny", &model, 3).unwrap();
+    let cfg = config(&model, critic);
+
+    let mut straight = Actor::new(&cfg, STEPS, None).unwrap();
+    let mut straight_metrics = Vec::new();
+    for step in 1..=STEPS {
+        straight_metrics.push(straight.train(&batch(step), step).unwrap().metrics);
+    }
+
+    let mut first = Actor::new(&cfg, STEPS, None).unwrap();
+    for step in 1..=STEPS / 2 {
+        first.train(&batch(step), step).unwrap();
+    }
+    let ckpt = dir.path().join("global_step_2");
+    let state: ActorState = first.save_checkpoint(&ckpt).unwrap();
+    drop(first);
+    let mut resumed = Actor::new(&cfg, STEPS, Some((&ckpt, &state))).unwrap();
+    let mut resumed_metrics = Vec::new();
+    for step in STEPS / 2 + 1..=STEPS {
+        resumed_metrics.push(resumed.train(&batch(step), step).unwrap().metrics);
+    }
+
+    let a = final_weights(&straight, &dir.path().join("scratch_a"));
+    let b = final_weights(&resumed, &dir.path().join("scratch_b"));
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    let initial = Actor::new(&cfg, STEPS, None).unwrap();
+    let initial: BTreeMap<String, Tensor> = initial.model().parameters().into_iter().collect();
+    let mut worst = (0.0f64, String::new());
+    let mut moved = 0.0f64;
+    for (name, x) in &a {
+        let diff = f64::try_from((x - &b[name]).abs().max()).unwrap();
+        if diff > worst.0 {
+            worst = (diff, name.clone());
+        }
+        if let Some(start) = name.strip_prefix("actor.").and_then(|n| initial.get(n)) {
+            moved = moved.max(f64::try_from((x - start).abs().max()).unwrap());
+        }
+    }
+    assert!(worst.0 <= 1e-6, "weights differ after resume: max |Δ| {} in {}", worst.0, worst.1);
+    assert!(moved > 1e-3, "training barely moved the weights ({moved}): the comparison would prove nothing");
+    // the loss curve is the same too, step for step
+    for (s, r) in straight_metrics[STEPS as usize / 2..].iter().zip(&resumed_metrics) {
+        for key in ["actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/reward_kl_penalty_coeff", "critic/vf_loss"] {
+            if let Some(expected) = s.get(key) {
+                let got = r[key];
+                assert!((expected - got).abs() <= 1e-6 * expected.abs().max(1.0), "{key}: {expected} vs {got}");
+            }
+        }
+    }
+    // the adaptive controller moved, so its state mattered
+    let coeffs: Vec<f64> = straight_metrics.iter().map(|m| m["actor/reward_kl_penalty_coeff"]).collect();
+    assert!(coeffs.windows(2).any(|w| w[0] != w[1]), "{coeffs:?}");
+}
+
+#[test]
+fn grpo_run_resumed_at_half_way_ends_with_the_same_weights_as_the_straight_run() {
+    run_and_compare(false);
+}
+
+#[test]
+fn gae_run_with_critic_resumed_at_half_way_ends_with_the_same_actor_and_critic_weights() {
+    run_and_compare(true);
+}
+
+#[test]
+fn checkpoint_holds_hf_model_directories_and_optimizer_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    jetrl_model::init_model("tiny", &model, 3).unwrap();
+    let cfg = config(&model, true);
+    let mut actor = Actor::new(&cfg, STEPS, None).unwrap();
+    for step in 1..=2 {
+        actor.train(&batch(step), step).unwrap();
+    }
+    let ckpt = dir.path().join("global_step_2");
+    actor.save_checkpoint(&ckpt).unwrap();
+    for file in ["model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "optimizer.safetensors"]
+    {
+        assert!(ckpt.join("actor").join(file).exists(), "actor/{file}");
+        assert!(ckpt.join("critic").join(file).exists(), "critic/{file}");
+    }
+    let critic_cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("critic/config.json")).unwrap()).unwrap();
+    assert_eq!(critic_cfg["architectures"][0], "Qwen2ForTokenClassification");
+    assert_eq!(critic_cfg["num_labels"], 1);
+    let critic_tensors: BTreeMap<String, Tensor> =
+        checkpoint::read_tensors(&ckpt.join("critic/model.safetensors")).unwrap().into_iter().collect();
+    assert_eq!(critic_tensors["score.weight"].size(), vec![1, 128]);
+    let optim: BTreeMap<String, Tensor> =
+        checkpoint::read_tensors(&ckpt.join("actor/optimizer.safetensors")).unwrap().into_iter().collect();
+    assert!(optim.contains_key("exp_avg.model.embed_tokens.weight"));
+    assert!(optim.contains_key("exp_avg_sq.model.norm.weight"));
+    // the actor directory is a model the trainer (and transformers) can load as is
+    jetrl_model::CausalLm::load(&ckpt.join("actor"), tch::Device::Cpu, jetrl_model::DType::F32).unwrap();
+}

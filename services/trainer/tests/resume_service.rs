@@ -1,0 +1,202 @@
+//! A trainer stopped after a checkpoint and started again continues the run through the real services (a
+//! real nats-server, the other four services as processes from `cargo build --bins`, the trainer in-process,
+//! the real tiny model). The rollout worker is killed after step 2, so the first trainer leaves step 3's
+//! groups pending when it stops; the second trainer resumes at step 3,
+//! re-issues the prompt groups the first incarnation left in flight, and the run ends with one metrics line
+//! per step and the final checkpoint.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use jetrl_bus::{Bus, GroupStore, NatsServer};
+use jetrl_config::JobConfig;
+use jetrl_trainer::checkpoint::{self, TrainerState};
+use jetrl_wire::v1::GroupState;
+use tokio::sync::watch;
+
+/// A service binary of this workspace (`target/<profile>/<name>`), found from the test executable.
+fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable");
+    let path = exe.parent().and_then(Path::parent).expect("target dir").join(name);
+    assert!(path.exists(), "{} not found: build the binaries first (cargo build --bins)", path.display());
+    path
+}
+
+/// Service processes by name, killed when dropped.
+struct Services(Vec<(String, Child)>);
+
+impl Services {
+    /// SIGKILL: the process dies without settling anything.
+    fn kill(&mut self, name: &str) {
+        for (n, child) in &mut self.0 {
+            if n == name {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+
+    fn spawn(&mut self, dir: &Path, name: &str, extra: &[&str]) {
+        let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
+        let child = Command::new(bin(name))
+            .arg("--config")
+            .arg(dir.join("job.yaml"))
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
+        self.0.push((name.to_string(), child));
+    }
+}
+
+impl Drop for Services {
+    fn drop(&mut self) {
+        for (_, child) in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn job(dir: &Path, nats_url: &str) -> JobConfig {
+    let yaml = format!(
+        r#"
+nats: {{url: "{nats_url}", connect_timeout_s: 20}}
+run: {{name: resume, dir: "{run}", seed: 1}}
+model: {{path: "{model}"}}
+data:
+  task: {{name: reverse, min_len: 4, max_len: 4, train_size: 400, val_size: 4}}
+  train_batch_size: 4
+  max_prompt_length: 32
+  max_response_length: 4
+rollout: {{n: 4, ack_wait_s: 3, heartbeat_interval_s: 0.5}}
+actor: {{optim: {{lr: 1.0e-3, weight_decay: 0.0}}}}
+trainer: {{total_training_steps: 4, save_freq: 2, weight_sync_timeout_s: 60, sample_wait_s: 2}}
+"#,
+        run = dir.join("run").display(),
+        model = dir.join("model").display(),
+    );
+    let file = dir.join("job.yaml");
+    std::fs::write(&file, yaml).unwrap();
+    JobConfig::load(Some(&file), &[]).unwrap()
+}
+
+/// A shutdown future that resolves when the sender says so.
+fn until(rx: &watch::Receiver<bool>) -> impl std::future::Future<Output = ()> + Send + 'static {
+    let mut rx = rx.clone();
+    async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    }
+}
+
+fn metric_steps(run_dir: &Path) -> Vec<u64> {
+    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["training/global_step"].as_f64().map(|s| s as u64))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
+    let nats = NatsServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    jetrl_model::init_model("tiny", &dir.path().join("model"), 1).unwrap();
+    let cfg = job(dir.path(), &nats.url());
+    let run_dir = dir.path().join("run");
+    let ckpt_root = checkpoint::root_dir(&cfg);
+
+    let mut services = Services(Vec::new());
+    let d = dir.path();
+    services.spawn(d, "jetrl-checkpoint-sync", &[]);
+    services.spawn(d, "jetrl-replay-buffer", &[]);
+    services.spawn(d, "jetrl-reward-service", &[]);
+    services.spawn(d, "jetrl-rollout-worker", &["rollout.instance_id=rollout-0"]);
+    let bus = Bus::connect(&cfg.nats, "resume-check").await.unwrap();
+    let groups = GroupStore::open(&bus).await.unwrap();
+
+    // first incarnation: once step 2 is checkpointed and logged, the only rollout worker is killed; the
+    // trainer is stopped when step 3's groups are waiting in vain
+    let (first_stop, first_rx) = watch::channel(false);
+    let stopper = async {
+        let deadline = Instant::now() + Duration::from_secs(240);
+        while std::fs::read_to_string(ckpt_root.join(checkpoint::LATEST_FILE)).ok().as_deref() != Some("2")
+            || !metric_steps(&run_dir).contains(&2)
+        {
+            assert!(Instant::now() < deadline, "no step-2 checkpoint");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        services.kill("jetrl-rollout-worker");
+        loop {
+            let step3 = groups.list("train").await.unwrap().into_iter().filter(|g| g.submit_step == 3).count();
+            if step3 == 4 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "step 3 was never submitted");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        first_stop.send(true).unwrap();
+    };
+    let (first, ()) = tokio::join!(jetrl_trainer::run(cfg.clone(), until(&first_rx)), stopper);
+    first.unwrap();
+    assert_eq!(metric_steps(&run_dir), vec![1, 2]);
+    let stranded: Vec<String> = groups
+        .list("train")
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|g| matches!(g.state(), GroupState::Pending | GroupState::Running))
+        .map(|g| g.uid)
+        .collect();
+    assert_eq!(stranded.len(), 4, "step 3's groups are left in flight");
+
+    // second incarnation (same config, resume_mode auto); a new worker is started once the stranded groups
+    // have been re-issued (until then the dead worker's last heartbeat still counts as live)
+    let (_second_stop, second_rx) = watch::channel(false);
+    let new_worker = async {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let all = groups.list("train").await.unwrap();
+            let reissued = all.iter().filter(|g| g.evicted_reason == "reissued").count();
+            if reissued == stranded.len() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "stranded groups never re-issued ({reissued})");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        services.spawn(d, "jetrl-rollout-worker", &["rollout.instance_id=rollout-1"]);
+    };
+    let (second, ()) = tokio::join!(
+        tokio::time::timeout(Duration::from_secs(240), jetrl_trainer::run(cfg.clone(), until(&second_rx))),
+        new_worker
+    );
+    second.expect("second trainer finishes").unwrap();
+
+    assert_eq!(metric_steps(&run_dir), vec![1, 2, 3, 4], "one metrics line per step, the redone ones once");
+    let last = checkpoint::resolve_resume(&cfg).unwrap().expect("a checkpoint");
+    assert_eq!(checkpoint::step_of(&last), Some(4));
+    let state: TrainerState = checkpoint::read_json(&last.join(checkpoint::TRAINER_STATE_FILE)).unwrap();
+    assert_eq!(state.global_step, 4);
+    assert_eq!(state.actor.actor_updates, 4, "each step updated the actor once, across both incarnations");
+    assert_eq!(state.dataloader.cursor, 16, "the dataloader continued from the checkpoint's cursor");
+    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    for line in text.lines().skip(2) {
+        let m: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert_eq!(m["training/num_groups"].as_f64(), Some(4.0), "{m}");
+        assert!(m["actor/pg_loss"].as_f64().is_some_and(f64::is_finite), "{m}");
+    }
+
+    // the stranded groups were evicted under their old uids (their replacements were trained on instead)
+    let all = groups.list("train").await.unwrap();
+    for uid in &stranded {
+        let g = all.iter().find(|g| &g.uid == uid).expect("stranded group record");
+        assert_eq!((g.state(), g.evicted_reason.as_str()), (GroupState::Evicted, "reissued"));
+    }
+    let sampled = all.iter().filter(|g| g.state() == GroupState::Sampled).count();
+    assert_eq!(sampled, 16, "4 steps of 4 groups were trained on");
+    drop(services);
+}
