@@ -305,14 +305,7 @@ impl Trainer {
         let mut metrics = BTreeMap::new();
         let mut timings: BTreeMap<String, f64> = BTreeMap::new();
         let examples = self.loader.next_batch(self.cfg.data.train_batch_size as usize);
-        let sampling = v1::SamplingParams {
-            temperature: self.cfg.rollout.temperature,
-            top_p: self.cfg.rollout.top_p,
-            top_k: self.cfg.rollout.top_k,
-            repetition_penalty: self.cfg.rollout.repetition_penalty,
-            max_new_tokens: self.cfg.max_new_tokens(),
-            ..Default::default()
-        };
+        let sampling = self.train_sampling();
         let submitted = self.submit("train", step, &examples, self.cfg.rollout.n, &sampling).await?;
 
         let t = Instant::now();
@@ -463,15 +456,31 @@ impl Trainer {
     }
 
     /// Asks the buffer for `batch_size` groups, re-asking with the same request id until it answers.
+    /// Sampling parameters of training rollouts (verl `rollout.*`).
+    fn train_sampling(&self) -> v1::SamplingParams {
+        v1::SamplingParams {
+            temperature: self.cfg.rollout.temperature,
+            top_p: self.cfg.rollout.top_p,
+            top_k: self.cfg.rollout.top_k,
+            repetition_penalty: self.cfg.rollout.repetition_penalty,
+            max_new_tokens: self.cfg.max_new_tokens(),
+            ..Default::default()
+        }
+    }
+
+    /// Asks the buffer for `batch_size` groups, re-asking with the same request id until it answers. When
+    /// the buffer evicted groups (DAPO filter, failures, staleness) it asks for refills: the trainer submits
+    /// that many new prompts at this step (verl's `refill_fn`) and reports them in `refilled`, so a lost
+    /// reply can neither lose nor double a refill.
     async fn sample(
-        &self,
+        &mut self,
         request_id: &str,
         step: u64,
         partition: &str,
         batch_size: u32,
     ) -> Result<SampleResponse, TrainerError> {
         let wait = Duration::from_secs_f64(self.cfg.trainer.sample_wait_s.max(0.1));
-        let request = SampleRequest {
+        let mut request = SampleRequest {
             request_id: request_id.to_string(),
             step,
             partition: partition.to_string(),
@@ -490,6 +499,15 @@ impl Trainer {
             };
             match reply {
                 Ok(resp) if !resp.error.is_empty() => return Err(TrainerError::Buffer(resp.error)),
+                Ok(resp) if resp.refill > 0 => {
+                    let examples = self.loader.next_batch(resp.refill as usize);
+                    let sampling = self.train_sampling();
+                    let n = self.cfg.rollout.n;
+                    let submitted = self.submit(partition, step, &examples, n, &sampling).await?;
+                    request.refilled += submitted as u32;
+                    metrics::counter!("jetrl_trainer_refilled_prompts_total").increment(submitted as u64);
+                    tracing::info!(step, refill = resp.refill, "buffer evicted groups; submitted refills");
+                }
                 Ok(resp) if resp.not_ready => continue,
                 Ok(resp) => return Ok(resp),
                 Err(err) => {

@@ -19,8 +19,8 @@ fn param(vs: &Path, name: &str, dims: &[i64]) -> Result<Tensor> {
 /// `y = x Wᵀ (+ b)`, with the weight stored `[out, in]` as in PyTorch.
 #[derive(Debug)]
 pub struct Linear {
-    weight: Tensor,
-    bias: Option<Tensor>,
+    pub(crate) weight: Tensor,
+    pub(crate) bias: Option<Tensor>,
 }
 
 impl Linear {
@@ -39,8 +39,8 @@ impl Linear {
 /// models round at the same place as transformers.
 #[derive(Debug)]
 pub struct RmsNorm {
-    weight: Tensor,
-    eps: f64,
+    pub(crate) weight: Tensor,
+    pub(crate) eps: f64,
 }
 
 impl RmsNorm {
@@ -129,15 +129,15 @@ pub struct LayerKv {
 /// (Qwen3).
 #[derive(Debug)]
 pub struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
-    q_norm: Option<RmsNorm>,
-    k_norm: Option<RmsNorm>,
-    num_heads: i64,
-    num_kv_heads: i64,
-    head_dim: i64,
+    pub(crate) q_proj: Linear,
+    pub(crate) k_proj: Linear,
+    pub(crate) v_proj: Linear,
+    pub(crate) o_proj: Linear,
+    pub(crate) q_norm: Option<RmsNorm>,
+    pub(crate) k_norm: Option<RmsNorm>,
+    pub(crate) num_heads: i64,
+    pub(crate) num_kv_heads: i64,
+    pub(crate) head_dim: i64,
 }
 
 impl Attention {
@@ -210,9 +210,9 @@ impl Attention {
 /// SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`.
 #[derive(Debug)]
 pub struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
+    pub(crate) gate_proj: Linear,
+    pub(crate) up_proj: Linear,
+    pub(crate) down_proj: Linear,
 }
 
 impl Mlp {
@@ -234,10 +234,10 @@ impl Mlp {
 /// Pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
 #[derive(Debug)]
 pub struct DecoderLayer {
-    self_attn: Attention,
-    mlp: Mlp,
-    input_layernorm: RmsNorm,
-    post_attention_layernorm: RmsNorm,
+    pub(crate) self_attn: Attention,
+    pub(crate) mlp: Mlp,
+    pub(crate) input_layernorm: RmsNorm,
+    pub(crate) post_attention_layernorm: RmsNorm,
 }
 
 impl DecoderLayer {

@@ -5,32 +5,50 @@
 //! - [`layers`]: one struct per layer (`RmsNorm`, `Attention`, `Mlp`, `DecoderLayer`, RoPE).
 //! - [`model`]: [`CausalLm`]: parameters in a `VarStore` under HF names; `forward` for training, `forward_step`
 //!   with a preallocated [`KvCache`] for decoding; safetensors load/save and in-memory weight swaps.
-//! - [`tokenizer`] and [`chat_template`]: `tokenizer.json`, special tokens, `apply_chat_template`.
+//! - [`tokenizer`] and [`chat_template`]: `tokenizer.json`, special tokens, `apply_chat_template` (re-exported from
+//!   the libtorch-free `jetrl-tokenizer`, so services that only handle text need not link libtorch).
 //! - [`generate`]: batched sampling ([`generate()`]), [`log_probs_of`], [`token_log_probs`].
+//! - [`engine`]: the rollout engine ([`Engine`]): continuous batching over a preallocated slot KV cache, group
+//!   forks, per-request sampling and seeds, weight swaps between steps, abort and resume.
 //! - [`logprobs`]: the JSON-lines driver behind `jetrl logprobs`.
 //! - [`init`]: random-init HF model directories ([`init_model`]).
 //! - [`device`]: `cpu` / `cuda:N` and `f32` / `bf16` strings.
 //!
 //! Everything runs on the thread that owns the model: `Tensor` is `Send` but not `Sync`.
 
-pub mod chat_template;
 pub mod config;
 pub mod device;
+pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod init;
 pub mod layers;
 pub mod logprobs;
 pub mod model;
-pub mod tokenizer;
 mod weights;
 
 pub use config::{Architecture, ModelConfig, RopeScaling};
 pub use device::{parse_device, DType};
+pub use engine::{
+    Engine, EngineConfig, EngineStats, Finish, LogprobsMode, Prefix, Request, RequestId, Sampling, SequenceOutput,
+};
 pub use error::{ModelError, Result};
 pub use generate::{generate, log_probs_of, token_log_probs, FinishReason, Generation, SamplingParams};
 pub use init::init_model;
+pub use jetrl_tokenizer::{chat_template, tokenizer, ChatTemplate, Tokenizer, TokenizerError};
 pub use logprobs::{logprobs_jsonl, logprobs_jsonl_on};
 pub use model::{CausalLm, KvCache};
-pub use tokenizer::Tokenizer;
 pub use weights::{WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
+
+/// Tokenizer failures keep the variants they had when the tokenizer lived in this crate.
+impl From<TokenizerError> for ModelError {
+    fn from(err: TokenizerError) -> Self {
+        match err {
+            TokenizerError::Io { path, source } => ModelError::Io { path, source },
+            TokenizerError::Json { what, source } => ModelError::Json { what, source },
+            TokenizerError::Config(reason) => ModelError::Config(reason),
+            TokenizerError::Tokenizer(reason) => ModelError::Tokenizer(reason),
+            TokenizerError::ChatTemplate(reason) => ModelError::ChatTemplate(reason),
+        }
+    }
+}

@@ -26,12 +26,12 @@ pub struct CausalLm {
     /// Owns every parameter under its HF name; an optimizer iterates `trainable_variables()`.
     vs: VarStore,
     /// `[vocab, hidden]`, `model.embed_tokens.weight`.
-    embed_tokens: Tensor,
-    layers: Vec<DecoderLayer>,
-    norm: RmsNorm,
+    pub(crate) embed_tokens: Tensor,
+    pub(crate) layers: Vec<DecoderLayer>,
+    pub(crate) norm: RmsNorm,
     /// `lm_head.weight`, or the embedding matrix itself when the checkpoint ties them.
     lm_head: Tensor,
-    rotary: RotaryEmbedding,
+    pub(crate) rotary: RotaryEmbedding,
 }
 
 /// Preallocated keys and values for incremental decoding, written in place at `len..len+T` by each

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# `just bench rollout_engine`: jetrl's rollout engine against HF transformers `generate`, on the CPU, in the same
+# run: the same tiny random-init model (the `tiny` preset: Qwen2, 2 layers, hidden 128, vocabulary 65), the same
+# prompts, batch (groups x n samples) and lengths, sampled decoding (temperature 1, top-k and top-p off).
+#
+# Two workloads, each measured on both sides:
+#   grpo   a GRPO rollout: sequences end at EOS or at NEW_TOKENS; tokens counted through the EOS
+#          (`generate` keeps computing finished rows until the whole batch is done; the engine drops them)
+#   fixed  every sequence runs exactly NEW_TOKENS (EOS ignored): per-step decode speed alone
+# The two sides run in alternation, ROUNDS times, REPS repetitions each (so a change in machine load hits both
+# alike); the figures are medians over all repetitions. The last line printed is the `grpo` comparison, with the
+# `fixed` one nested under "fixed_length".
+#
+# Knobs (environment): JETRL_BENCH_GROUPS (4), JETRL_BENCH_N (8), JETRL_BENCH_PROMPT_LEN (32),
+# JETRL_BENCH_NEW_TOKENS (128), JETRL_BENCH_ROUNDS (3), JETRL_BENCH_REPS (2), JETRL_BENCH_THREADS (1: intra-op
+# threads on both sides; a tiny model gains nothing from more, and on a shared machine spinning threads only add
+# noise).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$root"
+
+groups="${JETRL_BENCH_GROUPS:-4}"
+n="${JETRL_BENCH_N:-8}"
+prompt_len="${JETRL_BENCH_PROMPT_LEN:-32}"
+new_tokens="${JETRL_BENCH_NEW_TOKENS:-128}"
+rounds="${JETRL_BENCH_ROUNDS:-3}"
+reps="${JETRL_BENCH_REPS:-2}"
+threads="${JETRL_BENCH_THREADS:-1}"
+
+scripts/setup.sh transformers >&2
+cargo build -q -p jetrl-model --example rollout_engine_bench
+bin="$root/target/debug/examples/rollout_engine_bench"
+py="$root/.venv/bin/python"
+
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+"$bin" prepare "$work/model" --groups "$groups" --prompt-len "$prompt_len"
+
+export TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 TQDM_DISABLE=1
+common=(--n "$n" --new-tokens "$new_tokens" --reps "$reps" --threads "$threads")
+for round in $(seq "$rounds"); do
+  for workload in fixed grpo; do
+    "$bin" run "$work/model" --workload "$workload" --seed "$round" "${common[@]}" \
+      | tee -a "$work/jetrl-$workload.jsonl"
+    if ! "$py" benches/rollout_engine/hf_generate.py "$work/model" --workload "$workload" --seed "$round" \
+        "${common[@]}" >>"$work/hf-$workload.jsonl" 2>"$work/hf.log"; then
+      cat "$work/hf.log" >&2
+      exit 1
+    fi
+    tail -n 1 "$work/hf-$workload.jsonl"
+  done
+done
+
+"$py" - "$work" <<'PY'
+import json, statistics, sys
+work = sys.argv[1]
+def runs(name):
+    with open(f"{work}/{name}.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+def median_rate(name):
+    items = runs(name)
+    return statistics.median(r for item in items for r in item["rates"]), items[-1]
+def pair(workload):
+    ours, ours_meta = median_rate(f"jetrl-{workload}")
+    ref, ref_meta = median_rate(f"hf-{workload}")
+    return ours_meta, ref_meta, {
+        "jetrl_tok_per_s": round(ours, 1),
+        "reference_tok_per_s": round(ref, 1),
+        "ratio": round(ours / ref, 2),
+    }
+ours, ref, grpo = pair("grpo")
+_, _, fixed = pair("fixed")
+line = {"bench": "rollout_engine", "device": "cpu", **grpo, "workload": "grpo_sampled_until_eos",
+        "fixed_length": fixed, "batch": ours["batch"], "new_tokens": ours["new_tokens"],
+        "threads": ours["threads"], "reference": f"transformers {ref['transformers']} generate (torch {ref['torch']})"}
+print(json.dumps(line))
+PY

@@ -1,0 +1,121 @@
+//! The engine thread behind its async handle: requests join a running batch, a dropped request frees its
+//! slots, an abort hands back a resumable prefix, and weights swap while sequences run.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use jetrl_model::{CausalLm, DType, EngineConfig, Finish, Prefix, Request, Sampling};
+use jetrl_rollout_worker::engine::{EngineHandle, EngineSettings};
+use tch::Device;
+
+fn start(dir: &Path, slots: usize) -> EngineHandle {
+    EngineHandle::start(EngineSettings {
+        model_dir: dir.to_path_buf(),
+        device: "cpu".into(),
+        dtype: "f32".into(),
+        // EOS outside the vocabulary: sequences run to their budget.
+        config: EngineConfig {
+            max_num_seqs: slots,
+            max_model_len: 256,
+            seed: 5,
+            eos_token_ids: vec![1000],
+            ..EngineConfig::default()
+        },
+        detokenizer: None,
+    })
+    .unwrap()
+}
+
+fn model_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    jetrl_model::init_model("tiny", dir.path(), 8).unwrap();
+    dir
+}
+
+fn sampled(max_tokens: usize, seed: u64) -> Sampling {
+    Sampling { temperature: 1.0, max_tokens, seed: Some(seed), ..Sampling::default() }
+}
+
+async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_request_is_aborted_and_its_slots_serve_the_next_one() {
+    let dir = model_dir();
+    let engine = start(dir.path(), 4);
+    let long = engine.submit(Request::new(vec![5, 6, 7], 4, sampled(240, 1))).await.unwrap();
+    until("the group to run", || engine.load().running == 4).await;
+    let queued = engine.submit(Request::new(vec![8, 9], 2, sampled(5, 2))).await.unwrap();
+    until("the second request to queue", || engine.load().waiting == 2).await;
+    drop(long);
+    let mut queued = queued;
+    let mut done = 0;
+    while let Some(out) = queued.next().await {
+        assert_eq!(out.unwrap().tokens.len(), 5);
+        done += 1;
+    }
+    assert_eq!(done, 2);
+    until("the engine to go idle", || engine.load().running == 0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aborted_request_returns_its_prefix_and_resuming_it_finishes_the_same_sequence() {
+    let dir = model_dir();
+    let engine = start(dir.path(), 2);
+    let whole = engine.generate_one(Request::new(vec![3, 4, 5], 1, sampled(200, 9))).await.unwrap();
+    let generation = engine.submit(Request::new(vec![3, 4, 5], 1, sampled(200, 9))).await.unwrap();
+    until("some tokens", || engine.load().kv_usage > 0.0).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut partial = generation.abort().await;
+    assert_eq!(partial.len(), 1);
+    let partial = partial.remove(0);
+    assert_eq!(partial.finish, Finish::Aborted);
+    assert!(partial.tokens.len() < 200);
+    assert_eq!(partial.tokens[..], whole.tokens[..partial.tokens.len()]);
+    let resumed = engine
+        .generate_one(Request {
+            prompt: vec![3, 4, 5],
+            n: 1,
+            sampling: sampled(200, 9),
+            resume: Some(Prefix {
+                tokens: partial.tokens.clone(),
+                logprobs: partial.logprobs.clone(),
+                min_version: partial.min_version,
+                max_version: partial.max_version,
+            }),
+            first_sample: 0,
+        })
+        .await
+        .unwrap();
+    assert_eq!(resumed.tokens, whole.tokens);
+    assert_eq!(resumed.finish, Finish::Length);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weights_swap_while_sequences_run_and_the_version_span_shows_it() {
+    let dir = model_dir();
+    let engine = start(dir.path(), 4);
+    let mut generation = engine.submit(Request::new(vec![10, 11, 12], 3, sampled(230, 4))).await.unwrap();
+    until("the group to run", || engine.load().running == 3).await;
+    let blob = CausalLm::load(dir.path(), Device::Cpu, DType::F32).unwrap().to_safetensors_bytes().unwrap();
+    engine.swap(blob.into(), 2).await.unwrap();
+    assert_eq!(engine.version(), 2);
+    let mut outs = Vec::new();
+    while let Some(out) = generation.next().await {
+        outs.push(out.unwrap());
+    }
+    assert_eq!(outs.len(), 3);
+    for out in outs {
+        assert_eq!(out.tokens.len(), 230, "no sequence was dropped by the swap");
+        assert_eq!((out.min_version, out.max_version), (0, 2), "first tokens under v0, last under v2");
+    }
+    let refused = engine.generate_one(Request::new(vec![9; 300], 1, sampled(4, 1))).await;
+    assert!(refused.is_err(), "a context longer than max_model_len is refused, not fatal");
+    let fine = engine.generate_one(Request::new(vec![9; 3], 1, sampled(4, 1))).await.unwrap();
+    assert_eq!((fine.min_version, fine.max_version), (2, 2));
+}

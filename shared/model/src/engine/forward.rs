@@ -1,0 +1,246 @@
+//! The two forward passes of the engine over the slot cache, built from the model's own layers so rollout and
+//! training compute the same function.
+//!
+//! - [`prefill`]: one sequence's context into one slot (causal attention over the new tokens only: a slot is
+//!   always filled from position 0, the engine keeps no cross-request prefix cache).
+//! - [`decode`]: one token for each of the rows `0..B`, each at its own position: keys and values are written
+//!   in place at `(row, position)` and each row attends to its own `0..=position`.
+
+use tch::{Device, Kind, Tensor};
+
+use crate::engine::cache::SlotCache;
+use crate::error::{ModelError, Result};
+use crate::layers::{Attention, LayerKv, RmsNorm};
+use crate::model::CausalLm;
+
+/// Runs `ids` through the model into slot `slot` (positions `0..len`) and returns the f32 logits `[1, V]` of the
+/// last position (the distribution of the first new token).
+pub(crate) fn prefill(model: &CausalLm, cache: &mut SlotCache, slot: i64, ids: &[u32]) -> Result<Tensor> {
+    let t = ids.len() as i64;
+    if t == 0 || t > cache.max_len {
+        return Err(ModelError::Generation(format!(
+            "a context of {t} tokens does not fit a KV slot of {} positions",
+            cache.max_len
+        )));
+    }
+    let device = model.device();
+    tch::no_grad(|| {
+        let ids: Vec<i64> = ids.iter().map(|&id| i64::from(id)).collect();
+        let input = Tensor::from_slice(&ids).f_view([1, t])?.f_to_device(device)?;
+        let positions = Tensor::f_arange(t, (Kind::Int64, device))?.f_unsqueeze(0)?;
+        let (cos, sin) = model.rotary.cos_sin(&positions, model.dtype().kind())?;
+        let mask = Tensor::f_ones([t, t], (Kind::Bool, device))?.f_tril(0)?.f_view([1, 1, t, t])?;
+        let mut x = Tensor::f_embedding(&model.embed_tokens, &input, -1, false, false)?;
+        for (layer, kv) in model.layers.iter().zip(cache.layers.iter_mut()) {
+            // A one-row view of the slot: the layer writes positions 0..t of this row in place.
+            let mut row = LayerKv { k: kv.k.f_narrow(0, slot, 1)?, v: kv.v.f_narrow(0, slot, 1)? };
+            x = layer.forward(&x, &cos, &sin, &mask, Some((&mut row, 0)))?;
+        }
+        let last = model.norm.forward(&x.f_narrow(1, t - 1, 1)?)?;
+        Ok(model.lm_head(&last)?.f_squeeze_dim(1)?)
+    })
+}
+
+/// What the decode step precomputes once per engine: fused projection weights and the RoPE table.
+///
+/// Decoding one token per row on a small model is bound by the number of tensor operations, not by FLOPs, so
+/// q/k/v become one matmul and gate/up another. The fused weights are not copies: [`fuse`] moves each layer's
+/// parameters into the fused storage and points the original tensors at views of it, so a weight swap (which
+/// copies into the original tensors) updates the fused weights too, and memory does not grow.
+#[derive(Debug)]
+pub(crate) struct Fused {
+    layers: Vec<FusedLayer>,
+    /// `[max_len, head_dim]` cos, and sin with its first half negated (`rotate_half(x) * sin` =
+    /// `roll(x, D/2) * sin_signed`), computed with the model's own RoPE so values are bit-identical.
+    cos: Tensor,
+    sin_signed: Tensor,
+}
+
+#[derive(Debug)]
+struct FusedLayer {
+    /// `[q_out + 2 kv_out, hidden]` and its bias (Qwen2)
+    qkv_weight: Tensor,
+    qkv_bias: Option<Tensor>,
+    /// `[2 intermediate, hidden]`, or `None` when the MLP has biases (Llama `mlp_bias`: kept unfused)
+    gate_up_weight: Option<Tensor>,
+}
+
+/// Moves q/k/v and gate/up weights of every layer into fused tensors (see [`Fused`]) and builds the RoPE table.
+pub(crate) fn fuse(model: &mut CausalLm, max_len: i64) -> Result<Fused> {
+    let kind = model.dtype().kind();
+    let device = model.device();
+    let mut layers = Vec::with_capacity(model.layers.len());
+    tch::no_grad(|| -> Result<()> {
+        for layer in &mut model.layers {
+            let attn = &mut layer.self_attn;
+            let parts = [&mut attn.q_proj, &mut attn.k_proj, &mut attn.v_proj];
+            let qkv_weight = share(parts.map(|l| &mut l.weight))?;
+            let [q, k, v] = [&mut attn.q_proj, &mut attn.k_proj, &mut attn.v_proj];
+            let qkv_bias = match (&mut q.bias, &mut k.bias, &mut v.bias) {
+                (Some(qb), Some(kb), Some(vb)) => Some(share([qb, kb, vb])?),
+                _ => None,
+            };
+            let mlp = &mut layer.mlp;
+            let gate_up_weight = if mlp.gate_proj.bias.is_none() && mlp.up_proj.bias.is_none() {
+                Some(share([&mut mlp.gate_proj.weight, &mut mlp.up_proj.weight])?)
+            } else {
+                None
+            };
+            layers.push(FusedLayer { qkv_weight, qkv_bias, gate_up_weight });
+        }
+        Ok(())
+    })?;
+    let positions = Tensor::f_arange(max_len, (Kind::Int64, device))?.f_unsqueeze(0)?;
+    let (cos, sin) = model.rotary.cos_sin(&positions, kind)?;
+    let d = model.config().head_dim;
+    let half = d / 2;
+    let sign = Tensor::f_cat(
+        &[Tensor::f_full([half], -1.0, (kind, device))?, Tensor::f_ones([d - half], (kind, device))?],
+        0,
+    )?;
+    Ok(Fused { layers, cos: cos.f_view([max_len, d])?, sin_signed: sin.f_mul(&sign)?.f_view([max_len, d])? })
+}
+
+/// Concatenates `parts` along dim 0 into new storage and re-points each part at its slice of it.
+fn share<const N: usize>(parts: [&mut Tensor; N]) -> Result<Tensor> {
+    let fused = Tensor::f_cat(&parts.iter().map(|p| p.shallow_clone()).collect::<Vec<_>>(), 0)?;
+    let mut offset = 0;
+    for part in parts {
+        let rows = part.size().first().copied().unwrap_or(0);
+        part.f_set_data(&fused.f_narrow(0, offset, rows)?)?;
+        offset += rows;
+    }
+    Ok(fused)
+}
+
+/// One decode step for rows `0..B`: `ids[r]` is row r's newest token, to be written at position `positions[r]`
+/// (its number of cached tokens). Returns f32 logits `[B, V]`.
+///
+/// Written for per-step overhead (the loop a rollout spends its time in): fused projections, a RoPE table
+/// lookup, one new token per row so `[B, 1, heads, D]` is viewed as `[B, heads, 1, D]` without a transpose, and
+/// keys and values written with one `index_copy_` each over a flat view of the cache.
+pub(crate) fn decode(
+    model: &CausalLm,
+    fused: &Fused,
+    cache: &mut SlotCache,
+    ids: &[i64],
+    positions: &[i64],
+) -> Result<Tensor> {
+    let b = ids.len() as i64;
+    let width = positions.iter().copied().max().unwrap_or(0) + 1;
+    if b == 0 || b > cache.slots || positions.len() != ids.len() || width > cache.max_len {
+        return Err(ModelError::Generation(format!(
+            "decode step of {b} rows up to position {} does not fit {} slots of {} positions",
+            width - 1,
+            cache.slots,
+            cache.max_len
+        )));
+    }
+    let cfg = model.config();
+    let (kv_heads, head_dim, max_len) = (cfg.num_key_value_heads, cfg.head_dim, cache.max_len);
+    let device = model.device();
+    // Flat cache row of (row r, kv head h, position p) in a `[slots * kv_heads * max_len, head_dim]` view.
+    let slots: Vec<i64> =
+        (0..b).flat_map(|r| (0..kv_heads).map(move |h| (r * kv_heads + h) * max_len + positions[r as usize])).collect();
+    tch::no_grad(|| {
+        let input = to(Tensor::from_slice(ids).f_view([b, 1])?, device)?;
+        let pos = to(Tensor::from_slice(positions), device)?;
+        let cos = fused.cos.f_index_select(0, &pos)?.f_view([b, 1, 1, head_dim])?;
+        let sin_signed = fused.sin_signed.f_index_select(0, &pos)?.f_view([b, 1, 1, head_dim])?;
+        // Row r may attend to key positions 0..=positions[r].
+        let mask = Tensor::f_arange(width, (Kind::Int64, device))?
+            .f_unsqueeze(0)?
+            .f_le_tensor(&pos.f_unsqueeze(1)?)?
+            .f_view([b, 1, 1, width])?;
+        let slots = to(Tensor::from_slice(&slots), device)?;
+        let step =
+            DecodeStep { mask: &mask, slots: &slots, cos: &cos, sin_signed: &sin_signed, b, width, half: head_dim / 2 };
+        let mut x = Tensor::f_embedding(&model.embed_tokens, &input, -1, false, false)?;
+        for ((layer, f), kv) in model.layers.iter().zip(&fused.layers).zip(cache.layers.iter_mut()) {
+            let attn = decode_attention(&layer.self_attn, f, &norm(&layer.input_layernorm, &x)?, kv, &step)?;
+            x = x.f_add(&attn)?;
+            let h = norm(&layer.post_attention_layernorm, &x)?;
+            let mlp = match &f.gate_up_weight {
+                Some(w) => {
+                    let inter = w.size()[0] / 2;
+                    let gate_up = h.f_linear(w, None::<&Tensor>)?;
+                    let act = gate_up.f_narrow(-1, 0, inter)?.f_silu()?.f_mul(&gate_up.f_narrow(-1, inter, inter)?)?;
+                    layer.mlp.down_proj.forward(&act)?
+                }
+                None => layer.mlp.forward(&h)?,
+            };
+            x = x.f_add(&mlp)?;
+        }
+        Ok(model.lm_head(&norm(&model.norm, &x)?)?.f_squeeze_dim(1)?)
+    })
+}
+
+/// The model's RMSNorm; in f32 its two dtype casts are no-ops and are skipped (same ops, same rounding).
+fn norm(norm: &RmsNorm, x: &Tensor) -> Result<Tensor> {
+    if x.kind() != Kind::Float {
+        return norm.forward(x);
+    }
+    let variance = x.f_pow_tensor_scalar(2)?.f_mean_dim(-1, true, Kind::Float)?;
+    Ok(norm.weight.f_mul(&x.f_mul(&variance.f_add_scalar(norm.eps)?.f_rsqrt()?)?)?)
+}
+
+/// Moves a host tensor to `device` (a no-op call avoided on the CPU).
+fn to(t: Tensor, device: Device) -> Result<Tensor> {
+    Ok(if device == Device::Cpu { t } else { t.f_to_device(device)? })
+}
+
+/// What every layer of one decode step shares.
+struct DecodeStep<'a> {
+    /// `[B, 1, 1, width]` bool
+    mask: &'a Tensor,
+    /// `[B * kv_heads]` rows of the flat cache view to write
+    slots: &'a Tensor,
+    /// `[B, 1, 1, D]`
+    cos: &'a Tensor,
+    sin_signed: &'a Tensor,
+    b: i64,
+    width: i64,
+    half: i64,
+}
+
+/// `x * cos + rotate_half(x) * sin`, as `x * cos + roll(x, D/2) * sin_signed`.
+fn rotary(x: &Tensor, step: &DecodeStep) -> Result<Tensor> {
+    Ok(x.f_mul(step.cos)?.f_add(&x.f_roll([step.half], [-1])?.f_mul(step.sin_signed)?)?)
+}
+
+/// The attention block of [`Attention::forward`] for one new token per row at per-row positions.
+fn decode_attention(
+    attn: &Attention,
+    fused: &FusedLayer,
+    x: &Tensor,
+    kv: &mut LayerKv,
+    step: &DecodeStep,
+) -> Result<Tensor> {
+    let (b, d) = (step.b, attn.head_dim);
+    let (q_out, kv_out) = (attn.num_heads * d, attn.num_kv_heads * d);
+    let qkv = x.f_linear(&fused.qkv_weight, fused.qkv_bias.as_ref())?;
+    let q = qkv.f_narrow(-1, 0, q_out)?.f_view([b, attn.num_heads, 1, d])?;
+    let k = qkv.f_narrow(-1, q_out, kv_out)?.f_view([b, attn.num_kv_heads, 1, d])?;
+    let v = qkv.f_narrow(-1, q_out + kv_out, kv_out)?;
+    let q = match &attn.q_norm {
+        Some(norm) => norm.forward(&q)?,
+        None => q,
+    };
+    let k = match &attn.k_norm {
+        Some(norm) => norm.forward(&k)?,
+        None => k,
+    };
+    let q = rotary(&q, step)?;
+    let k = rotary(&k, step)?;
+    for (cache, new) in [(&mut kv.k, &k), (&mut kv.v, &v)] {
+        let (s, h, l, _) = cache.size4()?;
+        let mut flat = cache.f_view([s * h * l, d])?;
+        let _ = flat.f_index_copy_(0, step.slots, &new.f_reshape([b * attn.num_kv_heads, d])?)?;
+    }
+    let keys = kv.k.f_narrow(0, 0, b)?.f_narrow(2, 0, step.width)?;
+    let values = kv.v.f_narrow(0, 0, b)?.f_narrow(2, 0, step.width)?;
+    let scale = 1.0 / (d as f64).sqrt();
+    let grouped = attn.num_heads != attn.num_kv_heads;
+    let y = Tensor::f_scaled_dot_product_attention(&q, &keys, &values, Some(step.mask), 0.0, false, scale, grouped)?;
+    attn.o_proj.forward(&y.f_reshape([b, 1, attn.num_heads * d])?)
+}

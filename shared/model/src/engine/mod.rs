@@ -1,0 +1,804 @@
+//! A continuous-batching inference engine over [`CausalLm`]: the rollout side of RL post-training.
+//!
+//! - A fixed budget: at most `slots` sequences run at once, each in a preallocated KV row of `max_model_len`
+//!   positions ([`EngineConfig`]); the budget is set once, so memory never grows while serving.
+//! - New sequences join between decode steps (their prompt is prefilled into a free row and their first token
+//!   sampled in the same step); a finished sequence leaves at once and the last row moves into its place, so the
+//!   running rows are always `0..B` and a decode step is one batched forward over them.
+//! - A request with `n > 1` samples (a GRPO group) is prefilled once; its rows are forks (copies) of that row's
+//!   prompt keys and values.
+//! - Sampling per request: temperature (0 = greedy), top-p, top-k, repetition penalty, seed, stop token ids,
+//!   stop strings, max tokens; every sampled token comes with its log-prob ([`LogprobsMode`]).
+//! - [`Engine::load_weights`] swaps weights between two steps without dropping running sequences; each output
+//!   records the lowest and highest weight version its tokens were sampled under.
+//! - [`Engine::abort`] returns what a request has generated so far ([`Finish::Aborted`]); submitting it again
+//!   with [`Request::resume`] continues from that prefix (partial rollout), and a seeded sequence draws the same
+//!   random numbers it would have drawn without the interruption.
+//!
+//! The engine is synchronous and owns the model: it runs on the one thread that drives it (`Tensor` is not
+//! `Sync`); services wrap it in a thread fed by a channel.
+
+mod cache;
+mod forward;
+mod sampler;
+
+use std::collections::VecDeque;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tch::{Kind, Tensor};
+
+use crate::error::{ModelError, Result};
+use crate::model::CausalLm;
+use cache::SlotCache;
+use sampler::RowSampling;
+
+/// A request's handle, chosen by the caller (unique among the requests the engine holds).
+pub type RequestId = u64;
+
+/// Turns generated token ids into text, for stop strings (the tokenizer's decode without special tokens).
+pub type Detokenizer = Arc<dyn Fn(&[u32]) -> Option<String> + Send + Sync>;
+
+/// Which log-prob is recorded per sampled token (verl's `rollout.logprobs_mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogprobsMode {
+    /// Under the distribution sampled from: after repetition penalty, temperature, top-k and top-p.
+    #[default]
+    Processed,
+    /// `log_softmax` of the model's logits, before any processing.
+    Raw,
+}
+
+impl FromStr for LogprobsMode {
+    type Err = ModelError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "processed_logprobs" => Ok(LogprobsMode::Processed),
+            "raw_logprobs" => Ok(LogprobsMode::Raw),
+            other => {
+                Err(ModelError::Config(format!("unknown logprobs mode `{other}` (processed_logprobs, raw_logprobs)")))
+            }
+        }
+    }
+}
+
+/// How one request is sampled (vLLM's `SamplingParams`, the subset RL rollouts use).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampling {
+    /// 0 = greedy (argmax; log-probs at temperature 1).
+    pub temperature: f32,
+    /// Nucleus mass kept, in (0, 1]; 1 disables.
+    pub top_p: f32,
+    /// Most likely tokens kept; `<= 0` disables.
+    pub top_k: i64,
+    /// HF/vLLM repetition penalty over prompt and output tokens; 1 disables.
+    pub repetition_penalty: f32,
+    /// Tokens generated at most, a resumed prefix included (the stop token counts).
+    pub max_tokens: usize,
+    /// Ids that end the sequence besides the model's EOS ids (always honoured, also with `ignore_eos`).
+    pub stop_token_ids: Vec<u32>,
+    /// Texts that end the sequence once the generated text contains one (the token completing it is kept).
+    pub stop: Vec<String>,
+    /// Seeds the sequence's random stream; `None` takes one from the engine's seed and the request id.
+    pub seed: Option<u64>,
+    /// Keep generating past EOS (benchmarks).
+    pub ignore_eos: bool,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Sampling {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: -1,
+            repetition_penalty: 1.0,
+            max_tokens: 256,
+            stop_token_ids: Vec::new(),
+            stop: Vec::new(),
+            seed: None,
+            ignore_eos: false,
+        }
+    }
+}
+
+impl Sampling {
+    /// The greedy settings verl validates with (`val_kwargs`: temperature 0, top-p 1, top-k off).
+    pub fn greedy(max_tokens: usize) -> Self {
+        Sampling { temperature: 0.0, max_tokens, ..Sampling::default() }
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |what: String| Err(ModelError::Generation(what));
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return bad(format!("temperature must be finite and >= 0, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return bad(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
+        }
+        if self.stop.iter().any(String::is_empty) {
+            return bad("a stop string is empty".into());
+        }
+        Ok(())
+    }
+
+    fn row(&self) -> RowSampling {
+        RowSampling {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            repetition_penalty: self.repetition_penalty,
+        }
+    }
+}
+
+/// Tokens generated before an abort, to continue from.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Prefix {
+    pub tokens: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    pub min_version: u64,
+    pub max_version: u64,
+}
+
+/// One prompt to sample `n` times.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub n: usize,
+    pub sampling: Sampling,
+    /// Continue a sequence that was aborted: its tokens are appended to the context and kept in the output.
+    /// Requires `n == 1`.
+    pub resume: Option<Prefix>,
+    /// The sample index of the first sample (outputs are numbered `first_sample..first_sample + n`, and sample
+    /// `i` draws from random stream `(seed, i)`); resuming sample 5 of a group passes 5.
+    pub first_sample: usize,
+}
+
+impl Request {
+    pub fn new(prompt: Vec<u32>, n: usize, sampling: Sampling) -> Self {
+        Request { prompt, n, sampling, resume: None, first_sample: 0 }
+    }
+}
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Finish {
+    /// The model's EOS token (the last token).
+    Eos(u32),
+    /// One of the request's stop token ids (the last token).
+    StopToken(u32),
+    /// The generated text contains this stop string.
+    StopString(String),
+    /// `max_tokens`, or the KV slot is full.
+    Length,
+    /// [`Engine::abort`]: the tokens so far are a prefix to resume from.
+    Aborted,
+}
+
+impl Finish {
+    /// A natural end (EOS, stop token or stop string), as opposed to a truncation or an abort.
+    pub fn is_stop(&self) -> bool {
+        matches!(self, Finish::Eos(_) | Finish::StopToken(_) | Finish::StopString(_))
+    }
+
+    pub fn label(&self) -> &'static str {
+        match self {
+            Finish::Eos(_) | Finish::StopToken(_) | Finish::StopString(_) => "stop",
+            Finish::Length => "length",
+            Finish::Aborted => "aborted",
+        }
+    }
+}
+
+/// One finished (or aborted) sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SequenceOutput {
+    pub request: RequestId,
+    /// Sample index (`first_sample + i`).
+    pub index: usize,
+    /// Generated tokens, a resumed prefix included.
+    pub tokens: Vec<u32>,
+    /// One per token, see [`LogprobsMode`].
+    pub logprobs: Vec<f32>,
+    pub finish: Finish,
+    /// Lowest and highest weight version the tokens were sampled under (the current version when there are
+    /// none).
+    pub min_version: u64,
+    pub max_version: u64,
+    /// From [`Engine::add_request`] to this sequence's first new token.
+    pub time_to_first_token: Option<Duration>,
+}
+
+/// The fixed budget of an engine.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Sequences decoded together at most.
+    pub max_num_seqs: usize,
+    /// Positions per sequence (context + generated); longer requests are refused, `max_tokens` is clamped.
+    pub max_model_len: usize,
+    /// Token positions in the KV cache over all sequences; the engine runs
+    /// `min(max_num_seqs, kv_cache_tokens / max_model_len)` sequences at once. `None`: `max_num_seqs` rows.
+    pub kv_cache_tokens: Option<usize>,
+    /// Seeds requests that bring no seed of their own (mixed with the request id).
+    pub seed: u64,
+    /// Tokens that end a sequence unless its request sets `ignore_eos`.
+    pub eos_token_ids: Vec<u32>,
+    pub logprobs_mode: LogprobsMode,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_num_seqs: 64,
+            max_model_len: 1024,
+            kv_cache_tokens: None,
+            seed: 0,
+            eos_token_ids: Vec::new(),
+            logprobs_mode: LogprobsMode::Processed,
+        }
+    }
+}
+
+/// A snapshot of the engine's load, for metrics and heartbeats.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineStats {
+    /// Sequences in KV rows right now.
+    pub running: usize,
+    /// Samples submitted but not yet admitted (the queue).
+    pub waiting: usize,
+    pub slots: usize,
+    /// Cached positions over running sequences, and the cache's capacity.
+    pub kv_tokens_used: u64,
+    pub kv_tokens_capacity: u64,
+    /// Totals since start: tokens sampled, context tokens prefilled, decode steps.
+    pub generated_tokens: u64,
+    pub prefill_tokens: u64,
+    pub steps: u64,
+    pub version: u64,
+}
+
+/// What every sample of one request shares.
+#[derive(Debug)]
+struct Shared {
+    id: RequestId,
+    /// The prompt followed by the resumed prefix: what is prefilled.
+    context: Vec<u32>,
+    sampling: Sampling,
+    row: RowSampling,
+    seed: u64,
+    prefix: Option<Prefix>,
+    /// Generated tokens a sequence may have in total (prefix included), after clamping to the slot.
+    max_tokens: usize,
+    added: Instant,
+    /// Longest stop string in bytes: the window of tokens re-decoded after each token.
+    stop_window: usize,
+}
+
+/// A request with samples not yet admitted.
+#[derive(Debug)]
+struct Waiting {
+    shared: Arc<Shared>,
+    /// Sample offsets (from `first_sample`) admitted so far, and the request's sample count.
+    next: usize,
+    n: usize,
+    first_sample: usize,
+    /// Logits after the context, kept while samples remain so later forks skip the prefill.
+    first_logits: Option<Tensor>,
+}
+
+/// One running sequence, in KV row = its index in `Engine::rows`.
+#[derive(Debug)]
+struct Row {
+    shared: Arc<Shared>,
+    index: usize,
+    rng: ChaCha8Rng,
+    tokens: Vec<u32>,
+    logprobs: Vec<f32>,
+    /// Positions of this row's KV filled.
+    cached: i64,
+    /// Logits of the first new token, set at admission (from the prefill) until the step samples it.
+    fresh: Option<Tensor>,
+    min_version: Option<u64>,
+    max_version: u64,
+    first_token: Option<Duration>,
+}
+
+/// The engine: a model, its slot cache, the running rows and the queue.
+pub struct Engine {
+    model: CausalLm,
+    /// Fused decode weights (views shared with the model's parameters) and the RoPE table.
+    fused: forward::Fused,
+    config: EngineConfig,
+    slots: usize,
+    cache: Option<SlotCache>,
+    rows: Vec<Row>,
+    waiting: VecDeque<Waiting>,
+    /// Outputs decided without a step (empty budgets, aborts), returned by the next `step`.
+    ready: Vec<SequenceOutput>,
+    /// `[slots, V]` bool: tokens in each row's context, allocated when a request first asks for a penalty.
+    presence: Option<Tensor>,
+    detokenizer: Option<Detokenizer>,
+    version: u64,
+    stats: EngineStats,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("config", &self.config).field("stats", &self.stats()).finish()
+    }
+}
+
+impl Engine {
+    /// Takes the model and allocates the KV cache for the budget in `config`.
+    pub fn new(mut model: CausalLm, config: EngineConfig) -> Result<Self> {
+        if config.max_num_seqs == 0 {
+            return Err(ModelError::Config("max_num_seqs must be > 0".into()));
+        }
+        if config.max_model_len < 2 {
+            return Err(ModelError::Config(format!("max_model_len must be >= 2, got {}", config.max_model_len)));
+        }
+        let by_memory = config.kv_cache_tokens.map_or(usize::MAX, |t| t / config.max_model_len);
+        let slots = config.max_num_seqs.min(by_memory);
+        if slots == 0 {
+            return Err(ModelError::Config(format!(
+                "a KV budget of {:?} tokens does not hold one sequence of max_model_len {}",
+                config.kv_cache_tokens, config.max_model_len
+            )));
+        }
+        // Inference only: parameters without autograd make every op cheaper, and weight swaps copy under no_grad.
+        model.var_store_mut().freeze();
+        let fused = forward::fuse(&mut model, config.max_model_len as i64)?;
+        let cache = SlotCache::new(&model, slots as i64, config.max_model_len as i64)?;
+        let stats =
+            EngineStats { slots, kv_tokens_capacity: (slots * config.max_model_len) as u64, ..EngineStats::default() };
+        Ok(Engine {
+            model,
+            fused,
+            config,
+            slots,
+            cache: Some(cache),
+            rows: Vec::new(),
+            waiting: VecDeque::new(),
+            ready: Vec::new(),
+            presence: None,
+            detokenizer: None,
+            version: 0,
+            stats,
+        })
+    }
+
+    /// Bytes the KV cache of `config` would take for `model` (before creating the engine).
+    pub fn kv_cache_bytes(model: &CausalLm, config: &EngineConfig) -> u64 {
+        let by_memory = config.kv_cache_tokens.map_or(usize::MAX, |t| t / config.max_model_len.max(1));
+        let slots = config.max_num_seqs.min(by_memory);
+        SlotCache::bytes_for(model, slots as i64, config.max_model_len as i64)
+    }
+
+    /// Enables stop strings.
+    pub fn with_detokenizer(mut self, detokenizer: Detokenizer) -> Self {
+        self.detokenizer = Some(detokenizer);
+        self
+    }
+
+    pub fn model(&self) -> &CausalLm {
+        &self.model
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// Sequences that can run at once.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// The weight version new tokens are sampled under.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Sets the version label of the current weights (e.g. after loading a checkpoint at start).
+    pub fn set_version(&mut self, version: u64) {
+        self.version = version;
+    }
+
+    /// Whether a `step` would do anything.
+    pub fn has_work(&self) -> bool {
+        !self.rows.is_empty() || !self.waiting.is_empty() || !self.ready.is_empty()
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            running: self.rows.len(),
+            waiting: self.waiting.iter().map(|w| w.n - w.next).sum(),
+            kv_tokens_used: self.rows.iter().map(|r| r.cached.max(0) as u64).sum(),
+            version: self.version,
+            ..self.stats
+        }
+    }
+
+    /// Queues a request; its sequences are admitted as rows free up, oldest request first.
+    pub fn add_request(&mut self, id: RequestId, request: Request) -> Result<()> {
+        if self.holds(id) {
+            return Err(ModelError::Generation(format!("request id {id} is already in the engine")));
+        }
+        let Request { prompt, n, sampling, resume, first_sample } = request;
+        sampling.validate()?;
+        if n == 0 {
+            return Err(ModelError::Generation("a request needs n >= 1 samples".into()));
+        }
+        if prompt.is_empty() {
+            return Err(ModelError::Generation("the prompt is empty".into()));
+        }
+        if resume.is_some() && n != 1 {
+            return Err(ModelError::Generation(format!("a resumed request continues one sequence, got n = {n}")));
+        }
+        if !sampling.stop.is_empty() && self.detokenizer.is_none() {
+            return Err(ModelError::Generation("stop strings need an engine with a detokenizer".into()));
+        }
+        let vocab = self.model.config().vocab_size;
+        let mut context = prompt;
+        if let Some(prefix) = &resume {
+            if prefix.logprobs.len() != prefix.tokens.len() {
+                return Err(ModelError::Generation(format!(
+                    "a resumed prefix has {} tokens but {} log-probs",
+                    prefix.tokens.len(),
+                    prefix.logprobs.len()
+                )));
+            }
+            context.extend_from_slice(&prefix.tokens);
+        }
+        if let Some(bad) = context.iter().find(|&&t| i64::from(t) >= vocab) {
+            return Err(ModelError::Generation(format!("token id {bad} is outside the vocabulary ({vocab})")));
+        }
+        let room = self.config.max_model_len.saturating_sub(context.len());
+        if room == 0 {
+            return Err(ModelError::Generation(format!(
+                "a context of {} tokens leaves no room in max_model_len {}",
+                context.len(),
+                self.config.max_model_len
+            )));
+        }
+        let already = resume.as_ref().map_or(0, |p| p.tokens.len());
+        let max_tokens = sampling.max_tokens.min(already + room);
+        let seed = sampling.seed.unwrap_or_else(|| mix(self.config.seed, id));
+        let shared = Arc::new(Shared {
+            id,
+            context,
+            row: sampling.row(),
+            stop_window: sampling.stop.iter().map(String::len).max().unwrap_or(0),
+            sampling,
+            seed,
+            prefix: resume,
+            max_tokens,
+            added: Instant::now(),
+        });
+        if already >= max_tokens {
+            // Nothing left to generate: answer without taking a row.
+            for i in 0..n {
+                let row = Self::new_row(&shared, first_sample + i, -1);
+                self.ready.push(row.into_output(Finish::Length, self.version));
+            }
+            return Ok(());
+        }
+        self.waiting.push_back(Waiting { shared, next: 0, n, first_sample, first_logits: None });
+        Ok(())
+    }
+
+    /// Removes a request wherever it is; returns its sequences with what they generated so far (finish
+    /// [`Finish::Aborted`]; samples never admitted come back empty, or with their resumed prefix).
+    pub fn abort(&mut self, id: RequestId) -> Result<Vec<SequenceOutput>> {
+        let mut out: Vec<SequenceOutput> = Vec::new();
+        let mut i = 0;
+        while i < self.ready.len() {
+            if self.ready[i].request == id {
+                out.push(self.ready.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        if let Some(pos) = self.waiting.iter().position(|w| w.shared.id == id) {
+            if let Some(w) = self.waiting.remove(pos) {
+                for i in w.next..w.n {
+                    let row = Self::new_row(&w.shared, w.first_sample + i, -1);
+                    out.push(row.into_output(Finish::Aborted, self.version));
+                }
+            }
+        }
+        let leaving: Vec<usize> = (0..self.rows.len()).filter(|&r| self.rows[r].shared.id == id).collect();
+        for row in self.remove_rows(&leaving)? {
+            out.push(row.into_output(Finish::Aborted, self.version));
+        }
+        out.sort_by_key(|o| o.index);
+        Ok(out)
+    }
+
+    /// Aborts everything (e.g. before freeing the cache for training on the same device).
+    pub fn abort_all(&mut self) -> Result<Vec<SequenceOutput>> {
+        let mut ids: Vec<RequestId> = self.rows.iter().map(|r| r.shared.id).collect();
+        ids.extend(self.waiting.iter().map(|w| w.shared.id));
+        ids.extend(self.ready.iter().map(|o| o.request));
+        ids.sort_unstable();
+        ids.dedup();
+        let mut out = Vec::new();
+        for id in ids {
+            out.extend(self.abort(id)?);
+        }
+        Ok(out)
+    }
+
+    /// Releases the KV cache memory; it is allocated again when the next sequence is admitted. Only when no
+    /// sequence is running (abort them first).
+    pub fn free_cache(&mut self) -> Result<()> {
+        if !self.rows.is_empty() {
+            return Err(ModelError::Generation(format!(
+                "cannot free the KV cache while {} sequences run",
+                self.rows.len()
+            )));
+        }
+        self.cache = None;
+        self.presence = None;
+        Ok(())
+    }
+
+    /// Swaps in weights (a blob from [`CausalLm::to_safetensors_bytes`]) between two steps. Running sequences
+    /// keep their cached keys and values and continue under the new weights; their outputs' version span shows
+    /// it.
+    pub fn load_weights(&mut self, safetensors: &[u8], version: u64) -> Result<()> {
+        self.model.load_safetensors_bytes(safetensors)?;
+        self.version = version;
+        Ok(())
+    }
+
+    /// Admits waiting sequences into free rows, runs one decode step over all rows, samples one token per row and
+    /// returns the sequences that finished.
+    pub fn step(&mut self) -> Result<Vec<SequenceOutput>> {
+        let mut out = std::mem::take(&mut self.ready);
+        if self.cache.is_none() && !self.waiting.is_empty() {
+            self.cache = Some(SlotCache::new(&self.model, self.slots as i64, self.config.max_model_len as i64)?);
+        }
+        self.admit()?;
+        if self.rows.is_empty() {
+            return Ok(out);
+        }
+        let b = self.rows.len();
+        // Rows admitted this step are at the end and carry their prefill logits; the others decode.
+        let decoding = self.rows.iter().position(|r| r.fresh.is_some()).unwrap_or(b);
+        let mut parts: Vec<Tensor> = Vec::with_capacity(2);
+        if decoding > 0 {
+            let ids: Vec<i64> =
+                self.rows[..decoding].iter().map(|r| i64::from(r.tokens.last().copied().unwrap_or(0))).collect();
+            let positions: Vec<i64> = self.rows[..decoding].iter().map(|r| r.cached).collect();
+            let cache = self.cache.as_mut().ok_or_else(|| ModelError::Generation("the KV cache is freed".into()))?;
+            parts.push(forward::decode(&self.model, &self.fused, cache, &ids, &positions)?);
+            for row in &mut self.rows[..decoding] {
+                row.cached += 1;
+            }
+        }
+        for row in &mut self.rows[decoding..] {
+            if let Some(logits) = row.fresh.take() {
+                parts.push(logits);
+            }
+        }
+        let logits = if parts.len() == 1 { parts.remove(0) } else { Tensor::f_cat(&parts, 0)? };
+        let params: Vec<RowSampling> = self.rows.iter().map(|r| r.shared.row).collect();
+        let uniforms: Vec<f64> = self.rows.iter_mut().map(|r| 1.0 - r.rng.gen::<f64>()).collect();
+        let presence = match &self.presence {
+            Some(p) => Some(p.f_narrow(0, 0, b as i64)?),
+            None => None,
+        };
+        let (tokens, logprobs) =
+            sampler::sample(&logits, &params, &uniforms, presence.as_ref(), self.config.logprobs_mode)?;
+        if let Some(presence) = &mut self.presence {
+            let index = Tensor::from_slice(&tokens).f_view([b as i64, 1])?.f_to_device(presence.device())?;
+            let _ = presence.f_narrow(0, 0, b as i64)?.f_scatter_value_(1, &index, 1)?;
+        }
+        self.stats.steps += 1;
+        self.stats.generated_tokens += b as u64;
+
+        let mut finished: Vec<(usize, Finish)> = Vec::new();
+        for (r, (&token, &logprob)) in tokens.iter().zip(&logprobs).enumerate() {
+            let token = u32::try_from(token)
+                .map_err(|_| ModelError::Generation(format!("sampled an invalid token id {token}")))?;
+            let version = self.version;
+            let row = &mut self.rows[r];
+            row.tokens.push(token);
+            row.logprobs.push(logprob);
+            row.min_version = Some(row.min_version.map_or(version, |v| v.min(version)));
+            row.max_version = row.max_version.max(version);
+            if row.first_token.is_none() {
+                row.first_token = Some(row.shared.added.elapsed());
+            }
+            if let Some(finish) = self.finish_of(r, token) {
+                finished.push((r, finish));
+            }
+        }
+        if !finished.is_empty() {
+            let indices: Vec<usize> = finished.iter().map(|(r, _)| *r).collect();
+            let rows = self.remove_rows(&indices)?;
+            for (row, (_, finish)) in rows.into_iter().zip(finished) {
+                out.push(row.into_output(finish, self.version));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Runs steps until every request held has finished; outputs in completion order.
+    pub fn run_to_completion(&mut self) -> Result<Vec<SequenceOutput>> {
+        let mut out = Vec::new();
+        while self.has_work() {
+            out.extend(self.step()?);
+        }
+        Ok(out)
+    }
+
+    fn holds(&self, id: RequestId) -> bool {
+        self.rows.iter().any(|r| r.shared.id == id)
+            || self.waiting.iter().any(|w| w.shared.id == id)
+            || self.ready.iter().any(|o| o.request == id)
+    }
+
+    fn new_row(shared: &Arc<Shared>, index: usize, cached: i64) -> Row {
+        let mut rng = ChaCha8Rng::seed_from_u64(mix(shared.seed, index as u64));
+        let (tokens, logprobs, min_version, max_version) = match &shared.prefix {
+            Some(p) => {
+                // One draw per token already generated: a resumed stream continues where it stopped.
+                for _ in 0..p.tokens.len() {
+                    let _: f64 = rng.gen();
+                }
+                (p.tokens.clone(), p.logprobs.clone(), Some(p.min_version), p.max_version)
+            }
+            None => (Vec::new(), Vec::new(), None, 0),
+        };
+        Row {
+            shared: shared.clone(),
+            index,
+            rng,
+            tokens,
+            logprobs,
+            cached,
+            fresh: None,
+            min_version,
+            max_version,
+            first_token: None,
+        }
+    }
+
+    /// Fills free rows from the queue: a request's first admitted sample is prefilled, the others fork its row.
+    fn admit(&mut self) -> Result<()> {
+        while self.rows.len() < self.slots {
+            let Some(mut waiting) = self.waiting.pop_front() else { break };
+            let free = self.slots - self.rows.len();
+            let take = free.min(waiting.n - waiting.next);
+            let context_len = waiting.shared.context.len() as i64;
+            let base = self.rows.len();
+            // A running sibling already holds the context's keys and values.
+            let sibling = self.rows.iter().position(|r| r.shared.id == waiting.shared.id);
+            let cache = self.cache.as_mut().ok_or_else(|| ModelError::Generation("the KV cache is freed".into()))?;
+            let (source, logits) = match (sibling, waiting.first_logits.take()) {
+                (Some(src), Some(logits)) => (src, logits),
+                _ => {
+                    let logits = forward::prefill(&self.model, cache, base as i64, &waiting.shared.context)?;
+                    self.stats.prefill_tokens += context_len as u64;
+                    (base, logits)
+                }
+            };
+            for i in 0..take {
+                let slot = base + i;
+                cache.copy_row(source as i64, slot as i64, context_len)?;
+                let mut row = Self::new_row(&waiting.shared, waiting.first_sample + waiting.next + i, context_len);
+                row.fresh = Some(logits.shallow_clone());
+                self.rows.push(row);
+            }
+            if waiting.shared.row.repetition_penalty != 1.0 || self.presence.is_some() {
+                self.mark_presence(base, take)?;
+            }
+            waiting.next += take;
+            if waiting.next < waiting.n {
+                waiting.first_logits = Some(logits);
+                self.waiting.push_front(waiting);
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Records the context tokens of rows `base..base + count` for the repetition penalty.
+    fn mark_presence(&mut self, base: usize, count: usize) -> Result<()> {
+        let vocab = self.model.config().vocab_size;
+        let presence = match &mut self.presence {
+            Some(p) => p,
+            None => {
+                self.presence.insert(Tensor::f_zeros([self.slots as i64, vocab], (Kind::Bool, self.model.device()))?)
+            }
+        };
+        for r in base..base + count {
+            let context: Vec<i64> = self.rows[r].shared.context.iter().map(|&t| i64::from(t)).collect();
+            let index = Tensor::from_slice(&context).f_unsqueeze(0)?.f_to_device(presence.device())?;
+            let mut row = presence.f_narrow(0, r as i64, 1)?;
+            let _ = row.f_zero_()?;
+            let _ = row.f_scatter_value_(1, &index, 1)?;
+        }
+        Ok(())
+    }
+
+    /// Why row `r` ends after sampling `token`, if it does.
+    fn finish_of(&self, r: usize, token: u32) -> Option<Finish> {
+        let row = &self.rows[r];
+        let shared = &row.shared;
+        if shared.sampling.stop_token_ids.contains(&token) {
+            return Some(Finish::StopToken(token));
+        }
+        if !shared.sampling.ignore_eos && self.config.eos_token_ids.contains(&token) {
+            return Some(Finish::Eos(token));
+        }
+        if let (Some(detok), false) = (&self.detokenizer, shared.sampling.stop.is_empty()) {
+            // A stop string completed by this token lies within the last `stop_window` tokens (every token
+            // decodes to at least one byte); anything earlier would have stopped the sequence before.
+            let start = row.tokens.len().saturating_sub(shared.stop_window);
+            if let Some(text) = detok(&row.tokens[start..]) {
+                if let Some(hit) = shared.sampling.stop.iter().find(|s| text.contains(s.as_str())) {
+                    return Some(Finish::StopString(hit.clone()));
+                }
+            }
+        }
+        // The next decode would write position `cached`, which must exist.
+        if row.tokens.len() >= shared.max_tokens || row.cached >= self.config.max_model_len as i64 {
+            return Some(Finish::Length);
+        }
+        None
+    }
+
+    /// Takes rows out (any order of `indices`), moving the last rows into the holes so rows stay `0..B`.
+    fn remove_rows(&mut self, indices: &[usize]) -> Result<Vec<Row>> {
+        let mut order: Vec<(usize, usize)> = indices.iter().copied().enumerate().map(|(i, r)| (r, i)).collect();
+        order.sort_unstable_by_key(|entry| std::cmp::Reverse(entry.0));
+        let mut taken: Vec<Option<Row>> = (0..indices.len()).map(|_| None).collect();
+        for (r, slot_in_output) in order {
+            let last = self.rows.len() - 1;
+            if r != last {
+                let len = self.rows[last].cached.max(0);
+                if let Some(cache) = self.cache.as_mut() {
+                    cache.copy_row(last as i64, r as i64, len)?;
+                }
+                if let Some(presence) = &mut self.presence {
+                    let from = presence.f_narrow(0, last as i64, 1)?;
+                    presence.f_narrow(0, r as i64, 1)?.f_copy_(&from)?;
+                }
+            }
+            taken[slot_in_output] = Some(self.rows.swap_remove(r));
+        }
+        Ok(taken.into_iter().flatten().collect())
+    }
+}
+
+impl Row {
+    fn into_output(self, finish: Finish, version: u64) -> SequenceOutput {
+        SequenceOutput {
+            request: self.shared.id,
+            index: self.index,
+            tokens: self.tokens,
+            logprobs: self.logprobs,
+            finish,
+            min_version: self.min_version.unwrap_or(version),
+            max_version: if self.min_version.is_some() { self.max_version } else { version },
+            time_to_first_token: self.first_token,
+        }
+    }
+}
+
+/// splitmix64 of `a` combined with `b`: independent streams for (seed, sample) pairs.
+fn mix(a: u64, b: u64) -> u64 {
+    let mut z = a ^ b.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(0x632B_E59B_D9B4_E019);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
