@@ -96,7 +96,10 @@ async fn malformed_message_on_each_subject_is_counted_set_aside_and_services_kee
     ))
     .await
     .unwrap();
-    bus.publish_durable(Outgoing::new(subjects::reward_subject("train", "junk"), None, garbage.clone())).await.unwrap();
+    // (under another key: the reward service's own reward for `junk_0_0` is checked below)
+    bus.publish_durable(Outgoing::new(subjects::reward_subject("train", "junkreward"), None, garbage.clone()))
+        .await
+        .unwrap();
     // a group record that does not decode, and a weight manifest that does not decode
     let groups = bus.key_value(subjects::GROUPS_BUCKET).await.unwrap();
     groups.put("train.garbage", garbage.clone()).await.unwrap();
@@ -122,6 +125,15 @@ async fn malformed_message_on_each_subject_is_counted_set_aside_and_services_kee
     assert!(ann.error.contains("WeightAnnounce"), "{ann:?}");
     let rel = jetrl_wire::v1::ReleaseResponse::decode(reply(subjects::BUFFER_RELEASE).await.as_slice()).unwrap();
     assert!(rel.error.contains("ReleaseRequest"), "{rel:?}");
+
+    // The rollout worker sees the undecodable manifest before the trainer announces real weights over it.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while counter(&scrape(&addr("rollout")).await, "jetrl_rollout_malformed_messages_total", subjects::WEIGHTS_BUCKET)
+        < 1.0
+    {
+        assert!(Instant::now() < deadline, "rollout worker never counted the bad manifest:\n{}", job.log("rollout-0"));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     // The services keep going: a whole training run completes.
     job.spawn("trainer", "jetrl-trainer", &[&format!("trainer.metrics_addr={}", addr("trainer"))]);

@@ -1,21 +1,6 @@
-use clap::Parser;
-
-/// jetrl checkpoint-sync: weight versions, weight distribution, durable checkpoints.
-#[derive(Parser)]
-#[command(version)]
-struct Args {
-    /// job configuration (YAML)
-    #[arg(long, short)]
-    config: Option<std::path::PathBuf>,
-    /// overrides, `section.key=value`
-    overrides: Vec<String>,
-}
-
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
-    let cfg = jetrl_config::JobConfig::load(args.config.as_deref(), &args.overrides)?;
-    jetrl_telemetry::init_tracing(&cfg.log.level, &cfg.log.format);
-    jetrl_checkpoint_sync::run(cfg, jetrl_telemetry::shutdown_signal()).await?;
-    Ok(())
+fn main() -> anyhow::Result<()> {
+    jetrl_telemetry::service_main(
+        "jetrl checkpoint-sync: weight versions, weight distribution, durable checkpoints",
+        jetrl_checkpoint_sync::run,
+    )
 }

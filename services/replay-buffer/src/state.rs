@@ -187,7 +187,9 @@ impl BufferState {
     pub fn sampleable(&self, partition: &str) -> Vec<&Group> {
         let mut out: Vec<&Group> =
             self.groups.values().filter(|g| g.status.partition == partition && g.is_complete()).collect();
-        out.sort_by(|a, b| a.status.submit_step.cmp(&b.status.submit_step).then_with(|| a.status.uid.cmp(&b.status.uid)));
+        out.sort_by(|a, b| {
+            a.status.submit_step.cmp(&b.status.submit_step).then_with(|| a.status.uid.cmp(&b.status.uid))
+        });
         out
     }
 
@@ -204,7 +206,9 @@ impl BufferState {
             .values()
             .filter(|g| g.state() == GroupState::Sampled && g.status.sample_request_id == request_id)
             .collect();
-        out.sort_by(|a, b| a.status.submit_step.cmp(&b.status.submit_step).then_with(|| a.status.uid.cmp(&b.status.uid)));
+        out.sort_by(|a, b| {
+            a.status.submit_step.cmp(&b.status.submit_step).then_with(|| a.status.uid.cmp(&b.status.uid))
+        });
         out
     }
 
@@ -264,7 +268,8 @@ impl BufferState {
 
     /// Number of indexed trajectories (for the memory-per-trajectory figure).
     pub fn indexed_trajectories(&self) -> usize {
-        self.groups.values().map(|g| g.rewards.len()).sum::<usize>() + self.orphans.values().map(|m| m.len()).sum::<usize>()
+        self.groups.values().map(|g| g.rewards.len()).sum::<usize>()
+            + self.orphans.values().map(|m| m.len()).sum::<usize>()
     }
 
     /// Ledger rows for `uids` (all when empty) of `partition` (all when empty), at most `limit`.

@@ -1,21 +1,3 @@
-use clap::Parser;
-
-/// jetrl reward service: scores trajectories.
-#[derive(Parser)]
-#[command(version)]
-struct Args {
-    /// job configuration (YAML)
-    #[arg(long, short)]
-    config: Option<std::path::PathBuf>,
-    /// overrides, `section.key=value`
-    overrides: Vec<String>,
-}
-
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
-    let cfg = jetrl_config::JobConfig::load(args.config.as_deref(), &args.overrides)?;
-    jetrl_telemetry::init_tracing(&cfg.log.level, &cfg.log.format);
-    jetrl_reward_service::run(cfg, jetrl_telemetry::shutdown_signal()).await?;
-    Ok(())
+fn main() -> anyhow::Result<()> {
+    jetrl_telemetry::service_main("jetrl reward service: scores trajectories", jetrl_reward_service::run)
 }

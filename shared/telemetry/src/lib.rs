@@ -185,3 +185,32 @@ pub async fn shutdown_signal() {
         let _ = tokio::signal::ctrl_c().await;
     }
 }
+
+/// The whole `main` of a jetrl service: parse `--config FILE` and `section.key=value` overrides, load and
+/// validate the job configuration (errors name the key), set up tracing, then run the service on a tokio
+/// runtime until SIGINT/SIGTERM.
+pub fn service_main<Fut, E>(
+    about: &'static str,
+    run: impl FnOnce(jetrl_config::JobConfig, std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>) -> Fut,
+) -> anyhow::Result<()>
+where
+    Fut: std::future::Future<Output = Result<(), E>>,
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let name = std::env::args().next().and_then(|p| p.rsplit('/').next().map(str::to_string)).unwrap_or_default();
+    let matches = clap::Command::new("jetrl-service")
+        .bin_name(name)
+        .about(about)
+        .version(env!("CARGO_PKG_VERSION"))
+        .arg(clap::Arg::new("config").long("config").short('c').value_name("FILE").help("job configuration (YAML)"))
+        .arg(clap::Arg::new("overrides").num_args(0..).value_name("KEY=VALUE").help("overrides, `section.key=value`"))
+        .get_matches();
+    let config = matches.get_one::<String>("config").map(std::path::PathBuf::from);
+    let overrides: Vec<String> =
+        matches.get_many::<String>("overrides").map(|v| v.cloned().collect()).unwrap_or_default();
+    let cfg = jetrl_config::JobConfig::load(config.as_deref(), &overrides)?;
+    init_tracing(&cfg.log.level, &cfg.log.format);
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(run(cfg, Box::pin(shutdown_signal())))?;
+    Ok(())
+}

@@ -20,7 +20,7 @@ pub fn pack_u32(values: &[u32]) -> Bytes {
 }
 
 pub fn unpack_u32(bytes: &[u8]) -> Result<Vec<u32>, PackedLenError> {
-    if bytes.len() % 4 != 0 {
+    if !bytes.len().is_multiple_of(4) {
         return Err(PackedLenError { what: "u32", len: bytes.len(), width: 4 });
     }
     Ok(bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
@@ -35,7 +35,7 @@ pub fn pack_f32(values: &[f32]) -> Bytes {
 }
 
 pub fn unpack_f32(bytes: &[u8]) -> Result<Vec<f32>, PackedLenError> {
-    if bytes.len() % 4 != 0 {
+    if !bytes.len().is_multiple_of(4) {
         return Err(PackedLenError { what: "f32", len: bytes.len(), width: 4 });
     }
     Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
