@@ -66,6 +66,8 @@ struct Buffer {
     groups_current: bool,
     /// the initial replay of the REWARDS stream is done
     rewards_current: bool,
+    /// the replay's already-released groups have been retired (once, when both replays are current)
+    replay_retired: bool,
 }
 
 impl Buffer {
@@ -93,6 +95,7 @@ impl Buffer {
             answer_order: VecDeque::new(),
             groups_current: empty_bucket,
             rewards_current: empty_stream,
+            replay_retired: false,
         })
     }
 
@@ -175,6 +178,10 @@ impl Buffer {
                 Some(msg) = ledger_sub.next() => self.on_ledger(msg).await,
                 _ = expiry => self.expire_waiting().await,
                 _ = gauge_tick.tick() => self.export_gauges(),
+            }
+            if !self.replay_retired && self.groups_current && self.rewards_current {
+                self.state.retire_replayed_releases();
+                self.replay_retired = true;
             }
             self.answer_waiting().await;
         }

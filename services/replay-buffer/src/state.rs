@@ -5,7 +5,7 @@
 //! known by `(session_id, index)` inside its group, strings shared by many trajectories (data source, extra
 //! metric names) are interned, and payloads never enter the buffer.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use jetrl_wire::keys::TrajectoryKey;
@@ -53,11 +53,25 @@ pub struct Group {
     pub expected: Vec<Slot>,
     /// scored trajectories
     pub rewards: BTreeMap<Slot, IndexedReward>,
+    /// sampled and released by the trainer: kept for the ledger only
+    pub released: bool,
+    /// the state label this group is tallied under while retired (see [`BufferState::live`])
+    retired: Option<&'static str>,
 }
 
 impl Group {
     pub fn state(&self) -> GroupState {
         self.status.state()
+    }
+
+    /// Still part of the working set: not evicted, and not sampled-and-released. Retired groups stay only
+    /// for the ledger and the state counts.
+    fn is_live(&self) -> bool {
+        match self.state() {
+            GroupState::Evicted => false,
+            GroupState::Sampled => !self.released,
+            _ => true,
+        }
     }
 
     /// Terminal, and every trajectory the worker listed has been scored.
@@ -74,8 +88,13 @@ impl Group {
 /// Group and trajectory index of one buffer.
 #[derive(Debug, Default)]
 pub struct BufferState {
-    /// by `<partition>.<uid>`
+    /// by `<partition>.<uid>`: every group seen (the ledger's rows)
     groups: HashMap<String, Group>,
+    /// keys of the live groups: everything an event or a sample request looks at. Retired groups
+    /// (evicted, or sampled and released) grow with the run's length, so nothing on the hot path scans them.
+    live: HashSet<String>,
+    /// retired groups by (partition, state label)
+    retired_counts: HashMap<(String, &'static str), u64>,
     /// rewards that arrived before their group record (a reward can overtake the terminal status)
     orphans: HashMap<String, BTreeMap<Slot, IndexedReward>>,
     /// interned strings (data sources, metric names)
@@ -87,6 +106,58 @@ fn key(partition: &str, uid: &str) -> String {
 }
 
 impl BufferState {
+    /// Puts `k` in or out of the live set after its group changed, keeping the retired tallies.
+    fn refresh(&mut self, k: &str) {
+        let Some(group) = self.groups.get_mut(k) else {
+            self.live.remove(k);
+            return;
+        };
+        let partition = &group.status.partition;
+        if group.is_live() {
+            if let Some(label) = group.retired.take() {
+                Self::untally(&mut self.retired_counts, partition, label);
+            }
+            if !self.live.contains(k) {
+                self.live.insert(k.to_string());
+            }
+        } else {
+            self.live.remove(k);
+            let label = group.state().label();
+            if group.retired != Some(label) {
+                if let Some(old) = group.retired.replace(label) {
+                    Self::untally(&mut self.retired_counts, partition, old);
+                }
+                *self.retired_counts.entry((partition.clone(), label)).or_insert(0) += 1;
+            }
+        }
+    }
+
+    fn untally(counts: &mut HashMap<(String, &'static str), u64>, partition: &str, label: &'static str) {
+        if let Some(n) = counts.get_mut(&(partition.to_string(), label)) {
+            *n = n.saturating_sub(1);
+        }
+    }
+
+    fn live_groups(&self) -> impl Iterator<Item = &Group> {
+        self.live.iter().filter_map(|k| self.groups.get(k))
+    }
+
+    /// After a restart's replay: sampled groups whose payloads are gone (listed trajectories, none indexed)
+    /// were released before the restart; retire them.
+    pub fn retire_replayed_releases(&mut self) {
+        let keys: Vec<String> = self
+            .live_groups()
+            .filter(|g| g.state() == GroupState::Sampled && g.rewards.is_empty() && !g.expected.is_empty())
+            .map(|g| key(&g.status.partition, &g.status.uid))
+            .collect();
+        for k in keys {
+            if let Some(g) = self.groups.get_mut(&k) {
+                g.released = true;
+            }
+            self.refresh(&k);
+        }
+    }
+
     fn intern(&mut self, s: &str) -> Arc<str> {
         if let Some(a) = self.strings.get(s) {
             return a.clone();
@@ -104,7 +175,7 @@ impl BufferState {
             .filter_map(|k| TrajectoryKey::parse(k).ok().map(|t| (t.session_id, t.index)))
             .collect();
         let k = key(&status.partition, &status.uid);
-        let group = self.groups.entry(k).or_default();
+        let group = self.groups.entry(k.clone()).or_default();
         // A re-issued group (back to pending) discards its partial trajectories.
         if status.state() == GroupState::Pending && group.state() != GroupState::Pending {
             group.rewards.clear();
@@ -116,11 +187,18 @@ impl BufferState {
         if let Some(orphans) = self.orphans.remove(&group.status.uid) {
             group.rewards.extend(orphans);
         }
+        self.refresh(&k);
     }
 
     /// A deleted group record: forget the group.
     pub fn remove_group(&mut self, partition: &str, uid: &str) {
-        self.groups.remove(&key(partition, uid));
+        let k = key(partition, uid);
+        if let Some(group) = self.groups.remove(&k) {
+            if let Some(label) = group.retired {
+                Self::untally(&mut self.retired_counts, partition, label);
+            }
+        }
+        self.live.remove(&k);
     }
 
     /// Indexes a scored trajectory; false if it was already indexed (a redelivery).
@@ -157,17 +235,18 @@ impl BufferState {
 
     /// Marks a group evicted locally (the KV write is done by the caller).
     pub fn mark_evicted(&mut self, partition: &str, uid: &str, reason: &str) {
-        if let Some(group) = self.groups.get_mut(&key(partition, uid)) {
+        let k = key(partition, uid);
+        if let Some(group) = self.groups.get_mut(&k) {
             group.status.set_state(GroupState::Evicted);
             group.status.evicted_reason = reason.to_string();
         }
+        self.refresh(&k);
     }
 
     /// Groups of `partition` still being generated or scored: pending, running, or terminal with a listed
     /// trajectory not yet scored.
     pub fn inflight(&self, partition: &str) -> Vec<&Group> {
-        self.groups
-            .values()
+        self.live_groups()
             .filter(|g| g.status.partition == partition)
             .filter(|g| g.state().is_inflight() || (g.state().is_terminal() && !g.is_complete()))
             .collect()
@@ -186,7 +265,7 @@ impl BufferState {
     /// order is deterministic).
     pub fn sampleable(&self, partition: &str) -> Vec<&Group> {
         let mut out: Vec<&Group> =
-            self.groups.values().filter(|g| g.status.partition == partition && g.is_complete()).collect();
+            self.live_groups().filter(|g| g.status.partition == partition && g.is_complete()).collect();
         out.sort_by(|a, b| {
             a.status.submit_step.cmp(&b.status.submit_step).then_with(|| a.status.uid.cmp(&b.status.uid))
         });
@@ -202,8 +281,7 @@ impl BufferState {
     /// Groups already consumed by `request_id` (a retried request after a buffer restart).
     pub fn sampled_by(&self, request_id: &str) -> Vec<&Group> {
         let mut out: Vec<&Group> = self
-            .groups
-            .values()
+            .live_groups()
             .filter(|g| g.state() == GroupState::Sampled && g.status.sample_request_id == request_id)
             .collect();
         out.sort_by(|a, b| {
@@ -247,12 +325,19 @@ impl BufferState {
     /// Drops the trajectory index of groups consumed by `request_ids`; returns the released groups as
     /// (partition, uid, trajectories) so the caller can purge their payloads (one subject per group).
     pub fn release(&mut self, request_ids: &[String]) -> Vec<(String, String, usize)> {
-        let mut out = Vec::new();
-        for group in self.groups.values_mut() {
-            if group.state() == GroupState::Sampled && request_ids.contains(&group.status.sample_request_id) {
+        let keys: Vec<String> = self
+            .live_groups()
+            .filter(|g| g.state() == GroupState::Sampled && request_ids.contains(&g.status.sample_request_id))
+            .map(|g| key(&g.status.partition, &g.status.uid))
+            .collect();
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            if let Some(group) = self.groups.get_mut(&k) {
                 let released = std::mem::take(&mut group.rewards).len();
+                group.released = true;
                 out.push((group.status.partition.clone(), group.status.uid.clone(), released));
             }
+            self.refresh(&k);
         }
         out
     }
@@ -260,15 +345,20 @@ impl BufferState {
     /// Count of groups by state label, for one partition (or all when `partition` is empty).
     pub fn counts(&self, partition: &str) -> BTreeMap<&'static str, u64> {
         let mut out = BTreeMap::new();
-        for g in self.groups.values().filter(|g| partition.is_empty() || g.status.partition == partition) {
+        for g in self.live_groups().filter(|g| partition.is_empty() || g.status.partition == partition) {
             *out.entry(g.state().label()).or_insert(0) += 1;
+        }
+        for ((p, label), n) in &self.retired_counts {
+            if *n > 0 && (partition.is_empty() || p == partition) {
+                *out.entry(*label).or_insert(0) += n;
+            }
         }
         out
     }
 
     /// Number of indexed trajectories (for the memory-per-trajectory figure).
     pub fn indexed_trajectories(&self) -> usize {
-        self.groups.values().map(|g| g.rewards.len()).sum::<usize>()
+        self.live_groups().map(|g| g.rewards.len()).sum::<usize>()
             + self.orphans.values().map(|m| m.len()).sum::<usize>()
     }
 
@@ -399,5 +489,43 @@ mod tests {
         s.apply_reward(reward("a", "a_0_0", 1), 1);
         s.apply_group(status("a", GroupState::Pending, 4, &[]));
         assert_eq!(s.indexed_trajectories(), 0);
+    }
+
+    #[test]
+    fn retired_groups_leave_the_working_set_but_stay_in_counts_and_ledger() {
+        let mut s = BufferState::default();
+        for (uid, step) in [("a", 1), ("b", 1), ("c", 2)] {
+            let k = format!("{uid}_0_0");
+            s.apply_group(status(uid, GroupState::Finished, step, &[&k]));
+            s.apply_reward(reward(uid, &k, step), step);
+        }
+        s.mark_sampled("train", "a", 1, "r1");
+        s.release(&["r1".into()]);
+        s.mark_evicted("train", "b", "staleness");
+        // the KV echo of the buffer's own writes changes nothing
+        let mut echo = status("b", GroupState::Evicted, 1, &["b_0_0"]);
+        echo.evicted_reason = "staleness".into();
+        s.apply_group(echo);
+        assert_eq!(s.live.len(), 1, "only c is live");
+        assert_eq!(s.select("train", 1).unwrap(), vec!["c".to_string()]);
+        let counts = s.counts("train");
+        assert_eq!((counts["sampled"], counts["evicted"], counts["finished"]), (1, 1, 1));
+        assert_eq!(s.ledger("train", &[], 10).len(), 3);
+        s.remove_group("train", "b");
+        assert_eq!(s.counts("train").get("evicted").copied().unwrap_or(0), 0);
+        assert_eq!(s.indexed_trajectories(), 1);
+    }
+
+    #[test]
+    fn after_a_restart_sampled_groups_without_payloads_are_retired() {
+        let mut s = BufferState::default();
+        // released before the restart: record says sampled, rewards purged
+        s.apply_group(status("old", GroupState::Sampled, 1, &["old_0_0"]));
+        // sampled but not yet released: its reward is still in the stream
+        s.apply_group(status("cur", GroupState::Sampled, 2, &["cur_0_0"]));
+        s.apply_reward(reward("cur", "cur_0_0", 5), 6);
+        s.retire_replayed_releases();
+        assert!(s.live.contains("train.cur") && !s.live.contains("train.old"));
+        assert_eq!(s.counts("train")["sampled"], 2);
     }
 }
