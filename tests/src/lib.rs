@@ -5,7 +5,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
+use jetrl_bus::GroupStore;
 pub use jetrl_bus::NatsServer;
+use jetrl_wire::v1::GroupStatus;
+use jetrl_wire::Message;
 
 pub mod sim;
 
@@ -27,7 +31,7 @@ pub struct TestJob {
     children: Vec<(String, Child)>,
 }
 
-/// The base job for tests: the demo's task on a smaller budget. `extra` is YAML merged over it (top-level
+/// The base job for tests: a digit task (reverse 4) on a small budget. `extra` is YAML merged over it (top-level
 /// sections replace the base's keys one level down).
 pub fn job_yaml(dir: &Path, nats_url: &str, extra: &str) -> String {
     let base = format!(
@@ -199,4 +203,22 @@ pub fn run_binary(binary: &str, args: &[&str], timeout: Duration) -> (ExitStatus
         std::thread::sleep(Duration::from_millis(50));
     };
     (status, std::fs::read_to_string(out_file.path()).unwrap_or_default())
+}
+
+/// Every decodable group record in the GROUPS bucket (undecodable ones are skipped).
+pub async fn group_records(store: &GroupStore) -> Vec<GroupStatus> {
+    let mut keys = store.kv().keys().await.expect("list GROUPS keys");
+    let mut names = Vec::new();
+    while let Some(Ok(k)) = keys.next().await {
+        names.push(k);
+    }
+    let mut out = Vec::with_capacity(names.len());
+    for k in names {
+        if let Ok(Some(v)) = store.kv().get(&k).await {
+            if let Ok(s) = GroupStatus::decode(v.as_ref()) {
+                out.push(s);
+            }
+        }
+    }
+    out
 }

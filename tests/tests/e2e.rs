@@ -4,11 +4,8 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use jetrl_bus::{Bus, GroupStore};
 use jetrl_tests::TestJob;
-use jetrl_wire::v1::GroupStatus;
-use jetrl_wire::Message;
 
 fn mean(values: &[f64]) -> f64 {
     values.iter().sum::<f64>() / values.len().max(1) as f64
@@ -38,17 +35,7 @@ async fn five_services_as_processes_learn_the_reverse_task() {
     // both workers took groups from the shared queue
     let bus = Bus::connect(&job.config().nats, "e2e-check").await.unwrap();
     let store = GroupStore::open(&bus).await.unwrap();
-    let mut workers = HashSet::new();
-    let mut keys = store.kv().keys().await.unwrap();
-    let mut names = Vec::new();
-    while let Some(Ok(k)) = keys.next().await {
-        names.push(k);
-    }
-    for k in names {
-        if let Ok(Some(v)) = store.kv().get(&k).await {
-            workers.insert(GroupStatus::decode(v.as_ref()).unwrap().worker_id);
-        }
-    }
+    let workers: HashSet<String> = jetrl_tests::group_records(&store).await.into_iter().map(|s| s.worker_id).collect();
     assert!(workers.contains("rollout-0") && workers.contains("rollout-1"), "workers seen: {workers:?}");
     assert!(job.run_dir().join("reward_curve.svg").exists());
 }

@@ -4,11 +4,10 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{Bus, GroupStore};
 use jetrl_tests::{run_binary, TestJob};
-use jetrl_wire::v1::{GroupState, GroupStatus, SampleRequest, SampleResponse};
+use jetrl_wire::v1::{GroupState, SampleRequest, SampleResponse};
 use jetrl_wire::{subjects, Message};
 
 const SERVICES: [&str; 5] =
@@ -186,18 +185,9 @@ async fn malformed_message_on_each_subject_is_counted_set_aside_and_services_kee
 async fn group_states(store: &GroupStore) -> (HashMap<i32, usize>, HashMap<String, usize>) {
     let mut by_state = HashMap::new();
     let mut by_worker = HashMap::new();
-    let mut keys = store.kv().keys().await.unwrap();
-    let mut names = Vec::new();
-    while let Some(Ok(k)) = keys.next().await {
-        names.push(k);
-    }
-    for k in names {
-        if let Ok(Some(v)) = store.kv().get(&k).await {
-            if let Ok(s) = GroupStatus::decode(v.as_ref()) {
-                *by_state.entry(s.state).or_insert(0) += 1;
-                *by_worker.entry(s.worker_id.clone()).or_insert(0) += 1;
-            }
-        }
+    for s in jetrl_tests::group_records(store).await {
+        *by_state.entry(s.state).or_insert(0) += 1;
+        *by_worker.entry(s.worker_id).or_insert(0) += 1;
     }
     (by_state, by_worker)
 }
