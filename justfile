@@ -9,7 +9,7 @@ default: demo
 build:
     cargo build --workspace --bins
 
-# the demo: GRPO on "reverse 4 digits" with a tiny model; writes runs/demo/
+# the demo: GRPO on "copy 4 digits" with a tiny model; writes runs/demo/
 demo config="configs/demo.yaml" *overrides="": build
     ./target/debug/jetrl run {{config}} {{overrides}}
 

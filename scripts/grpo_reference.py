@@ -1,5 +1,5 @@
 # A plain PyTorch GRPO loop on a jetrl model directory, for comparing learning curves on the built-in digit
-# tasks (not part of jetrl). Usage: .venv/bin/python benches/demo_task/grpo_reference.py --task reverse --len 4 --ent 0.1
+# tasks (not part of jetrl). Usage: .venv/bin/python scripts/grpo_reference.py --task reverse --len 4 --ent 0.1
 import json, random, sys, torch, time, argparse
 p = argparse.ArgumentParser()
 p.add_argument("--task", default="reverse"); p.add_argument("--len", type=int, default=4)
