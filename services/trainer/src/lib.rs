@@ -521,25 +521,23 @@ impl Trainer {
         }
     }
 
-    /// Fetches every sampled trajectory's payload from the TRAJ stream (many direct gets in flight).
+    /// Fetches every sampled trajectory's payload from the TRAJ stream (one batched direct get per group).
     async fn fetch_samples(&self, response: &SampleResponse) -> Result<Vec<Sample>, TrainerError> {
-        let stream = self.bus.stream(subjects::TRAJ_STREAM).await?;
         let rewards: Vec<&v1::Reward> = response.groups.iter().flat_map(|g| g.trajectories.iter()).collect();
-        let fetched: Vec<(usize, Result<Trajectory, String>)> =
-            futures::stream::iter(rewards.iter().enumerate().map(|(i, r)| {
-                let stream = &stream;
-                let seq = r.traj_seq;
-                async move {
-                    let result = match stream.direct_get(seq).await {
-                        Ok(msg) => Trajectory::decode(msg.payload.as_ref()).map_err(|e| e.to_string()),
-                        Err(e) => Err(e.to_string()),
-                    };
-                    (i, result)
-                }
-            }))
-            .buffered(64)
-            .collect()
-            .await;
+        let wanted: Vec<(String, u64)> =
+            rewards.iter().map(|r| (subjects::traj_subject(&r.partition, &r.uid), r.traj_seq)).collect();
+        let mut payloads = self.bus.fetch_by_sequence(subjects::TRAJ_STREAM, &wanted).await?;
+        let fetched: Vec<(usize, Result<Trajectory, String>)> = rewards
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let result = match payloads.remove(&r.traj_seq) {
+                    Some(payload) => Trajectory::decode(payload.as_ref()).map_err(|e| e.to_string()),
+                    None => Err("not in the TRAJ stream".to_string()),
+                };
+                (i, result)
+            })
+            .collect();
         let mut samples = Vec::with_capacity(fetched.len());
         for (i, result) in fetched {
             let reward = rewards[i];

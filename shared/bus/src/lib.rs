@@ -12,6 +12,7 @@
 
 pub mod connect;
 pub mod consume;
+pub mod fetch;
 pub mod groups;
 pub mod harness;
 pub mod publish;

@@ -256,3 +256,43 @@ async fn reissue_evicts_inflight_groups_and_recreates_them_with_the_resume_step(
     let (kept, _) = groups.get("train", "f").await.unwrap().unwrap();
     assert_eq!(kept.state(), GroupState::Finished, "finished groups are kept");
 }
+
+#[tokio::test]
+async fn payloads_are_fetched_by_sequence_one_batch_per_subject() {
+    let server = NatsServer::start().unwrap();
+    let bus = bus(&server).await;
+    // two groups interleaved, plus a message on group a's subject that is not wanted
+    let mut want = Vec::new();
+    let mut unwanted = 0;
+    for i in 0..20u32 {
+        let uid = if i % 2 == 0 { "a" } else { "b" };
+        let subject = subjects::traj_subject("train", uid);
+        let ack = bus
+            .publish_durable(Outgoing::new(
+                subject.clone(),
+                Some(format!("{uid}_{i}_0")),
+                i.to_le_bytes().to_vec().into(),
+            ))
+            .await
+            .unwrap();
+        if i == 4 {
+            unwanted = ack.sequence;
+        } else {
+            want.push((subject, ack.sequence, i));
+        }
+    }
+    let seqs: Vec<u64> = want.iter().filter(|w| w.0.ends_with(".a")).map(|w| w.1).collect();
+    let batch =
+        bus.direct_get_batch(subjects::TRAJ_STREAM, &subjects::traj_subject("train", "a"), &seqs).await.unwrap();
+    assert_eq!(batch.len(), seqs.len(), "one batched request returns the whole group");
+    assert!(!batch.contains_key(&unwanted));
+
+    // a sequence that is gone is absent, the rest are there with their bytes
+    let mut wanted: Vec<(String, u64)> = want.iter().map(|w| (w.0.clone(), w.1)).collect();
+    wanted.push((subjects::traj_subject("train", "b"), 10_000));
+    let found = bus.fetch_by_sequence(subjects::TRAJ_STREAM, &wanted).await.unwrap();
+    assert_eq!(found.len(), want.len());
+    for (_, seq, i) in &want {
+        assert_eq!(found[seq].as_ref(), i.to_le_bytes());
+    }
+}

@@ -165,7 +165,6 @@ async fn jetrl_path(url: &str, groups_total: usize, batch_groups: usize, produce
             }
         });
     }
-    let traj = bus.stream(subjects::TRAJ_STREAM).await.expect("traj stream");
     let mut consumed = 0usize;
     let mut latencies = Vec::new();
     let mut step = 0u64;
@@ -197,14 +196,13 @@ async fn jetrl_path(url: &str, groups_total: usize, batch_groups: usize, produce
         if step > 1 {
             latencies.push(answered.saturating_duration_since(ready.max(sent)).as_secs_f64() * 1000.0);
         }
-        let seqs: Vec<u64> = response.groups.iter().flat_map(|g| g.trajectories.iter().map(|t| t.traj_seq)).collect();
-        let fetched: Vec<usize> = futures::stream::iter(seqs.into_iter().map(|seq| {
-            let traj = traj.clone();
-            async move { traj.direct_get(seq).await.map(|m| m.payload.len()).unwrap_or(0) }
-        }))
-        .buffer_unordered(64)
-        .collect()
-        .await;
+        let wanted: Vec<(String, u64)> = response
+            .groups
+            .iter()
+            .flat_map(|g| g.trajectories.iter().map(|t| (subjects::traj_subject(&t.partition, &t.uid), t.traj_seq)))
+            .collect();
+        let payloads = bus.fetch_by_sequence(subjects::TRAJ_STREAM, &wanted).await.expect("fetch");
+        let fetched: Vec<usize> = wanted.iter().map(|(_, seq)| payloads.get(seq).map_or(0, |p| p.len())).collect();
         assert!(fetched.iter().all(|&n| n > PAYLOAD), "a payload was missing");
         consumed += fetched.len();
         let fetched_at = Instant::now();

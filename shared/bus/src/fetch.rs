@@ -1,0 +1,120 @@
+//! Reading stored payloads back by stream sequence, many at a time.
+//!
+//! A sampled batch names its trajectories by TRAJ stream sequence, and a group's trajectories share one subject
+//! (`jetrl.traj.<partition>.<uid>`). One batched direct get per group (ADR-31: `seq`, `next_by_subj`, `batch`;
+//! nats-server ≥ 2.11) returns all of them in one request instead of one round trip per trajectory. Anything a
+//! batch did not return (an older server, messages in between on the same subject) is fetched one by one.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+
+use crate::{Bus, BusError};
+
+/// Batched requests in flight at once.
+const CONCURRENT_BATCHES: usize = 32;
+/// Single direct gets in flight at once (the fallback).
+const CONCURRENT_SINGLE: usize = 64;
+/// How long one batch may take before the rest of it is fetched one by one.
+const BATCH_TIMEOUT: Duration = Duration::from_secs(10);
+/// Extra messages a batch may read past the wanted ones (other messages on the same subject).
+const SLACK: usize = 8;
+
+impl Bus {
+    /// The payloads at `wanted` (subject, stream sequence) in `stream`, by sequence. A sequence that is not
+    /// in the stream (purged, expired) is absent from the map; a failed request is an error.
+    pub async fn fetch_by_sequence(
+        &self,
+        stream: &str,
+        wanted: &[(String, u64)],
+    ) -> Result<HashMap<u64, Bytes>, BusError> {
+        let mut by_subject: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+        for (subject, seq) in wanted {
+            by_subject.entry(subject.as_str()).or_default().push(*seq);
+        }
+        let batches: Vec<HashMap<u64, Bytes>> =
+            futures::stream::iter(by_subject.into_iter().map(|(subject, mut seqs)| async move {
+                seqs.sort_unstable();
+                seqs.dedup();
+                self.direct_get_batch(stream, subject, &seqs).await.unwrap_or_default()
+            }))
+            .buffer_unordered(CONCURRENT_BATCHES)
+            .collect()
+            .await;
+        let mut found: HashMap<u64, Bytes> = batches.into_iter().flatten().collect();
+        let missing: Vec<u64> = wanted.iter().map(|(_, s)| *s).filter(|s| !found.contains_key(s)).collect();
+        if !missing.is_empty() {
+            let handle = self.stream(stream).await?;
+            let singles: Vec<(u64, Result<Bytes, String>)> = futures::stream::iter(missing.into_iter().map(|seq| {
+                let handle = &handle;
+                async move {
+                    match handle.direct_get(seq).await {
+                        Ok(msg) => (seq, Ok(msg.payload)),
+                        Err(e) => (seq, Err(e.to_string())),
+                    }
+                }
+            }))
+            .buffer_unordered(CONCURRENT_SINGLE)
+            .collect()
+            .await;
+            for (seq, result) in singles {
+                match result {
+                    Ok(payload) => {
+                        found.insert(seq, payload);
+                    }
+                    // not found: the caller reports the missing key
+                    Err(e) if e.contains("not found") || e.contains("404") => {}
+                    Err(e) => {
+                        return Err(BusError::Request { subject: format!("direct get {stream} #{seq}"), message: e })
+                    }
+                }
+            }
+        }
+        Ok(found)
+    }
+
+    /// One batched direct get: the messages on `subject` from `seqs[0]` on, keeping those in `seqs`.
+    pub(crate) async fn direct_get_batch(
+        &self,
+        stream: &str,
+        subject: &str,
+        seqs: &[u64],
+    ) -> Result<HashMap<u64, Bytes>, BusError> {
+        let (Some(&first), Some(&last)) = (seqs.first(), seqs.last()) else { return Ok(HashMap::new()) };
+        let client = self.client();
+        let request_subject = format!("$JS.API.DIRECT.GET.{stream}");
+        let err = |message: String| BusError::Request { subject: request_subject.clone(), message };
+        let inbox = client.new_inbox();
+        let mut replies = client.subscribe(inbox.clone()).await.map_err(|e| err(e.to_string()))?;
+        let body = serde_json::json!({ "seq": first, "next_by_subj": subject, "batch": seqs.len() + SLACK });
+        client
+            .publish_with_reply(request_subject.clone(), inbox, body.to_string().into())
+            .await
+            .map_err(|e| err(e.to_string()))?;
+        let mut out = HashMap::with_capacity(seqs.len());
+        let collect = async {
+            while let Some(msg) = replies.next().await {
+                // a status reply ends the batch: 204 end of batch, 404 nothing (more) found, others errors
+                if msg.status.is_some() {
+                    break;
+                }
+                let seq = msg
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get("Nats-Sequence"))
+                    .and_then(|v| v.as_str().parse::<u64>().ok());
+                let Some(seq) = seq else { break };
+                if seqs.binary_search(&seq).is_ok() {
+                    out.insert(seq, msg.payload);
+                }
+                if seq >= last || out.len() == seqs.len() {
+                    break;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(BATCH_TIMEOUT, collect).await;
+        Ok(out)
+    }
+}
