@@ -292,16 +292,7 @@ mod tests {
 
     #[test]
     fn loader_wraps_epochs_and_resumes_to_the_same_batches() {
-        let examples: Vec<Example> = (0..10)
-            .map(|i| Example {
-                index: i,
-                data_source: "t".into(),
-                prompt: Prompt::Text(i.to_string()),
-                ground_truth: String::new(),
-                extra_info: serde_json::Value::Null,
-                agent_name: None,
-            })
-            .collect();
+        let examples: Vec<Example> = (0..10).map(example).collect();
         let mut a = DataLoader::new(examples.clone(), true, 3).unwrap();
         a.next_batch(7);
         let saved = a.state();
