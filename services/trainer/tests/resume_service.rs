@@ -5,84 +5,14 @@
 //! re-issues the prompt groups the first incarnation left in flight, and the run ends with one metrics line
 //! per step and the final checkpoint.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use jetrl_bus::{Bus, GroupStore, NatsServer};
-use jetrl_config::JobConfig;
+use jetrl_bus::{Bus, GroupStore};
+use jetrl_tests::TestJob;
 use jetrl_trainer::checkpoint::{self, TrainerState};
 use jetrl_wire::v1::GroupState;
 use tokio::sync::watch;
-
-/// A service binary of this workspace (`target/<profile>/<name>`), found from the test executable.
-fn bin(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable");
-    let path = exe.parent().and_then(Path::parent).expect("target dir").join(name);
-    assert!(path.exists(), "{} not found: build the binaries first (cargo build --bins)", path.display());
-    path
-}
-
-/// Service processes by name, killed when dropped.
-struct Services(Vec<(String, Child)>);
-
-impl Services {
-    /// SIGKILL: the process dies without settling anything.
-    fn kill(&mut self, name: &str) {
-        for (n, child) in &mut self.0 {
-            if n == name {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-        }
-    }
-
-    fn spawn(&mut self, dir: &Path, name: &str, extra: &[&str]) {
-        let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
-        let child = Command::new(bin(name))
-            .arg("--config")
-            .arg(dir.join("job.yaml"))
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
-        self.0.push((name.to_string(), child));
-    }
-}
-
-impl Drop for Services {
-    fn drop(&mut self) {
-        for (_, child) in &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-fn job(dir: &Path, nats_url: &str) -> JobConfig {
-    let yaml = format!(
-        r#"
-nats: {{url: "{nats_url}", connect_timeout_s: 20}}
-run: {{name: resume, dir: "{run}", seed: 1}}
-model: {{path: "{model}"}}
-data:
-  task: {{name: reverse, min_len: 4, max_len: 4, train_size: 400, val_size: 4}}
-  train_batch_size: 4
-  max_prompt_length: 32
-  max_response_length: 4
-rollout: {{n: 4, ack_wait_s: 3, heartbeat_interval_s: 0.5}}
-actor: {{optim: {{lr: 1.0e-3, weight_decay: 0.0}}}}
-trainer: {{total_training_steps: 4, save_freq: 2, weight_sync_timeout_s: 60, sample_wait_s: 2}}
-"#,
-        run = dir.join("run").display(),
-        model = dir.join("model").display(),
-    );
-    let file = dir.join("job.yaml");
-    std::fs::write(&file, yaml).unwrap();
-    JobConfig::load(Some(&file), &[]).unwrap()
-}
 
 /// A shutdown future that resolves when the sender says so.
 fn until(rx: &watch::Receiver<bool>) -> impl std::future::Future<Output = ()> + Send + 'static {
@@ -103,19 +33,19 @@ fn metric_steps(run_dir: &Path) -> Vec<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
-    let nats = NatsServer::start().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    jetrl_model::init_model("tiny", &dir.path().join("model"), 1).unwrap();
-    let cfg = job(dir.path(), &nats.url());
-    let run_dir = dir.path().join("run");
+    let mut job = TestJob::new(
+        "run: {name: resume}\n\
+         data: {task: {name: reverse, min_len: 4, max_len: 4, train_size: 400, val_size: 4}, train_batch_size: 4, \
+         max_response_length: 4}\n\
+         trainer: {total_training_steps: 4, save_freq: 2, weight_sync_timeout_s: 60, sample_wait_s: 2}",
+    );
+    let cfg = job.config();
+    let run_dir = job.run_dir();
     let ckpt_root = checkpoint::root_dir(&cfg);
-
-    let mut services = Services(Vec::new());
-    let d = dir.path();
-    services.spawn(d, "jetrl-checkpoint-sync", &[]);
-    services.spawn(d, "jetrl-replay-buffer", &[]);
-    services.spawn(d, "jetrl-reward-service", &[]);
-    services.spawn(d, "jetrl-rollout-worker", &["rollout.instance_id=rollout-0"]);
+    job.spawn("checkpoint-sync", "jetrl-checkpoint-sync", &[]);
+    job.spawn("replay-buffer", "jetrl-replay-buffer", &[]);
+    job.spawn("reward-0", "jetrl-reward-service", &[]);
+    job.spawn("rollout-0", "jetrl-rollout-worker", &["rollout.instance_id=rollout-0"]);
     let bus = Bus::connect(&cfg.nats, "resume-check").await.unwrap();
     let groups = GroupStore::open(&bus).await.unwrap();
 
@@ -130,7 +60,7 @@ async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
             assert!(Instant::now() < deadline, "no step-2 checkpoint");
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        services.kill("jetrl-rollout-worker");
+        job.kill("rollout-0");
         loop {
             let step3 = groups.list("train").await.unwrap().into_iter().filter(|g| g.submit_step == 3).count();
             if step3 == 4 {
@@ -168,7 +98,7 @@ async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
             assert!(Instant::now() < deadline, "stranded groups never re-issued ({reissued})");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        services.spawn(d, "jetrl-rollout-worker", &["rollout.instance_id=rollout-1"]);
+        job.spawn("rollout-1", "jetrl-rollout-worker", &["rollout.instance_id=rollout-1"]);
     };
     let (second, ()) = tokio::join!(
         tokio::time::timeout(Duration::from_secs(240), jetrl_trainer::run(cfg.clone(), until(&second_rx))),
@@ -198,5 +128,4 @@ async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
     }
     let sampled = all.iter().filter(|g| g.state() == GroupState::Sampled).count();
     assert_eq!(sampled, 16, "4 steps of 4 groups were trained on");
-    drop(services);
 }

@@ -202,13 +202,7 @@ impl CausalLm {
     /// keeps its row finite (its output is meaningless and must be masked by the caller).
     pub fn forward_hidden(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
         let (_, t) = check_2d(input_ids, "input_ids")?;
-        if attention_mask.size() != input_ids.size() {
-            return Err(ModelError::Input(format!(
-                "attention_mask has shape {:?} but input_ids has {:?}",
-                attention_mask.size(),
-                input_ids.size()
-            )));
-        }
+        check_same_shape(attention_mask, "attention_mask", input_ids)?;
         let device = self.device();
         let input_ids = input_ids.f_to_device(device)?;
         let key_mask = attention_mask.f_to_device(device)?.f_ne(0)?;
@@ -267,13 +261,7 @@ impl CausalLm {
         key_mask: &Tensor,
     ) -> Result<Tensor> {
         let (b, t) = check_2d(input_ids, "input_ids")?;
-        if positions.size() != input_ids.size() {
-            return Err(ModelError::Input(format!(
-                "positions has shape {:?} but input_ids has {:?}",
-                positions.size(),
-                input_ids.size()
-            )));
-        }
+        check_same_shape(positions, "positions", input_ids)?;
         if b != cache.batch || cache.layers.len() != self.layers.len() {
             return Err(ModelError::Input(format!(
                 "the KV cache was made for {} rows and {} layers, the step has {b} rows and the model {} layers",
@@ -319,6 +307,18 @@ fn check_2d(t: &Tensor, what: &str) -> Result<(i64, i64)> {
         &[b, l] if b > 0 && l > 0 => Ok((b, l)),
         other => Err(ModelError::Input(format!("{what} must be a non-empty [batch, len] tensor, got shape {other:?}"))),
     }
+}
+
+/// `t` (named `what`) must have the shape of `input_ids`.
+fn check_same_shape(t: &Tensor, what: &str, input_ids: &Tensor) -> Result<()> {
+    if t.size() != input_ids.size() {
+        return Err(ModelError::Input(format!(
+            "{what} has shape {:?} but input_ids has {:?}",
+            t.size(),
+            input_ids.size()
+        )));
+    }
+    Ok(())
 }
 
 /// The boolean attention mask `[B, 1, T, S]` for `T` queries at slots `offset..offset+T` over `S` key slots:
