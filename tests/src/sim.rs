@@ -7,7 +7,7 @@ use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{Bus, BusError, GroupStore, Publisher};
 use jetrl_wire::keys::TrajectoryKey;
 use jetrl_wire::v1::{GroupState, GroupStatus, PromptTask, Reward, Trajectory};
-use jetrl_wire::{packed, subjects};
+use jetrl_wire::{packed, subjects, Message};
 
 /// What a simulated group looks like.
 #[derive(Debug, Clone)]
@@ -18,7 +18,8 @@ pub struct GroupSpec {
     /// one score per session; the group's trajectories are `{uid}_{i}_0`
     pub scores: Vec<f64>,
     pub state: GroupState,
-    /// bytes of response token ids per trajectory (the payload size)
+    /// encoded size of each trajectory message in bytes (the payload size): response tokens (ids, mask and
+    /// log-probs, 9 bytes a token) plus padding in `extra_info_json` up to exactly this size
     pub payload_bytes: usize,
     /// the scorer the reward service will pick (`sim` is unknown to it: a zero reward with a reason)
     pub data_source: String,
@@ -62,12 +63,21 @@ pub async fn submit(groups: &GroupStore, spec: &GroupSpec) -> Result<(GroupStatu
     Ok((status, revision))
 }
 
-/// A trajectory whose response is `payload_bytes / 4` token ids; the response text encodes the score for
-/// the simulated scorer.
+/// Bytes a response token takes in a trajectory message: a u32 id, a u8 mask and an f32 log-prob.
+const BYTES_PER_TOKEN: usize = 9;
+
+/// The response length of the spec's trajectories.
+pub fn response_tokens(spec: &GroupSpec) -> usize {
+    (spec.payload_bytes.saturating_sub(FIELDS_ALLOWANCE) / BYTES_PER_TOKEN).max(1)
+}
+
+/// A trajectory whose encoded size is `payload_bytes` (when that is more than its fields need): response token
+/// ids, mask and log-probs, padded in `extra_info_json`. The response text encodes the score for the simulated
+/// scorer.
 pub fn trajectory(spec: &GroupSpec, session: usize) -> Trajectory {
-    let tokens = (spec.payload_bytes / 4).max(1);
+    let tokens = response_tokens(spec);
     let ids: Vec<u32> = (0..tokens as u32).map(|t| t.wrapping_mul(2_654_435_761) % 151_000).collect();
-    Trajectory {
+    let mut traj = Trajectory {
         key: TrajectoryKey::new(spec.uid.clone(), session as u32, 0).to_string(),
         uid: spec.uid.clone(),
         session_id: session as u32,
@@ -83,8 +93,28 @@ pub fn trajectory(spec: &GroupSpec, session: usize) -> Trajectory {
         min_version: spec.submit_step,
         max_version: spec.submit_step,
         ..Default::default()
+    };
+    let base = traj.encoded_len();
+    if spec.payload_bytes > base + PAD_JSON_OVERHEAD {
+        // The padding field's own length prefix grows with it: correct by the difference until exact (at a
+        // prefix-size boundary it can end a byte short).
+        let mut pad = spec.payload_bytes - base - PAD_JSON_OVERHEAD;
+        for _ in 0..4 {
+            traj.extra_info_json = format!("{{\"pad\":\"{}\"}}", "x".repeat(pad));
+            let len = traj.encoded_len();
+            if len <= spec.payload_bytes && len + 1 >= spec.payload_bytes {
+                break;
+            }
+            pad = (pad + spec.payload_bytes).saturating_sub(len);
+        }
     }
+    traj
 }
+
+/// Length of `{"pad":""}`.
+const PAD_JSON_OVERHEAD: usize = 10;
+/// Room left for a trajectory's other fields (key, uid, prompt, text, padding) when sizing its response.
+const FIELDS_ALLOWANCE: usize = 256;
 
 /// Generates a group as a rollout worker would: running, every trajectory published and acknowledged, then
 /// the terminal status with the keys. `known` is the pending record and revision when the caller has them
@@ -140,7 +170,7 @@ pub async fn score(publisher: &mut Publisher, spec: &GroupSpec, seqs: &[u64]) ->
             score,
             submit_step: spec.submit_step,
             session_id: session as u32,
-            response_len: (spec.payload_bytes / 4) as u32,
+            response_len: response_tokens(spec) as u32,
             prompt_len: 4,
             min_version: spec.submit_step,
             max_version: spec.submit_step,
@@ -152,4 +182,19 @@ pub async fn score(publisher: &mut Publisher, spec: &GroupSpec, seqs: &[u64]) ->
             .await?;
     }
     publisher.drain().await.map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_trajectory_has_the_encoded_size_its_spec_asks_for() {
+        for bytes in [1024, 16 * 1024, 100_000, 2 * 1024 * 1024] {
+            let mut spec = GroupSpec::finished("u", 1, &[1.0]);
+            spec.payload_bytes = bytes;
+            let len = trajectory(&spec, 0).encoded_len();
+            assert!(len <= bytes && len + 1 >= bytes, "asked for {bytes} bytes, got {len}");
+        }
+    }
 }

@@ -3,7 +3,7 @@
 //! - jetrl: producers publish 16 KiB trajectories in groups of 8 (record pending → running → trajectories →
 //!   finished), the real reward service scores them, the real replay buffer indexes them, and a consumer
 //!   samples batches of groups, fetches every payload from the TRAJ stream and releases the step.
-//! - raw: the same number of 16 KiB messages published with pipelined acks and pulled with acks by
+//! - raw: the same number of messages, each the bytes of one of those trajectories (16 KiB), published with pipelined acks and pulled with acks by
 //!   async-nats on a plain stream.
 //! - sample latency: for each sample request, how long after the later of (request sent, last needed group
 //!   complete) the answer arrived; p99 over all requests.
@@ -40,6 +40,14 @@ async fn connect(url: &str, name: &str) -> (Bus, GroupStore) {
     (bus, groups)
 }
 
+/// A group of GROUP trajectories of PAYLOAD encoded bytes each, scored by the reverse rule.
+fn bench_spec(uid: &str) -> GroupSpec {
+    let mut spec = GroupSpec::finished(uid, 1, &[1.0; GROUP]);
+    spec.payload_bytes = PAYLOAD;
+    spec.data_source = "jetrl/reverse".into();
+    spec
+}
+
 /// Raw JetStream: publish `count` messages of PAYLOAD bytes (pipelined acks) while a pull consumer reads and
 /// acks them. Returns messages per second (end to end).
 async fn raw(url: &str, count: usize) -> f64 {
@@ -61,7 +69,8 @@ async fn raw(url: &str, count: usize) -> f64 {
         })
         .await
         .expect("consumer");
-    let payload = bytes::Bytes::from(vec![7u8; PAYLOAD]);
+    // the same bytes as the jetrl path's trajectories
+    let payload = bytes::Bytes::from(sim::trajectory(&bench_spec("raw"), 0).encode_to_vec());
     let started = Instant::now();
     let reader = tokio::spawn(async move {
         let mut messages = consumer.stream().max_messages_per_batch(512).messages().await.expect("messages");
@@ -109,6 +118,7 @@ async fn jetrl_path(url: &str, groups_total: usize, batch_groups: usize, produce
         });
     }
     let (bus, _) = connect(url, "bench-consumer").await;
+    wait_until_ready(&bus, sim_reward).await;
     // uid -> when its last reward was acknowledged (the group is complete once the buffer sees it)
     let completed: Arc<Mutex<HashMap<String, Instant>>> = Arc::new(Mutex::new(HashMap::new()));
     let started = Instant::now();
@@ -124,9 +134,7 @@ async fn jetrl_path(url: &str, groups_total: usize, batch_groups: usize, produce
                 let (bus, groups) = (bus.clone(), groups.clone());
                 async move {
                     let mut publisher = Publisher::new(&bus, 64);
-                    let mut spec = GroupSpec::finished(&format!("p{p}g{i}"), 1, &[1.0; GROUP]);
-                    spec.payload_bytes = PAYLOAD;
-                    spec.data_source = "jetrl/reverse".into();
+                    let spec = bench_spec(&format!("p{p}g{i}"));
                     let known = sim::submit(&groups, &spec).await.expect("submit");
                     let seqs = sim::produce(&bus, &groups, &mut publisher, &spec, Some(known)).await.expect("produce");
                     if sim_reward {
@@ -203,7 +211,7 @@ async fn jetrl_path(url: &str, groups_total: usize, batch_groups: usize, produce
             .collect();
         let payloads = bus.fetch_by_sequence(subjects::TRAJ_STREAM, &wanted).await.expect("fetch");
         let fetched: Vec<usize> = wanted.iter().map(|(_, seq)| payloads.get(seq).map_or(0, |p| p.len())).collect();
-        assert!(fetched.iter().all(|&n| n > PAYLOAD), "a payload was missing");
+        assert!(fetched.iter().all(|&n| n + 1 >= PAYLOAD), "a payload was missing");
         consumed += fetched.len();
         let fetched_at = Instant::now();
         let _: ReleaseResponse = bus
@@ -230,6 +238,31 @@ async fn jetrl_path(url: &str, groups_total: usize, batch_groups: usize, produce
     eprintln!("  consumer done after {:.2}s ({} sample requests)", started.elapsed().as_secs_f64(), step);
     let _ = stop_tx.send(true);
     (rate, latencies)
+}
+
+/// Waits until the buffer answers requests and the reward service has its consumer, so that the clock does not
+/// count service start-up (the raw path's clock starts after its stream and consumer exist, too).
+async fn wait_until_ready(bus: &Bus, sim_reward: bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let buffer = bus
+            .request::<_, jetrl_wire::v1::LedgerResponse>(
+                subjects::BUFFER_LEDGER,
+                &jetrl_wire::v1::LedgerRequest { limit: 1, ..Default::default() },
+                Duration::from_millis(500),
+            )
+            .await
+            .is_ok();
+        let reward = sim_reward || {
+            let traj = bus.stream(subjects::TRAJ_STREAM).await.expect("TRAJ");
+            traj.consumer_info(subjects::REWARD_CONSUMER).await.is_ok()
+        };
+        if buffer && reward {
+            return;
+        }
+        assert!(Instant::now() < deadline, "services did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 fn rss_bytes(pid: u32) -> u64 {
