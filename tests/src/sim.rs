@@ -1,12 +1,12 @@
 //! A simulated rollout producer (and scorer) writing through the real data plane: group records in the
-//! GROUPS bucket, trajectory payloads in TRAJ, and — when no reward service runs — rewards in REWARDS. Used
-//! by the replay-buffer integration tests and the `dataplane` benchmark.
+//! GROUPS bucket, trajectory payloads in TRAJ, score requests in SCORE, and — when no reward service runs —
+//! reward batches in REWARDS. Used by the replay-buffer integration tests and the `dataplane` benchmark.
 
 use bytes::Bytes;
 use jetrl_bus::publish::Outgoing;
-use jetrl_bus::{Bus, BusError, GroupStore, Publisher};
+use jetrl_bus::{Bus, BusError, GroupStore, Publisher, ScoreRequestBuilder};
 use jetrl_wire::keys::TrajectoryKey;
-use jetrl_wire::v1::{GroupState, GroupStatus, PromptTask, Reward, Trajectory};
+use jetrl_wire::v1::{GroupState, GroupStatus, PromptTask, Reward, RewardBatch, Trajectory};
 use jetrl_wire::{packed, subjects, Message};
 
 /// What a simulated group looks like.
@@ -116,9 +116,9 @@ const PAD_JSON_OVERHEAD: usize = 10;
 /// Room left for a trajectory's other fields (key, uid, prompt, text, padding) when sizing its response.
 const FIELDS_ALLOWANCE: usize = 256;
 
-/// Generates a group as a rollout worker would: running, every trajectory published and acknowledged, then
-/// the terminal status with the keys. `known` is the pending record and revision when the caller has them
-/// (saves a read). Returns the trajectories' stream sequences.
+/// Generates a group as a rollout worker would: running, every trajectory published and acknowledged, its score
+/// request, then the terminal status with the keys. `known` is the pending record and revision when the caller
+/// has them (saves a read). Returns the trajectories' stream sequences, in session order.
 pub async fn produce(
     bus: &Bus,
     groups: &GroupStore,
@@ -134,6 +134,7 @@ pub async fn produce(
     let running =
         groups.update_from(&spec.partition, &spec.uid, known, |_| Some(GroupState::Running)).await.map_err(kv_err)?;
     let mut keys = Vec::new();
+    let mut scoring = ScoreRequestBuilder::new(&spec.partition, &spec.uid);
     for session in 0..spec.scores.len() {
         let traj = trajectory(spec, session);
         keys.push(traj.key.clone());
@@ -144,8 +145,10 @@ pub async fn produce(
                 &traj,
             ))
             .await?;
+        scoring.add(&traj);
     }
     let acks = publisher.drain().await?;
+    scoring.publish(bus, &acks).await?;
     let state = spec.state;
     groups
         .update_from(&spec.partition, &spec.uid, running, |s| {
@@ -154,16 +157,18 @@ pub async fn produce(
         })
         .await
         .map_err(kv_err)?;
-    let _ = bus;
-    Ok(acks.iter().map(|a| a.sequence).collect())
+    let seq_of: std::collections::HashMap<&str, u64> =
+        acks.iter().filter_map(|a| a.msg_id.as_deref().map(|k| (k, a.sequence))).collect();
+    Ok(keys.iter().map(|k| seq_of.get(k.as_str()).copied().unwrap_or(0)).collect())
 }
 
-/// Publishes the rewards of a produced group directly (when no reward service is running).
+/// Publishes the rewards of a produced group directly, as one reward batch (when no reward service is running).
 pub async fn score(publisher: &mut Publisher, spec: &GroupSpec, seqs: &[u64]) -> Result<(), BusError> {
+    let mut batch = RewardBatch::default();
     for (session, (&score, &seq)) in spec.scores.iter().zip(seqs).enumerate() {
         let key = TrajectoryKey::new(spec.uid.clone(), session as u32, 0).to_string();
         let mut reward = Reward {
-            key: key.clone(),
+            key,
             uid: spec.uid.clone(),
             partition: spec.partition.clone(),
             traj_seq: seq,
@@ -177,10 +182,12 @@ pub async fn score(publisher: &mut Publisher, spec: &GroupSpec, seqs: &[u64]) ->
             ..Default::default()
         };
         reward.extra.insert("acc".into(), score);
-        publisher
-            .publish(Outgoing::protobuf(subjects::reward_subject(&spec.partition, &spec.uid), Some(key), &reward))
-            .await?;
+        batch.rewards.push(reward);
     }
+    let id = format!("{}.sim", spec.uid);
+    publisher
+        .publish(Outgoing::protobuf(subjects::reward_subject(&spec.partition, &spec.uid), Some(id), &batch))
+        .await?;
     publisher.drain().await.map(|_| ())
 }
 

@@ -86,7 +86,8 @@ async fn malformed_message_on_each_subject_is_counted_set_aside_and_services_kee
     let bus = Bus::connect(&cfg.nats, "fault-test").await.unwrap();
     bus.declare_topology().await.unwrap();
     let garbage = bytes::Bytes::from_static(&[0xff, 0xff, 0xff, 0x01]);
-    // a task, a trajectory (with a key: it must still get a reward) and a reward that do not decode
+    // a task, a score request (for a group with a stored trajectory: that must still get a reward) and a reward
+    // that do not decode
     bus.publish_durable(Outgoing::new(subjects::prompt_subject("train"), None, garbage.clone())).await.unwrap();
     bus.publish_durable(Outgoing::new(
         subjects::traj_subject("train", "junk"),
@@ -95,6 +96,7 @@ async fn malformed_message_on_each_subject_is_counted_set_aside_and_services_kee
     ))
     .await
     .unwrap();
+    bus.publish_durable(Outgoing::new(subjects::score_subject("train", "junk"), None, garbage.clone())).await.unwrap();
     // (under another key: the reward service's own reward for `junk_0_0` is checked below)
     bus.publish_durable(Outgoing::new(subjects::reward_subject("train", "junkreward"), None, garbage.clone()))
         .await
@@ -144,7 +146,7 @@ async fn malformed_message_on_each_subject_is_counted_set_aside_and_services_kee
     assert!(counter(&rollout, "jetrl_rollout_malformed_messages_total", subjects::PROMPTS_STREAM) >= 1.0, "{rollout}");
     assert!(counter(&rollout, "jetrl_rollout_malformed_messages_total", subjects::WEIGHTS_BUCKET) >= 1.0, "{rollout}");
     let reward = scrape(&addr("reward")).await;
-    assert!(counter(&reward, "jetrl_reward_malformed_messages_total", subjects::TRAJ_STREAM) >= 1.0, "{reward}");
+    assert!(counter(&reward, "jetrl_reward_malformed_messages_total", subjects::SCORE_STREAM) >= 1.0, "{reward}");
     let buffer = scrape(&addr("buffer")).await;
     for source in [subjects::REWARDS_STREAM, subjects::GROUPS_BUCKET, subjects::BUFFER_SAMPLE, subjects::BUFFER_RELEASE]
     {
@@ -156,10 +158,13 @@ async fn malformed_message_on_each_subject_is_counted_set_aside_and_services_kee
         "{checkpoint}"
     );
 
-    // the undecodable trajectory was set aside but still got a (zero, failed) reward under its key
+    // the undecodable score request was set aside, but its group's stored trajectory still got a (zero, failed)
+    // reward under its key
     let rewards = bus.stream(subjects::REWARDS_STREAM).await.unwrap();
     let msg = rewards.direct_get_last_for_subject(subjects::reward_subject("train", "junk")).await.unwrap();
-    let r = jetrl_wire::v1::Reward::decode(msg.payload.as_ref()).unwrap();
+    let batch = jetrl_wire::v1::RewardBatch::decode(msg.payload.as_ref()).unwrap();
+    assert_eq!(batch.rewards.len(), 1, "{batch:?}");
+    let r = &batch.rewards[0];
     assert_eq!(r.key, "junk_0_0");
     assert!(r.failure_reason.contains("malformed"), "{r:?}");
     // and the malformed sample request did not stop the buffer from answering a real one

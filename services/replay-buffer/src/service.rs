@@ -10,7 +10,8 @@ use jetrl_bus::{consume, Bus, BusError, GroupStore};
 use jetrl_config::JobConfig;
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::v1::{
-    GroupState, LedgerRequest, LedgerResponse, ReleaseRequest, ReleaseResponse, Reward, SampleRequest, SampleResponse,
+    GroupState, LedgerRequest, LedgerResponse, ReleaseRequest, ReleaseResponse, RewardBatch, SampleRequest,
+    SampleResponse,
 };
 use jetrl_wire::{subjects, Message};
 
@@ -162,11 +163,15 @@ impl Buffer {
                         Ok(msg) => {
                             let (seq, pending) = msg.info().map(|i| (i.stream_sequence, i.pending)).unwrap_or((0, 1));
                             if pending == 0 { self.rewards_current = true; }
-                            match Reward::decode(msg.payload.as_ref()) {
-                                Ok(reward) => { self.state.apply_reward(reward, seq); }
+                            match RewardBatch::decode(msg.payload.as_ref()) {
+                                Ok(batch) => {
+                                    for reward in batch.rewards {
+                                        self.state.apply_reward(reward, seq);
+                                    }
+                                }
                                 Err(err) => {
                                     consume::count_malformed(SERVICE, subjects::REWARDS_STREAM);
-                                    tracing::error!(subject = %msg.subject, error = %err, "malformed reward ignored");
+                                    tracing::error!(subject = %msg.subject, error = %err, "malformed reward batch ignored");
                                 }
                             }
                         }

@@ -1,4 +1,5 @@
-//! One micro-batch: decode, skip what is already scored, score, publish the rewards, then acknowledge.
+//! One micro-batch of score requests (one per prompt group): decode, skip what is already scored, score, publish
+//! one reward batch per request, then acknowledge.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -9,8 +10,9 @@ use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{consume, Bus, BusError, Publisher};
 use jetrl_reward::{RewardEngine, ScoreInput, ScoreOutcome, FAILURES_METRIC};
 use jetrl_wire::keys::TrajectoryKey;
-use jetrl_wire::v1::{Reward, Trajectory};
-use jetrl_wire::{packed, subjects, Message};
+use jetrl_wire::score::{prompt_len, response_len};
+use jetrl_wire::v1::{Reward, RewardBatch, ScoreRequest, Trajectory};
+use jetrl_wire::{subjects, Message};
 
 use crate::prompt::PromptSource;
 use crate::pull::{LeaseId, Leases, Pulled, Room};
@@ -18,32 +20,39 @@ use crate::{BATCH_ERRORS_METRIC, BATCH_SECONDS_METRIC, QUEUE_LAG_METRIC, SERVICE
 
 /// How soon a trajectory whose reward could not be published is offered again.
 const RETRY_DELAY: Duration = Duration::from_secs(1);
-/// Rewards of one uid inspected at most when checking whether a redelivered trajectory is already scored.
+/// Reward batches of one uid inspected at most when checking whether a redelivered request is already scored.
 const MAX_REWARDS_PER_GROUP_CHECKED: usize = 4096;
+/// Trajectories of one group read at most from TRAJ to give the group of a malformed request failure rewards.
+const MAX_TRAJECTORIES_PER_GROUP: usize = 4096;
 
 /// What every micro-batch shares.
 pub struct BatchContext {
     pub bus: Bus,
     pub engine: Arc<RewardEngine>,
     pub prompts: PromptSource,
-    /// the REWARDS stream, read to recognise a redelivered trajectory that already has its reward
+    /// the REWARDS stream, read to recognise a redelivered request that already has its rewards
     pub rewards: Stream,
+    /// the TRAJ stream, read for the keys of a group whose score request does not decode
+    pub trajectories: Stream,
+    /// trajectories scored per call of the scorer at most (`reward.batch_size`)
+    pub batch_size: usize,
     pub leases: Leases,
     pub room: Room,
 }
 
 impl BatchContext {
-    /// Hands back a trajectory that was pulled but not scored (the service is stopping): another instance gets
-    /// it at once.
+    /// Hands back a request that was pulled but not scored (the service is stopping): another instance gets it
+    /// at once.
     pub async fn release_unscored(&self, held: Pulled) {
         self.leases.release(held.lease);
         consume::settle(&held.msg, AckKind::Nak(None)).await;
         self.room.give_back(1);
     }
 
-    /// Whether the REWARDS stream already holds the reward of `key` (published before a crash, or by another
-    /// instance before its ack was lost). Any doubt answers `false`: publishing again is then de-duplicated by
-    /// `Nats-Msg-Id` within the stream's window.
+    /// Whether the REWARDS stream already holds the reward batch of request `key` (published before a crash, or
+    /// by another instance before its ack was lost). Any doubt answers `false`: publishing again is then
+    /// de-duplicated by `Nats-Msg-Id` within the stream's window, and after it the buffer keeps the first reward
+    /// of each trajectory.
     async fn already_scored(&self, partition: &str, uid: &str, key: &str) -> bool {
         let subject = subjects::reward_subject(partition, uid);
         let mut from = 1;
@@ -67,22 +76,19 @@ impl BatchContext {
     }
 }
 
-/// A trajectory of the batch, decoded or not.
+/// A score request of the batch, decoded or not.
 enum Item {
     Decoded {
         held: Pulled,
-        traj: Box<Trajectory>,
-        seq: u64,
+        request: ScoreRequest,
+        /// `Nats-Msg-Id` of the request, reused for its reward batch
+        id: String,
     },
-    /// already has its reward in REWARDS: acknowledged without scoring
-    AlreadyScored {
-        held: Pulled,
-    },
-    /// undecodable, but its key is known from `Nats-Msg-Id`: it gets a failure reward and is terminated
-    Malformed {
-        held: Pulled,
-        reward: Option<Box<Reward>>,
-    },
+    /// already has its rewards in REWARDS: acknowledged without scoring
+    AlreadyScored { held: Pulled },
+    /// undecodable: terminated; its group's stored trajectories (found in TRAJ by the message's subject) get
+    /// failure rewards, so the group is never stuck
+    Malformed { held: Pulled, batch: Option<(String, RewardBatch)> },
 }
 
 impl Item {
@@ -91,10 +97,19 @@ impl Item {
             Item::Decoded { held, .. } | Item::AlreadyScored { held } | Item::Malformed { held, .. } => held,
         }
     }
+
+    /// Trajectories this item stands for (for metrics).
+    fn trajectories(&self) -> usize {
+        match self {
+            Item::Decoded { request, .. } => request.trajectories.len(),
+            Item::Malformed { batch: Some((_, batch)), .. } => batch.rewards.len(),
+            _ => 0,
+        }
+    }
 }
 
-/// Scores and publishes one micro-batch, then acknowledges it. Never fails: a batch whose rewards cannot be
-/// published is handed back (NAK with a delay) and counted.
+/// Scores and publishes one micro-batch of requests, then acknowledges it. Never fails: a batch whose rewards
+/// cannot be published is handed back (NAK with a delay) and counted.
 pub async fn score_batch(context: Arc<BatchContext>, batch: Vec<Pulled>) {
     let started = Instant::now();
     let guard = HeldBatch { context: &context, leases: batch.iter().map(|held| held.lease).collect(), armed: true };
@@ -102,18 +117,18 @@ pub async fn score_batch(context: Arc<BatchContext>, batch: Vec<Pulled>) {
     for held in batch {
         items.push(decode(&context, held).await);
     }
-    let mut inputs = Vec::with_capacity(items.len());
+    let mut inputs = Vec::new();
     for item in &mut items {
-        if let Item::Decoded { traj, .. } = item {
-            inputs.push(score_input(&context.prompts, traj));
+        if let Item::Decoded { request, .. } = item {
+            inputs.extend(request.trajectories.iter_mut().map(|traj| score_input(&context.prompts, traj)));
         }
     }
-    let outcomes = score(&context.engine, inputs).await;
+    let outcomes = score(&context.engine, inputs, context.batch_size).await;
     match publish(&context.bus, &mut items, outcomes).await {
         Ok(()) => settle(&context, items, AckKind::Ack, started).await,
         Err(err) => {
             // Nothing is acknowledged: the batch comes back; de-duplication absorbs whatever was published.
-            tracing::error!(error = %err, trajectories = items.len(), "rewards not published; the batch comes back");
+            tracing::error!(error = %err, requests = items.len(), "rewards not published; the batch comes back");
             metrics::counter!(BATCH_ERRORS_METRIC).increment(1);
             settle(&context, items, AckKind::Nak(Some(RETRY_DELAY)), started).await;
         }
@@ -148,80 +163,147 @@ impl Drop for HeldBatch<'_> {
 }
 
 async fn decode(context: &BatchContext, held: Pulled) -> Item {
-    let (seq, delivered) = held.msg.info().map(|i| (i.stream_sequence, i.delivered)).unwrap_or((0, 1));
-    match Trajectory::decode(held.msg.payload.clone()) {
-        Ok(traj) => {
-            if delivered > 1 && context.already_scored(&traj.partition, &traj.uid, &traj.key).await {
-                tracing::debug!(key = %traj.key, delivered, "redelivered trajectory already has its reward");
+    let delivered = held.msg.info().map(|i| i.delivered).unwrap_or(1);
+    let header_id = held
+        .msg
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
+        .map(|v| v.as_str().to_string());
+    match ScoreRequest::decode(held.msg.payload.clone()) {
+        Ok(mut request) => {
+            jetrl_wire::score::expand_common(&mut request);
+            let id = header_id.unwrap_or_else(|| jetrl_wire::score::request_id(&request));
+            if delivered > 1 && context.already_scored(&request.partition, &request.uid, &id).await {
+                tracing::debug!(uid = %request.uid, delivered, "redelivered score request already has its rewards");
                 return Item::AlreadyScored { held };
             }
-            Item::Decoded { held, traj: Box::new(traj), seq }
+            Item::Decoded { held, request, id }
         }
         Err(err) => {
-            consume::count_malformed(SERVICE, subjects::TRAJ_STREAM);
-            metrics::counter!(FAILURES_METRIC, "reason" => "malformed_trajectory").increment(1);
-            tracing::error!(subject = %held.msg.subject, error = %err, "malformed trajectory terminated");
-            let key = held
-                .msg
-                .headers
-                .as_ref()
-                .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
-                .map(|v| v.as_str().to_string());
-            let partition = held.msg.subject.split('.').nth(2).unwrap_or("train").to_string();
-            let reward = key
-                .filter(|k| TrajectoryKey::parse(k).is_ok())
-                .map(|key| Box::new(malformed_reward(&key, &partition, seq, &err.to_string())));
-            Item::Malformed { held, reward }
+            consume::count_malformed(SERVICE, subjects::SCORE_STREAM);
+            metrics::counter!(FAILURES_METRIC, "reason" => "malformed_score_request").increment(1);
+            tracing::error!(subject = %held.msg.subject, error = %err, "malformed score request terminated");
+            let batch = match subjects::parse_group_subject(&held.msg.subject) {
+                Some((partition, uid)) => {
+                    let rewards =
+                        context.failed_group(partition, uid, &format!("malformed score request: {err}")).await;
+                    let id = header_id.unwrap_or_else(|| format!("{uid}.malformed"));
+                    (!rewards.is_empty()).then_some((id, RewardBatch { rewards }))
+                }
+                None => None,
+            };
+            Item::Malformed { held, batch }
         }
+    }
+}
+
+impl BatchContext {
+    /// Failure rewards for every trajectory of group `uid` stored in TRAJ (found by subject, keyed by their
+    /// `Nats-Msg-Id`): what a group whose score request cannot be read gets instead of scores.
+    async fn failed_group(&self, partition: &str, uid: &str, reason: &str) -> Vec<Reward> {
+        let subject = subjects::traj_subject(partition, uid);
+        let mut rewards = Vec::new();
+        let mut from = 1;
+        while rewards.len() < MAX_TRAJECTORIES_PER_GROUP {
+            match self.trajectories.direct_get_next_for_subject(subject.as_str(), Some(from)).await {
+                Ok(stored) => {
+                    from = stored.sequence + 1;
+                    let key = stored.headers.get(async_nats::header::NATS_MESSAGE_ID).map(|v| v.as_str().to_string());
+                    if let Some(key) = key.filter(|k| TrajectoryKey::parse(k).is_ok()) {
+                        rewards.push(failure_reward(&key, partition, stored.sequence, reason));
+                    }
+                }
+                Err(err) if matches!(err.kind(), DirectGetErrorKind::NotFound) => break,
+                Err(err) => {
+                    tracing::warn!(%subject, error = %err, "cannot list the trajectories of a malformed request's group");
+                    break;
+                }
+            }
+        }
+        rewards
     }
 }
 
 /// Rule scorers are CPU work with no await inside: a batch of them runs on the blocking pool, so several
 /// batches score in parallel and the reactor keeps moving publishes and acks meanwhile. Other routes wait on
-/// processes or the network and run here.
-async fn score(engine: &Arc<RewardEngine>, inputs: Vec<ScoreInput>) -> Vec<ScoreOutcome> {
+/// processes or the network and run here, their calls concurrently. Each call of the scorer gets at most
+/// `batch_size` trajectories.
+async fn score(engine: &Arc<RewardEngine>, inputs: Vec<ScoreInput>, batch_size: usize) -> Vec<ScoreOutcome> {
     if inputs.is_empty() {
         return Vec::new();
     }
+    let chunks = chunked(inputs, batch_size.max(1));
     if engine.route_name() != "rules" {
-        return engine.score_batch(inputs).await;
+        // concurrently: the user-function pool and the reward-model client bound the work in flight themselves
+        let calls = chunks.into_iter().map(|chunk| engine.score_batch(chunk));
+        return futures::future::join_all(calls).await.into_iter().flatten().collect();
     }
-    let keys: Vec<String> = inputs.iter().map(|input| input.key.clone()).collect();
+    let keys: Vec<String> = chunks.iter().flatten().map(|input| input.key.clone()).collect();
     let engine = Arc::clone(engine);
-    match tokio::task::spawn_blocking(move || futures::executor::block_on(engine.score_batch(inputs))).await {
+    let scored = tokio::task::spawn_blocking(move || {
+        let mut outcomes = Vec::new();
+        for chunk in chunks {
+            outcomes.extend(futures::executor::block_on(engine.score_batch(chunk)));
+        }
+        outcomes
+    })
+    .await;
+    match scored {
         Ok(outcomes) => outcomes,
         // `score_batch` catches scorer panics itself; this is only reached if the blocking pool is gone.
         Err(err) => keys.iter().map(|key| missing_outcome(key, &format!("scoring task failed: {err}"))).collect(),
     }
 }
 
+fn chunked<T>(items: Vec<T>, size: usize) -> Vec<Vec<T>> {
+    let mut chunks = Vec::with_capacity(items.len().div_ceil(size));
+    let mut items = items.into_iter().peekable();
+    while items.peek().is_some() {
+        chunks.push(items.by_ref().take(size).collect());
+    }
+    chunks
+}
+
+/// Publishes one reward batch per request (the request's id as `Nats-Msg-Id`), pipelined, and waits until all
+/// are stored.
 async fn publish(bus: &Bus, items: &mut [Item], outcomes: Vec<ScoreOutcome>) -> Result<(), BusError> {
     let mut publisher = Publisher::new(bus, items.len().max(1));
     let mut outcomes = outcomes.into_iter();
     for item in items.iter_mut() {
-        let reward = match item {
-            Item::Decoded { traj, seq, .. } => {
-                let outcome =
-                    outcomes.next().unwrap_or_else(|| missing_outcome(&traj.key, "scorer returned no outcome"));
-                reward_for(traj, *seq, outcome)
+        let (id, batch) = match item {
+            Item::Decoded { request, id, .. } => {
+                let rewards = request
+                    .trajectories
+                    .iter()
+                    .map(|traj| {
+                        let outcome =
+                            outcomes.next().unwrap_or_else(|| missing_outcome(&traj.key, "scorer returned no outcome"));
+                        reward_for(traj, outcome)
+                    })
+                    .collect();
+                (id.clone(), RewardBatch { rewards })
             }
-            Item::Malformed { reward: Some(reward), .. } => std::mem::take(reward.as_mut()),
-            Item::Malformed { reward: None, .. } | Item::AlreadyScored { .. } => continue,
+            Item::Malformed { batch: Some((id, batch)), .. } => (id.clone(), batch.clone()),
+            Item::Malformed { batch: None, .. } | Item::AlreadyScored { .. } => continue,
         };
-        let subject = subjects::reward_subject(&reward.partition, &reward.uid);
-        publisher.publish(Outgoing::protobuf(subject, Some(reward.key.clone()), &reward)).await?;
+        let Some(first) = batch.rewards.first() else { continue };
+        let subject = subjects::reward_subject(&first.partition, &first.uid);
+        publisher.publish(Outgoing::protobuf(subject, Some(id), &batch)).await?;
     }
     publisher.drain().await?;
     Ok(())
 }
 
-/// Acknowledges (or hands back) every trajectory of the batch, ends their leases and frees their room.
+/// Acknowledges (or hands back) every request of the batch, ends their leases and frees their room.
 async fn settle(context: &BatchContext, items: Vec<Item>, kind: AckKind, started: Instant) {
     let acknowledged = matches!(kind, AckKind::Ack);
     let count = items.len();
+    let mut trajectories = 0;
     for item in &items {
         let held = item.held();
-        // A malformed trajectory is terminated, never redelivered, whatever happened to its failure reward.
+        trajectories += item.trajectories();
+        // A malformed request is terminated, never redelivered, whatever happened to its failure rewards.
         let kind = if matches!(item, Item::Malformed { .. }) { AckKind::Term } else { kind };
         consume::settle(&held.msg, kind).await;
         context.leases.release(held.lease);
@@ -230,13 +312,15 @@ async fn settle(context: &BatchContext, items: Vec<Item>, kind: AckKind, started
     if !acknowledged {
         return;
     }
-    metrics::counter!(TRAJECTORIES_METRIC).increment(count as u64);
+    metrics::counter!(TRAJECTORIES_METRIC).increment(trajectories as u64);
     metrics::histogram!(BATCH_SECONDS_METRIC).record(started.elapsed().as_secs_f64());
     let now = jetrl_wire::now_unix_ms();
     for item in &items {
-        if let Item::Decoded { traj, .. } = item {
-            if let Some(done) = traj.timings.as_ref().map(|t| t.completed_unix_ms).filter(|&ms| ms > 0) {
-                metrics::histogram!(QUEUE_LAG_METRIC).record((now - done).max(0) as f64 / 1000.0);
+        if let Item::Decoded { request, .. } = item {
+            for traj in &request.trajectories {
+                if let Some(done) = traj.timings.as_ref().map(|t| t.completed_unix_ms).filter(|&ms| ms > 0) {
+                    metrics::histogram!(QUEUE_LAG_METRIC).record((now - done).max(0) as f64 / 1000.0);
+                }
             }
         }
     }
@@ -259,7 +343,7 @@ fn score_input(prompts: &PromptSource, traj: &mut Trajectory) -> ScoreInput {
         extra_info,
         prompt_str: prompt.text,
         raw_prompt: prompt.messages,
-        response_len: packed::u32_len(&traj.response_ids),
+        response_len: response_len(traj) as usize,
     }
 }
 
@@ -275,18 +359,19 @@ fn missing_outcome(key: &str, why: &str) -> ScoreOutcome {
     }
 }
 
-fn reward_for(traj: &Trajectory, traj_seq: u64, outcome: ScoreOutcome) -> Reward {
+/// The reward of a trajectory (its score view in a request: `stored_seq` names the payload in TRAJ).
+fn reward_for(traj: &Trajectory, outcome: ScoreOutcome) -> Reward {
     Reward {
         key: traj.key.clone(),
         uid: traj.uid.clone(),
         partition: traj.partition.clone(),
-        traj_seq,
+        traj_seq: traj.stored_seq,
         score: outcome.score,
         extra: outcome.extra.into_iter().collect(),
         extra_text: outcome.extra_text.into_iter().collect(),
         failure_reason: outcome.failure_reason.unwrap_or_default(),
-        prompt_len: packed::u32_len(&traj.prompt_ids) as u32,
-        response_len: packed::u32_len(&traj.response_ids) as u32,
+        prompt_len: prompt_len(traj),
+        response_len: response_len(traj),
         min_version: traj.min_version,
         max_version: traj.max_version,
         submit_step: traj.submit_step,
@@ -296,14 +381,15 @@ fn reward_for(traj: &Trajectory, traj_seq: u64, outcome: ScoreOutcome) -> Reward
     }
 }
 
-fn malformed_reward(key: &str, partition: &str, traj_seq: u64, error: &str) -> Reward {
+/// A zero reward with `reason`, for a stored trajectory that could not be scored.
+fn failure_reward(key: &str, partition: &str, traj_seq: u64, reason: &str) -> Reward {
     let parsed = TrajectoryKey::parse(key).ok();
     Reward {
         key: key.to_string(),
         uid: parsed.as_ref().map(|k| k.uid.clone()).unwrap_or_default(),
         partition: partition.to_string(),
         traj_seq,
-        failure_reason: format!("malformed trajectory: {error}"),
+        failure_reason: reason.to_string(),
         session_id: parsed.as_ref().map(|k| k.session_id).unwrap_or(0),
         index: parsed.as_ref().map(|k| k.index).unwrap_or(0),
         ..Default::default()

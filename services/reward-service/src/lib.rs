@@ -1,34 +1,39 @@
 //! jetrl-reward-service: turns trajectories into scores, off the rollout's critical path.
 //!
 //! ```text
-//! TRAJ (durable consumer `reward-service`, shared by every instance)
-//!   │ pull::Puller: asks only for what there is room for (reward.max_inflight); a lease on each message
+//! SCORE (work queue; durable consumer `reward-service`, shared by every instance)
+//!   │ one ScoreRequest per prompt group, written by the rollout worker once the group's trajectories are in
+//!   │ TRAJ: the trajectories without their token arrays, each naming its stored sequence
+//!   │ pull::Puller: asks only for what there is room for (reward.max_inflight requests); a lease on each message
 //!   │               (an in-progress ack every ack_wait/3 until it is settled)
 //!   ▼
-//! micro-batches of what has arrived (≤ reward.batch_size), several in flight at once
-//!   │ batch::score_batch: decode → RewardEngine (rules | user function | reward model)
-//!   ▼                     → publish Reward (Msg-Id = key) → wait until stored → ack
+//! micro-batches of the requests that have arrived, several in flight at once
+//!   │ batch::score_batch: decode → RewardEngine (rules | user function | reward model), at most
+//!   ▼                     reward.batch_size trajectories a call → one RewardBatch per request → stored → ack
 //! REWARDS
 //! ```
 //!
 //! - [`pull`]: requests messages from the shared durable consumer only when there is room for them
 //!   (`reward.max_inflight`), and holds a lease on each one: an in-progress ack every `ack_wait / 3` from the
-//!   moment it arrives until it is acknowledged, so a slow scorer never has its trajectory redelivered to another
+//!   moment it arrives until it is acknowledged, so a slow scorer never has its request redelivered to another
 //!   instance while it works.
-//! - [`batch`]: decodes a micro-batch, scores it with [`jetrl_reward::RewardEngine`], publishes one [`Reward`] per
-//!   trajectory on `jetrl.rewards.<partition>.<uid>` with `Nats-Msg-Id` = the trajectory key, and acknowledges the
-//!   trajectories only after every reward is durable. Several micro-batches are in flight at once.
+//! - [`batch`]: decodes a micro-batch, scores it with [`jetrl_reward::RewardEngine`], publishes one
+//!   [`RewardBatch`] per request on `jetrl.rewards.<partition>.<uid>` with the request's `Nats-Msg-Id`, and
+//!   acknowledges the requests only after every batch is durable. Several micro-batches are in flight at once.
 //! - [`prompt`]: what a reward model or a user function reads as the prompt: the trajectory's chat messages, or
 //!   its prompt ids decoded with the policy tokenizer.
 //!
-//! Every trajectory is scored once: instances share one durable consumer (each message goes to one of them), a
-//! reward published twice (a crash between publish and ack) is stored once by `Nats-Msg-Id`, and a redelivered
-//! trajectory whose reward is already in the REWARDS stream is acknowledged without scoring it again (this also
-//! holds after the stream's de-duplication window). A trajectory that cannot even be decoded is terminated,
-//! counted, and — since its key is in the message's `Nats-Msg-Id` — still gets a zero reward with a failure
-//! reason, so its group is never stuck.
+//! One message in and one out per group, not per trajectory, and never the token arrays: that is what lets one
+//! instance keep up with the broker (see `just bench reward`).
 //!
-//! [`Reward`]: jetrl_wire::v1::Reward
+//! Every trajectory is scored once: instances share one durable consumer (each request goes to one of them), a
+//! reward batch published twice (a crash between publish and ack) is stored once by `Nats-Msg-Id`, and a
+//! redelivered request whose batch is already in the REWARDS stream is acknowledged without scoring it again
+//! (past the stream's de-duplication window the buffer keeps the first reward of each trajectory). A request that
+//! cannot even be decoded is terminated and counted, and every trajectory of its group stored in TRAJ still gets a
+//! zero reward with a failure reason, so the group is never stuck.
+//!
+//! [`RewardBatch`]: jetrl_wire::v1::RewardBatch
 
 pub mod batch;
 pub mod prompt;
@@ -49,13 +54,13 @@ use crate::prompt::PromptSource;
 use crate::pull::{Leases, Puller};
 
 const SERVICE: &str = "reward";
-/// Trajectories scored, acknowledged (whatever their outcome).
+/// Trajectories whose requests were scored and acknowledged (whatever their outcome).
 pub const TRAJECTORIES_METRIC: &str = "jetrl_reward_trajectories_total";
 /// Seconds from a trajectory's completion (its `timings.completed_unix_ms`) to its reward being durable.
 pub const QUEUE_LAG_METRIC: &str = "jetrl_reward_queue_lag_seconds";
-/// Trajectories in the TRAJ stream not yet delivered to any instance (from the consumer's info).
+/// Score requests (groups) in the SCORE stream not yet delivered to any instance (from the consumer's info).
 pub const QUEUE_PENDING_METRIC: &str = "jetrl_reward_queue_pending_messages";
-/// Micro-batches whose rewards could not be published (their trajectories are redelivered).
+/// Micro-batches whose rewards could not be published (their requests are redelivered).
 pub const BATCH_ERRORS_METRIC: &str = "jetrl_reward_batch_errors_total";
 const BATCH_SECONDS_METRIC: &str = "jetrl_reward_batch_seconds";
 /// How often the consumer's backlog is read for [`QUEUE_PENDING_METRIC`].
@@ -86,20 +91,22 @@ pub async fn run(
     let ack_wait = Duration::from_secs_f64(cfg.reward.ack_wait_s.max(1.0));
     let consumer = bus
         .shared_pull_consumer(
-            subjects::TRAJ_STREAM,
+            subjects::SCORE_STREAM,
             subjects::REWARD_CONSUMER,
-            &format!("{}.>", subjects::TRAJ_SUBJECT),
+            &format!("{}.>", subjects::SCORE_SUBJECT),
             ack_wait,
             100_000,
         )
         .await?;
     let max_inflight = cfg.reward.max_inflight.max(1) as usize;
-    let batch_size = (cfg.reward.batch_size.max(1) as usize).min(max_inflight);
+    let batch_size = cfg.reward.batch_size.max(1) as usize;
     let (leases, renewal) = Leases::start(bus.client().clone(), ack_wait);
     let (puller, mut pulled) = Puller::start(consumer.clone(), max_inflight, leases.clone(), shutdown.clone());
     tokio::spawn(report_backlog(consumer, shutdown.clone()));
     let context = Arc::new(BatchContext {
         rewards: bus.stream(subjects::REWARDS_STREAM).await?,
+        trajectories: bus.stream(subjects::TRAJ_STREAM).await?,
+        batch_size,
         prompts: PromptSource::new(&cfg, &engine),
         bus,
         engine,
@@ -107,12 +114,12 @@ pub async fn run(
         room: puller.room(),
     });
     let instance = cfg.reward.instance_id.clone().unwrap_or_default();
-    tracing::info!(route = context.engine.route_name(), max_inflight, batch_size, %instance, "reward service consuming trajectories");
+    tracing::info!(route = context.engine.route_name(), max_inflight, batch_size, %instance, "reward service consuming score requests");
 
     let mut batches = JoinSet::new();
     loop {
-        // Wait for one trajectory (or shutdown), then take whatever else has already arrived: a micro-batch forms
-        // without adding latency, and several are scored and published at once.
+        // Wait for one request (or shutdown), then take whatever else has already arrived (up to batch_size
+        // requests): a micro-batch forms without adding latency, and several are scored and published at once.
         let first = tokio::select! {
             _ = shutdown.wait() => break,
             next = pulled.recv() => next,
@@ -131,7 +138,7 @@ pub async fn run(
             log_join_error(finished);
         }
     }
-    // Trajectories pulled but not started go back at once; batches in flight finish and acknowledge.
+    // Requests pulled but not started go back at once; batches in flight finish and acknowledge.
     puller.stop().await;
     pulled.close();
     while let Some(held) = pulled.recv().await {
@@ -147,7 +154,7 @@ pub async fn run(
 
 fn log_join_error(finished: Result<(), tokio::task::JoinError>) {
     if let Err(err) = finished {
-        // A panic in a batch task: its trajectories are not acknowledged and come back after ack_wait.
+        // A panic in a batch task: its requests are not acknowledged and come back after ack_wait.
         tracing::error!(error = %err, "a scoring task failed");
         metrics::counter!(BATCH_ERRORS_METRIC).increment(1);
     }
@@ -169,14 +176,17 @@ async fn report_backlog(mut consumer: async_nats::jetstream::consumer::PullConsu
 }
 
 fn describe_metrics() {
-    metrics::describe_counter!(TRAJECTORIES_METRIC, "trajectories whose reward was published and acknowledged");
+    metrics::describe_counter!(TRAJECTORIES_METRIC, "trajectories whose rewards were published and acknowledged");
     metrics::describe_histogram!(
         QUEUE_LAG_METRIC,
         metrics::Unit::Seconds,
         "time from a trajectory's completion by the rollout worker to its reward being durable"
     );
-    metrics::describe_gauge!(QUEUE_PENDING_METRIC, "trajectories waiting in the TRAJ stream for any reward service");
-    metrics::describe_counter!(BATCH_ERRORS_METRIC, "micro-batches not published; their trajectories are redelivered");
+    metrics::describe_gauge!(
+        QUEUE_PENDING_METRIC,
+        "score requests (groups) waiting in the SCORE stream for any reward service"
+    );
+    metrics::describe_counter!(BATCH_ERRORS_METRIC, "micro-batches not published; their requests are redelivered");
     metrics::describe_histogram!(
         BATCH_SECONDS_METRIC,
         metrics::Unit::Seconds,

@@ -22,7 +22,7 @@ async fn running_service_exports_scores_latency_failures_and_queue_lag() {
     };
     let unknown = Trajectory { data_source: "nobody/knows".into(), ..common::trajectory("met", 1) };
     harness.publish(&[gsm8k, unknown]).await;
-    harness.publish_raw("met_2_0", b"\xff\xff not a trajectory".to_vec()).await;
+    harness.publish_raw_request("bad", b"\xff\xff not a score request".to_vec()).await;
 
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let service = tokio::spawn(jetrl_reward_service::run(cfg, async move {
@@ -46,7 +46,7 @@ async fn running_service_exports_scores_latency_failures_and_queue_lag() {
     assert_eq!(has("jetrl_reward_scores_total", "data_source=\"openai/gsm8k\""), 1.0, "{page}");
     assert_eq!(has("jetrl_reward_score_latency_seconds_count", "scorer=\"gsm8k\""), 1.0, "{page}");
     assert_eq!(has("jetrl_reward_failures_total", "reason=\"unknown_data_source\""), 1.0, "{page}");
-    assert_eq!(has("jetrl_reward_failures_total", "reason=\"malformed_trajectory\""), 1.0, "{page}");
+    assert_eq!(has("jetrl_reward_failures_total", "reason=\"malformed_score_request\""), 1.0, "{page}");
     assert_eq!(has("jetrl_reward_queue_lag_seconds_count", ""), 2.0, "{page}");
     assert!(common::sample(&page, "jetrl_reward_queue_pending_messages", "").is_some(), "{page}");
     assert_eq!(has("jetrl_reward_trajectories_total", ""), 3.0, "{page}");
@@ -54,5 +54,7 @@ async fn running_service_exports_scores_latency_failures_and_queue_lag() {
     let rewards = harness.rewards_by_key().await;
     assert_eq!(rewards["met_0_0"][0].score, 1.0);
     assert!(rewards["met_1_0"][0].failure_reason.contains("unknown_data_source"));
-    assert!(rewards["met_2_0"][0].failure_reason.starts_with("malformed trajectory"));
+    // the malformed request's group still gets a failure reward for its stored trajectory
+    assert!(rewards["bad_0_0"][0].failure_reason.starts_with("malformed score request"), "{:?}", rewards["bad_0_0"]);
+    assert!(rewards["bad_0_0"][0].traj_seq > 0);
 }

@@ -1,5 +1,5 @@
-//! A trajectory redelivered after its reward was stored (the instance that scored it died before acknowledging)
-//! is acknowledged without being scored again, whatever the de-duplication window.
+//! A score request redelivered after its rewards were stored (the instance that scored it died before
+//! acknowledging) is acknowledged without being scored again, whatever the de-duplication window.
 
 mod common;
 
@@ -9,15 +9,23 @@ use common::Harness;
 use jetrl_bus::consume;
 use jetrl_bus::publish::Outgoing;
 use jetrl_wire::subjects;
-use jetrl_wire::v1::Reward;
+use jetrl_wire::v1::{Reward, RewardBatch};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redelivered_trajectory_whose_reward_is_stored_is_acknowledged_without_scoring_again() {
+async fn redelivered_request_whose_rewards_are_stored_is_acknowledged_without_scoring_again() {
     if !common::python3_available() {
         return;
     }
     let harness = Harness::start().await;
-    // The reward an earlier instance stored for `done_0_0` before it died.
+    let ids = harness
+        .publish(&[
+            common::trajectory("done", 0),
+            common::trajectory("done", 1),
+            common::trajectory("fresh", 0),
+            common::trajectory("fresh", 1),
+        ])
+        .await;
+    // The reward batch an earlier instance stored for group `done` before it died.
     let earlier = Reward {
         key: "done_0_0".into(),
         uid: "done".into(),
@@ -25,18 +33,15 @@ async fn redelivered_trajectory_whose_reward_is_stored_is_acknowledged_without_s
         score: 0.25,
         ..Reward::default()
     };
+    let batch =
+        RewardBatch { rewards: vec![earlier, Reward { key: "done_1_0".into(), score: 0.5, ..Reward::default() }] };
     let subject = subjects::reward_subject("train", "done");
-    harness
-        .bus
-        .publish_durable(Outgoing::protobuf(subject, Some(earlier.key.clone()), &earlier))
-        .await
-        .expect("reward");
-    harness.publish(&[common::trajectory("done", 0), common::trajectory("done", 1)]).await;
-    // That instance had received both trajectories: delivered once, never acknowledged.
+    harness.bus.publish_durable(Outgoing::protobuf(subject, Some(ids["done"].clone()), &batch)).await.expect("rewards");
+    // That instance had received both requests: delivered once, never acknowledged.
     let ack_wait = Duration::from_secs(1);
     let consumer = harness
         .bus
-        .shared_pull_consumer(subjects::TRAJ_STREAM, subjects::REWARD_CONSUMER, "jetrl.traj.>", ack_wait, 100_000)
+        .shared_pull_consumer(subjects::SCORE_STREAM, subjects::REWARD_CONSUMER, "jetrl.score.>", ack_wait, 100_000)
         .await
         .expect("consumer");
     let first_delivery = consume::pull_collect(&consumer, 2, Duration::from_secs(2)).await.expect("pull");
@@ -52,8 +57,8 @@ async fn redelivered_trajectory_whose_reward_is_stored_is_acknowledged_without_s
     let service = tokio::spawn(jetrl_reward_service::run(cfg, async move {
         let _ = stopped.await;
     }));
-    harness.wait_for_rewards(2, Duration::from_secs(30)).await;
-    let stream = harness.bus.stream(subjects::TRAJ_STREAM).await.expect("TRAJ");
+    harness.wait_for_rewards(4, Duration::from_secs(30)).await;
+    let stream = harness.bus.stream(subjects::SCORE_STREAM).await.expect("SCORE");
     let started = Instant::now();
     loop {
         let mut consumer = stream
@@ -64,16 +69,20 @@ async fn redelivered_trajectory_whose_reward_is_stored_is_acknowledged_without_s
         if info.num_ack_pending == 0 && info.num_pending == 0 {
             break;
         }
-        assert!(started.elapsed() < Duration::from_secs(20), "trajectories not acknowledged: {info:?}");
+        assert!(started.elapsed() < Duration::from_secs(20), "requests not acknowledged: {info:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let _ = stop.send(());
     service.await.expect("service task").expect("service ran");
 
     let scored = common::scored_counts(&scored_log);
-    assert_eq!(scored.get("done_1_0"), Some(&1), "the other trajectory is scored: {scored:?}");
-    assert_eq!(scored.get("done_0_0"), None, "the already-scored trajectory is not scored again");
+    assert_eq!(scored.get("fresh_0_0"), Some(&1), "the other group is scored: {scored:?}");
+    assert_eq!(scored.get("fresh_1_0"), Some(&1), "the other group is scored: {scored:?}");
+    assert_eq!(scored.get("done_0_0"), None, "the already-scored group is not scored again: {scored:?}");
     let rewards = harness.rewards_by_key().await;
     assert_eq!(rewards["done_0_0"].len(), 1);
     assert_eq!(rewards["done_0_0"][0].score, 0.25, "the stored reward stands");
+    // the work queue is empty once everything is acknowledged
+    let info = harness.bus.stream(subjects::SCORE_STREAM).await.expect("SCORE").get_info().await.expect("info");
+    assert_eq!(info.state.messages, 0);
 }

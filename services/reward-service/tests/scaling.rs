@@ -1,5 +1,5 @@
-//! Several reward-service processes on one durable consumer: the work is shared and every trajectory is scored
-//! once; a process killed mid-batch loses nothing and duplicates nothing.
+//! Several reward-service processes on one durable consumer of score requests: the work is shared and every
+//! trajectory is scored once; a process killed mid-batch loses nothing and duplicates nothing.
 
 mod common;
 
@@ -12,7 +12,7 @@ use jetrl_wire::subjects;
 /// Waits until `count` pull requests of the reward consumer are waiting at the server, i.e. that many instances
 /// are up and asking for work.
 async fn wait_for_waiting_pulls(harness: &Harness, count: usize) {
-    let stream = harness.bus.stream(subjects::TRAJ_STREAM).await.expect("TRAJ");
+    let stream = harness.bus.stream(subjects::SCORE_STREAM).await.expect("SCORE");
     let started = Instant::now();
     loop {
         if let Ok(mut consumer) =
@@ -66,14 +66,15 @@ async fn process_killed_mid_batch_and_restarted_leaves_exactly_one_reward_per_tr
         return;
     }
     let harness = Harness::start().await;
-    // 0.3 s per request of two trajectories: the process is almost always in the middle of a batch.
+    // 0.3 s per call of two trajectories (one group), at most two groups held: the process is almost always in
+    // the middle of a batch.
     let (command, scored_log) = common::slow_logging_function(harness.dir.path(), 0.3);
     let reward_yaml = format!(
-        "max_inflight: 8\nbatch_size: 4\nack_wait_s: 2\ncustom_reward_function: {{command: {}, batch_size: 2, no_network: false}}",
+        "max_inflight: 2\nbatch_size: 2\nack_wait_s: 2\ncustom_reward_function: {{command: {}, batch_size: 2, no_network: false}}",
         serde_json::to_string(&command).expect("command as YAML")
     );
     let job = harness.job_file("job", &reward_yaml);
-    let trajectories = common::trajectories(4, 8);
+    let trajectories = common::trajectories(16, 2);
     harness.publish(&trajectories).await;
 
     let mut first = ServiceProcess::spawn(&job, harness.dir.path().join("first.log"), &[]);

@@ -1,6 +1,6 @@
-//! A user function slower than `ack_wait`: the service keeps every trajectory it holds alive with in-progress
+//! A user function slower than `ack_wait`: the service keeps every score request it holds alive with in-progress
 //! acks, from the moment it arrives (also while it waits for the function) until it is acknowledged, so no
-//! trajectory is redelivered to the other instance and scored twice.
+//! request is redelivered to the other instance and scored twice.
 
 mod common;
 
@@ -14,17 +14,17 @@ async fn scorer_slower_than_ack_wait_scores_each_trajectory_once_across_two_inst
         return;
     }
     let harness = Harness::start().await;
-    // Each request takes 2.5 s, against an ack_wait of 1 s; an instance holds 4 trajectories, so the last of
-    // them waits 5 s for the single function process before it is even handed over.
+    // Each call takes 2.5 s, against an ack_wait of 1 s; an instance holds 2 groups of 2 trajectories (one call
+    // each), so the second waits 2.5 s for the single function process before it is even handed over.
     let (command, scored_log) = common::slow_logging_function(harness.dir.path(), 2.5);
     let mut cfg = harness.config();
     cfg.reward.ack_wait_s = 1.0;
-    cfg.reward.max_inflight = 4;
+    cfg.reward.max_inflight = 2;
     cfg.reward.batch_size = 2;
     cfg.reward.custom_reward_function.command = command;
     cfg.reward.custom_reward_function.batch_size = 2;
     cfg.reward.custom_reward_function.no_network = false;
-    let trajectories = common::trajectories(1, 8);
+    let trajectories = common::trajectories(4, 2);
     harness.publish(&trajectories).await;
 
     let (stop, stopped) = tokio::sync::watch::channel(false);

@@ -9,7 +9,9 @@
 //! added or removed at any time. A worker pulls only as many groups as its engine has sequence slots for (each
 //! pulled group reserves `n` of the engine's slots until it is settled). For each group it marks the group
 //! `running`, runs its `n` sessions, publishes every trajectory as its session finishes (de-duplicated by key
-//! `{uid}_{session}_{index}`), and only then writes the group's terminal status and acknowledges the task. A
+//! `{uid}_{session}_{index}`), then the group's score request for the reward service (the trajectories without
+//! their token arrays, one message per group), and only then writes the group's terminal status and
+//! acknowledges the task. A
 //! worker that dies before that leaves the task unacknowledged: the broker redelivers it after
 //! `rollout.ack_wait_s` (long groups send in-progress acks so they are not redelivered while being worked on).
 //! On SIGTERM it stops pulling, lets in-flight groups finish for a while, then naks what is left.
@@ -32,7 +34,7 @@ use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use jetrl_bus::groups::GroupUpdateError;
 use jetrl_bus::publish::Outgoing;
-use jetrl_bus::{consume, weights, Bus, BusError, GroupStore, Publisher};
+use jetrl_bus::{consume, weights, Bus, BusError, GroupStore, Publisher, ScoreRequestBuilder};
 use jetrl_config::JobConfig;
 use jetrl_model::engine::Detokenizer;
 use jetrl_model::{EngineConfig, LogprobsMode, ModelConfig, Request, Sampling, Tokenizer};
@@ -588,6 +590,8 @@ struct GroupPublisher<'a> {
     agent: AgentKind,
     received: Instant,
     publisher: Publisher,
+    /// the group's score request, published once every trajectory is stored
+    scoring: ScoreRequestBuilder,
     keys: Vec<String>,
     failure: Option<String>,
 }
@@ -600,6 +604,7 @@ impl<'a> GroupPublisher<'a> {
             agent,
             received,
             publisher: Publisher::new(&worker.bus, 256),
+            scoring: ScoreRequestBuilder::new(&task.partition, &task.uid),
             keys: Vec::new(),
             failure: None,
         }
@@ -659,19 +664,23 @@ impl<'a> GroupPublisher<'a> {
             agent_name: self.agent.name().into(),
             stop_reason: out.stop_reason,
             raw_prompt: task.messages.clone(),
+            ..Default::default()
         };
         let subject = subjects::traj_subject(&task.partition, &task.uid);
         self.publisher
             .publish(Outgoing::protobuf(subject, Some(key.clone()), &traj))
             .await
             .map_err(|e| TaskError::Retry(e.to_string()))?;
+        self.scoring.add(&traj);
         self.keys.push(key);
         Ok(())
     }
 
-    /// Waits until every trajectory is stored; returns the keys (in session order) and the failure, if any.
+    /// Waits until every trajectory is stored, then publishes the group's score request (the reward service's
+    /// input) and waits until it is stored too; returns the keys (in session order) and the failure, if any.
     async fn finish(mut self) -> Result<(Vec<String>, Option<String>), TaskError> {
-        self.publisher.drain().await.map_err(|e| TaskError::Retry(e.to_string()))?;
+        let acks = self.publisher.drain().await.map_err(|e| TaskError::Retry(e.to_string()))?;
+        self.scoring.publish(&self.worker.bus, &acks).await.map_err(|e| TaskError::Retry(e.to_string()))?;
         self.keys.sort();
         Ok((self.keys, self.failure))
     }

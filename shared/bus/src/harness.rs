@@ -106,6 +106,11 @@ impl NatsServer {
         Err(BusError::Server(format!("not ready after 20s (log: {})", log.display())))
     }
 
+    /// The server's process id (while it runs).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
     }

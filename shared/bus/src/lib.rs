@@ -6,6 +6,7 @@
 //!   bounded, retried acknowledgements.
 //! - [`consume`]: pull consumption helpers; a message that does not decode is counted, logged with its
 //!   subject and terminated, never redelivered forever.
+//! - [`score`]: the score request a group's trajectories hand to the reward service.
 //! - [`groups`]: the prompt-group control records (KV, compare-and-set on revision).
 //! - [`harness`]: starts a real `nats-server -js` on a free port with a temporary store directory (tests,
 //!   and `jetrl run` when no URL is given), killed on drop.
@@ -16,6 +17,7 @@ pub mod fetch;
 pub mod groups;
 pub mod harness;
 pub mod publish;
+pub mod score;
 pub mod topology;
 pub mod weights;
 
@@ -23,6 +25,7 @@ pub use connect::Bus;
 pub use groups::GroupStore;
 pub use harness::NatsServer;
 pub use publish::Publisher;
+pub use score::ScoreRequestBuilder;
 
 /// Errors of the bus layer. Variants name the stage that failed.
 #[derive(Debug, thiserror::Error)]

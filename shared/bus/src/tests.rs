@@ -296,3 +296,57 @@ async fn payloads_are_fetched_by_sequence_one_batch_per_subject() {
         assert_eq!(found[seq].as_ref(), i.to_le_bytes());
     }
 }
+
+fn scored_trajectory(key: &str, text: &str, tokens: &[u32]) -> Trajectory {
+    Trajectory {
+        key: key.into(),
+        uid: "u".into(),
+        partition: "train".into(),
+        prompt_ids: jetrl_wire::packed::pack_u32(&[1, 2]),
+        response_ids: jetrl_wire::packed::pack_u32(tokens),
+        logprobs: jetrl_wire::packed::pack_f32(&vec![-0.5; tokens.len()]),
+        response_text: text.into(),
+        ground_truth: "42".into(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn a_score_request_carries_what_was_stored_even_for_a_trajectory_an_earlier_attempt_published() {
+    use jetrl_wire::Message;
+    let server = NatsServer::start().unwrap();
+    let bus = bus(&server).await;
+    let subject = subjects::traj_subject("train", "u");
+    // a first attempt at the group stored session 0, then its worker died
+    let earlier = scored_trajectory("u_0_0", "first attempt", &[7, 7, 7]);
+    let stored = bus.publish_durable(Outgoing::protobuf(&subject, Some(earlier.key.clone()), &earlier)).await.unwrap();
+    // the second attempt regenerates both sessions; session 0 is a duplicate the stream keeps once
+    let mut publisher = Publisher::new(&bus, 8);
+    let mut scoring = ScoreRequestBuilder::new("train", "u");
+    for traj in [scored_trajectory("u_1_0", "second attempt", &[5]), scored_trajectory("u_0_0", "second attempt", &[5])]
+    {
+        publisher.publish(Outgoing::protobuf(&subject, Some(traj.key.clone()), &traj)).await.unwrap();
+        scoring.add(&traj);
+    }
+    let acks = publisher.drain().await.unwrap();
+    let id = scoring.publish(&bus, &acks).await.unwrap().expect("a request");
+
+    let score = bus.stream(subjects::SCORE_STREAM).await.unwrap();
+    let msg = score.direct_get_last_for_subject(subjects::score_subject("train", "u")).await.unwrap();
+    assert_eq!(msg.headers.get(async_nats::header::NATS_MESSAGE_ID).map(|v| v.as_str()), Some(id.as_str()));
+    let mut request = jetrl_wire::v1::ScoreRequest::decode(msg.payload.as_ref()).unwrap();
+    assert_eq!(request.common.as_ref().map(|c| c.ground_truth.as_str()), Some("42"), "shared fields travel once");
+    jetrl_wire::score::expand_common(&mut request);
+    let keys: Vec<&str> = request.trajectories.iter().map(|t| t.key.as_str()).collect();
+    assert_eq!(keys, ["u_0_0", "u_1_0"], "key order");
+    let (zero, one) = (&request.trajectories[0], &request.trajectories[1]);
+    assert_eq!(
+        (zero.response_text.as_str(), zero.stored_seq, zero.response_len),
+        ("first attempt", stored.sequence, 3)
+    );
+    assert_eq!((one.response_text.as_str(), one.response_len, one.ground_truth.as_str()), ("second attempt", 1, "42"));
+    assert!(request.trajectories.iter().all(|t| t.response_ids.is_empty() && t.logprobs.is_empty()));
+    assert_eq!(request.trajectories.iter().map(|t| t.prompt_ids.len()).collect::<Vec<_>>(), [8, 8]);
+    // an empty group publishes nothing
+    assert_eq!(ScoreRequestBuilder::new("train", "empty").publish(&bus, &[]).await.unwrap(), None);
+}

@@ -45,6 +45,16 @@ impl Bus {
                 ..Default::default()
             },
             stream::Config {
+                name: subjects::SCORE_STREAM.into(),
+                subjects: vec![format!("{}.>", subjects::SCORE_SUBJECT)],
+                retention: stream::RetentionPolicy::WorkQueue,
+                storage: stream::StorageType::File,
+                duplicate_window: DEDUP_WINDOW,
+                max_age: PAYLOAD_MAX_AGE,
+                allow_direct: true,
+                ..Default::default()
+            },
+            stream::Config {
                 name: subjects::REWARDS_STREAM.into(),
                 subjects: vec![format!("{}.>", subjects::REWARDS_SUBJECT)],
                 retention: stream::RetentionPolicy::Limits,

@@ -26,16 +26,16 @@ pub struct RewardConfig {
     pub workers: u32,
     pub instance_id: Option<String>,
     pub metrics_addr: String,
-    /// trajectories one instance holds at once (pulled, not yet acknowledged): bounds its memory and how much
-    /// work a crash sends back to the others. At most 4096: each held trajectory may have a reward publish
-    /// awaiting its acknowledgement, and the NATS client allows 5000 of those per connection (past that a
-    /// publish waits for a permit that an unpolled acknowledgement holds)
+    /// score requests (one per prompt group) one instance holds at once (pulled, not yet acknowledged): bounds
+    /// its memory and how much work a crash sends back to the others. At most 4096: each held request may have a
+    /// reward batch publish awaiting its acknowledgement, and the NATS client allows 5000 of those per connection
+    /// (past that a publish waits for a permit that an unpolled acknowledgement holds)
     pub max_inflight: u32,
-    /// trajectories scored per call of the scorer at most; several such micro-batches are scored and published
-    /// at once, up to `max_inflight`
+    /// trajectories scored per call of the scorer at most, and requests per micro-batch at most; several
+    /// micro-batches are scored and published at once, up to `max_inflight` requests
     pub batch_size: u32,
-    /// how long a trajectory may go without an acknowledgement or an in-progress signal before the server offers
-    /// it to another instance (the service signals progress every third of it while it holds one)
+    /// how long a request may go without an acknowledgement or an in-progress signal before the server offers it
+    /// to another instance (the service signals progress every third of it while it holds one)
     pub ack_wait_s: f64,
     /// a user reward function run out of process (verl: `reward.custom_reward_function`)
     pub custom_reward_function: CustomRewardFunctionConfig,
@@ -53,7 +53,7 @@ impl Default for RewardConfig {
             workers: 1,
             instance_id: None,
             metrics_addr: "127.0.0.1:0".into(),
-            max_inflight: 1024,
+            max_inflight: 256,
             batch_size: 64,
             ack_wait_s: 30.0,
             custom_reward_function: CustomRewardFunctionConfig::default(),

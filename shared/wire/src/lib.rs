@@ -7,6 +7,7 @@
 
 pub mod keys;
 pub mod packed;
+pub mod score;
 pub mod subjects;
 
 #[allow(clippy::all, missing_docs)]

@@ -9,10 +9,16 @@ pub const ROLLOUT_CONSUMER: &str = "rollout-workers";
 /// Generated trajectories (payloads): `jetrl.traj.<partition>.<uid>`, de-duplicated by key.
 pub const TRAJ_STREAM: &str = "JETRL_TRAJ";
 pub const TRAJ_SUBJECT: &str = "jetrl.traj";
-/// The durable pull consumer shared by every reward service.
+
+/// Work queue of score requests (one per group, trajectories without token arrays):
+/// `jetrl.score.<partition>.<uid>`.
+pub const SCORE_STREAM: &str = "JETRL_SCORE";
+pub const SCORE_SUBJECT: &str = "jetrl.score";
+/// The durable pull consumer on SCORE shared by every reward service.
 pub const REWARD_CONSUMER: &str = "reward-service";
 
-/// Scores plus index facts: `jetrl.rewards.<partition>.<uid>`, de-duplicated by key.
+/// Scores plus index facts, one RewardBatch per score request: `jetrl.rewards.<partition>.<uid>`, de-duplicated
+/// by the request's id.
 pub const REWARDS_STREAM: &str = "JETRL_REWARDS";
 pub const REWARDS_SUBJECT: &str = "jetrl.rewards";
 
@@ -41,6 +47,21 @@ pub fn prompt_subject(partition: &str) -> String {
 
 pub fn traj_subject(partition: &str, uid: &str) -> String {
     format!("{TRAJ_SUBJECT}.{partition}.{uid}")
+}
+
+pub fn score_subject(partition: &str, uid: &str) -> String {
+    format!("{SCORE_SUBJECT}.{partition}.{uid}")
+}
+
+/// Splits a TRAJ, SCORE or REWARDS subject (`jetrl.<kind>.<partition>.<uid>`) into (partition, uid).
+pub fn parse_group_subject(subject: &str) -> Option<(&str, &str)> {
+    let mut parts = subject.splitn(4, '.');
+    match (parts.next(), parts.next(), parts.next(), parts.next()) {
+        (Some("jetrl"), Some(_), Some(partition), Some(uid)) if !partition.is_empty() && !uid.is_empty() => {
+            Some((partition, uid))
+        }
+        _ => None,
+    }
 }
 
 pub fn reward_subject(partition: &str, uid: &str) -> String {

@@ -163,11 +163,13 @@ async fn jetrl_path(url: &str, groups_total: usize, batch_groups: usize, produce
             let mut counts: HashMap<String, usize> = HashMap::new();
             let mut messages = consumer.messages().await.expect("messages");
             while let Some(Ok(msg)) = messages.next().await {
-                if let Ok(r) = jetrl_wire::v1::Reward::decode(msg.payload.as_ref()) {
-                    let c = counts.entry(r.uid.clone()).or_insert(0);
-                    *c += 1;
-                    if *c == GROUP {
-                        completed.lock().expect("lock").insert(r.uid, Instant::now());
+                if let Ok(batch) = jetrl_wire::v1::RewardBatch::decode(msg.payload.as_ref()) {
+                    for r in batch.rewards {
+                        let c = counts.entry(r.uid.clone()).or_insert(0);
+                        *c += 1;
+                        if *c == GROUP {
+                            completed.lock().expect("lock").insert(r.uid, Instant::now());
+                        }
                     }
                 }
             }
@@ -254,8 +256,8 @@ async fn wait_until_ready(bus: &Bus, sim_reward: bool) {
             .await
             .is_ok();
         let reward = sim_reward || {
-            let traj = bus.stream(subjects::TRAJ_STREAM).await.expect("TRAJ");
-            traj.consumer_info(subjects::REWARD_CONSUMER).await.is_ok()
+            let score = bus.stream(subjects::SCORE_STREAM).await.expect("SCORE");
+            score.consumer_info(subjects::REWARD_CONSUMER).await.is_ok()
         };
         if buffer && reward {
             return;

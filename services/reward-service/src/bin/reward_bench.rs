@@ -2,9 +2,11 @@
 //! service's own `run`) against `RewardEngine::score_batch` called in-process on the same inputs, in the same run.
 //!
 //! 1. start nats-server, pre-publish M trajectories (openai/gsm8k, lighteval/MATH, math_dapo, jetrl/reverse, half
-//!    of them correct) into TRAJ;
-//! 2. start the service and time until all M rewards are in REWARDS → `service_per_s`; check every reward
-//!    against the in-process score of the same trajectory;
+//!    of them correct) in groups of 8 as a rollout worker does: the trajectories into TRAJ, one score request per
+//!    group into SCORE;
+//! 2. start the service and time from the creation of its consumer (start-up left out, as the in-process figure
+//!    leaves out building its engine; it is printed) until all M rewards are in REWARDS → `service_per_s`; check
+//!    every reward against the in-process score of the same trajectory;
 //! 3. score the same inputs in-process in batches of `reward.batch_size` (best of three passes) →
 //!    `inprocess_per_s`.
 //!
@@ -17,11 +19,11 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use futures::StreamExt;
 use jetrl_bus::publish::Outgoing;
-use jetrl_bus::{Bus, NatsServer, Publisher};
+use jetrl_bus::{Bus, NatsServer, Publisher, ScoreRequestBuilder};
 use jetrl_config::JobConfig;
 use jetrl_reward::{RewardEngine, ScoreInput};
 use jetrl_wire::keys::TrajectoryKey;
-use jetrl_wire::v1::{Reward, Timings, Trajectory};
+use jetrl_wire::v1::{RewardBatch, Timings, Trajectory};
 use jetrl_wire::{packed, subjects, Message};
 
 /// How long the service may take for all rewards before the bench gives up.
@@ -78,52 +80,92 @@ async fn main() -> anyhow::Result<()> {
     bus.declare_topology().await?;
     let published = Instant::now();
     let mut publisher = Publisher::new(&bus, 1024);
-    for traj in &trajectories {
-        let subject = subjects::traj_subject(&traj.partition, &traj.uid);
-        publisher.publish(Outgoing::protobuf(subject, Some(traj.key.clone()), traj)).await?;
+    let mut requests = Vec::new();
+    for group in trajectories.chunks(GROUP_SIZE) {
+        let mut scoring = ScoreRequestBuilder::new(&group[0].partition, &group[0].uid);
+        for traj in group {
+            let subject = subjects::traj_subject(&traj.partition, &traj.uid);
+            publisher.publish(Outgoing::protobuf(subject, Some(traj.key.clone()), traj)).await?;
+            scoring.add(traj);
+        }
+        requests.push(scoring);
     }
-    publisher.drain().await?;
+    let mut acks_by_subject: HashMap<String, Vec<jetrl_bus::publish::Acked>> = HashMap::new();
+    for ack in publisher.drain().await? {
+        acks_by_subject.entry(ack.subject.clone()).or_default().push(ack);
+    }
+    let mut request_bytes = Vec::with_capacity(requests.len());
+    for scoring in requests {
+        // the request's bytes (its sequences aside), for the broker ceiling below
+        let request = scoring.wire_request();
+        request_bytes.push(bytes::Bytes::from(request.encode_to_vec()));
+        let subject = subjects::traj_subject(&request.partition, &request.uid);
+        scoring.publish(&bus, acks_by_subject.get(&subject).map_or(&[][..], Vec::as_slice)).await?;
+    }
     let publish_s = published.elapsed().as_secs_f64();
     println!(
-        "pre-published {} trajectories ({payload_bytes} B each) in {publish_s:.2}s ({:.0}/s)",
+        "pre-published {} trajectories ({payload_bytes} B each) and {} score requests in {publish_s:.2}s",
         trajectories.len(),
-        trajectories.len() as f64 / publish_s
+        request_bytes.len()
     );
 
     // The service, in this process, on the same runtime as the poller below.
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let service_cfg = cfg.clone();
+    let cpu_before = (cpu_seconds(None), cpu_seconds(server.pid()));
     let started = Instant::now();
     let service = tokio::spawn(jetrl_reward_service::run(service_cfg, async move {
         let _ = stopped.await;
     }));
+    // The clock starts when the service's consumer exists (it pulls at once): start-up (connecting, declaring,
+    // building the engine) is left out, as the in-process figure leaves out building its engine.
+    let score_stream = bus.stream(subjects::SCORE_STREAM).await?;
+    let consuming = loop {
+        if score_stream.consumer_info(subjects::REWARD_CONSUMER).await.is_ok() {
+            break Instant::now();
+        }
+        if started.elapsed() > SERVICE_DEADLINE || service.is_finished() {
+            bail!("the service never created its consumer");
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    };
+    let startup_s = consuming.duration_since(started).as_secs_f64();
     let rewards = bus.stream(subjects::REWARDS_STREAM).await?;
-    let mut first_reward = None;
     loop {
         let stored = rewards.get_info().await.map(|info| info.state.messages as usize).unwrap_or(0);
-        if stored > 0 && first_reward.is_none() {
-            first_reward = Some(started.elapsed());
-        }
-        if stored >= trajectories.len() {
+        // one reward batch per group
+        if stored >= request_bytes.len() {
             break;
         }
         if started.elapsed() > SERVICE_DEADLINE || service.is_finished() {
-            bail!("the service stored {stored} of {} rewards before stopping or the deadline", trajectories.len());
+            bail!(
+                "the service stored {stored} of {} reward batches before stopping or the deadline",
+                request_bytes.len()
+            );
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    let service_s = started.elapsed().as_secs_f64();
+    let service_s = consuming.elapsed().as_secs_f64();
+    let cpu_after = (cpu_seconds(None), cpu_seconds(server.pid()));
     let _ = stop.send(());
     service.await.context("service task")?.context("service")?;
     let service_per_s = trajectories.len() as f64 / service_s;
     println!(
-        "service: {} rewards in {service_s:.2}s ({service_per_s:.0}/s; first after {:.3}s; max_inflight {}, batch_size {})",
+        "service: {} rewards in {service_s:.2}s from its consumer's creation ({service_per_s:.0}/s; start-up before \
+         that {startup_s:.3}s, {:.0}/s counting it; max_inflight {}, batch_size {})",
         trajectories.len(),
-        first_reward.unwrap_or_default().as_secs_f64(),
+        trajectories.len() as f64 / (service_s + startup_s),
         cfg.reward.max_inflight,
         cfg.reward.batch_size
     );
 
+    println!(
+        "CPU while the service ran: service {:.2}s, nats-server {:.2}s (of {:.2}s wall on {} cores)",
+        cpu_after.0 - cpu_before.0,
+        cpu_after.1 - cpu_before.1,
+        service_s + startup_s,
+        std::thread::available_parallelism().map_or(1, usize::from)
+    );
     let page = jetrl_telemetry::prometheus().render();
     let batches = page
         .lines()
@@ -161,10 +203,10 @@ async fn main() -> anyhow::Result<()> {
 
     let checked = check_rewards(&bus, &expected).await?;
     println!("checked {checked} rewards: one per trajectory, each equal to the in-process score");
-    let ceiling_per_s = broker_ceiling(&bus, &trajectories).await?;
+    let ceiling_per_s = broker_ceiling(&bus, &request_bytes, GROUP_SIZE).await?;
     println!(
-        "broker ceiling: {ceiling_per_s:.0}/s (pull each trajectory, publish a 100-byte message with its key as \
-         Nats-Msg-Id, ack: no decoding, no scoring); service at {:.0}% of it",
+        "broker ceiling: {ceiling_per_s:.0} trajectories/s (pull each group's request, publish 100 bytes per \
+         trajectory with a Nats-Msg-Id, ack: no decoding, no scoring); service at {:.0}% of it",
         100.0 * service_per_s / ceiling_per_s
     );
     let ratio = service_per_s / inprocess_per_s;
@@ -176,46 +218,65 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The same broker work per trajectory as the service does, and nothing else: a second durable consumer on TRAJ
-/// pulls every trajectory, a 100-byte message per trajectory goes to a scratch stream with the trajectory key as
-/// `Nats-Msg-Id`, and the trajectories are acknowledged once their messages are stored. No decoding, no scoring:
-/// the rate no reward service on this broker and machine can beat.
-async fn broker_ceiling(bus: &Bus, trajectories: &[Trajectory]) -> anyhow::Result<f64> {
+/// The same broker work per group as the service does, and nothing else: the score requests' bytes go to a
+/// scratch stream; a durable consumer pulls each one, a message of 100 bytes per trajectory (a reward batch's
+/// size) goes to a second scratch stream with a `Nats-Msg-Id`, and each request is acknowledged once its message
+/// is stored. No decoding, no scoring: the rate (in trajectories) no reward service on this broker and machine can
+/// beat.
+async fn broker_ceiling(bus: &Bus, requests: &[bytes::Bytes], per_request: usize) -> anyhow::Result<f64> {
     const WINDOW: usize = 1024;
     use async_nats::jetstream::{stream, AckKind};
-    bus.jetstream()
-        .create_stream(stream::Config {
-            name: "BENCH_CEILING".into(),
-            subjects: vec!["bench.ceiling.>".into()],
-            storage: stream::StorageType::File,
-            duplicate_window: jetrl_bus::topology::DEDUP_WINDOW,
-            ..Default::default()
-        })
-        .await
-        .context("scratch stream")?;
+    for (name, subject) in [("BENCH_CEILING_IN", "bench.ceiling.in"), ("BENCH_CEILING_OUT", "bench.ceiling.out")] {
+        bus.jetstream()
+            .create_stream(stream::Config {
+                name: name.into(),
+                subjects: vec![subject.into()],
+                storage: stream::StorageType::File,
+                duplicate_window: jetrl_bus::topology::DEDUP_WINDOW,
+                ..Default::default()
+            })
+            .await
+            .context("scratch stream")?;
+    }
+    let mut publisher = Publisher::new(bus, WINDOW);
+    for (i, request) in requests.iter().enumerate() {
+        publisher.publish(Outgoing::new("bench.ceiling.in", Some(format!("r{i}")), request.clone())).await?;
+    }
+    publisher.drain().await?;
     let consumer = bus
-        .shared_pull_consumer(subjects::TRAJ_STREAM, "bench-ceiling", "jetrl.traj.>", Duration::from_secs(30), 100_000)
+        .shared_pull_consumer("BENCH_CEILING_IN", "bench-ceiling", "bench.ceiling.in", Duration::from_secs(30), 100_000)
         .await?;
     let started = Instant::now();
-    let mut messages = consumer.stream().max_messages_per_batch(WINDOW).messages().await.context("pulling TRAJ")?;
-    let mut publisher = Publisher::new(bus, WINDOW);
+    let mut messages = consumer.stream().max_messages_per_batch(WINDOW).messages().await.context("pulling")?;
     let mut pending = Vec::with_capacity(WINDOW);
-    let payload = bytes::Bytes::from(vec![7u8; 100]);
+    let payload = bytes::Bytes::from(vec![7u8; 100 * per_request]);
     let mut done = 0;
-    while done < trajectories.len() {
-        let msg = messages.next().await.context("TRAJ ended")?.context("pulling TRAJ")?;
+    while done < requests.len() {
+        let msg = messages.next().await.context("scratch stream ended")?.context("pulling")?;
         let key = msg.headers.as_ref().and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID)).map(|v| v.to_string());
-        publisher.publish(Outgoing::new("bench.ceiling.x", key, payload.clone())).await?;
+        publisher.publish(Outgoing::new("bench.ceiling.out", key, payload.clone())).await?;
         pending.push(msg);
         done += 1;
-        if pending.len() >= WINDOW / 4 || done == trajectories.len() {
+        if pending.len() >= WINDOW / 4 || done == requests.len() {
             publisher.drain().await?;
             for msg in pending.drain(..) {
                 jetrl_bus::consume::settle(&msg, AckKind::Ack).await;
             }
         }
     }
-    Ok(trajectories.len() as f64 / started.elapsed().as_secs_f64())
+    Ok((requests.len() * per_request) as f64 / started.elapsed().as_secs_f64())
+}
+
+/// CPU seconds (user + system) used so far by process `pid` (this process for `None`), from /proc; 0 elsewhere.
+fn cpu_seconds(pid: Option<u32>) -> f64 {
+    let path = pid.map_or_else(|| "/proc/self/stat".to_string(), |pid| format!("/proc/{pid}/stat"));
+    let Ok(stat) = std::fs::read_to_string(path) else { return 0.0 };
+    // fields after the command name (which may hold spaces): state is field 3, utime 14, stime 15
+    let fields: Vec<&str> = stat.rsplit_once(')').map_or("", |(_, rest)| rest).split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // USER_HZ is 100 on Linux
+    let hz = 100.0;
+    (ticks(11) + ticks(12)) / hz
 }
 
 /// Reads every reward and compares it with the in-process score of its key.
@@ -233,13 +294,20 @@ async fn check_rewards(bus: &Bus, expected: &HashMap<String, f64>) -> anyhow::Re
             .context("REWARDS ended early")?
             .context("REWARDS ended")?
             .context("reading REWARDS")?;
-        let reward = Reward::decode(msg.payload.clone()).context("decoding a reward")?;
-        let Some(&want) = expected.get(&reward.key) else { bail!("reward for unknown key {}", reward.key) };
-        if (reward.score - want).abs() > 1e-12 || !reward.failure_reason.is_empty() {
-            bail!("{}: service scored {} ({:?}), in-process {want}", reward.key, reward.score, reward.failure_reason);
-        }
-        if seen.insert(reward.key.clone(), reward.score).is_some() {
-            bail!("two rewards for {}", reward.key);
+        let batch = RewardBatch::decode(msg.payload.clone()).context("decoding a reward batch")?;
+        for reward in batch.rewards {
+            let Some(&want) = expected.get(&reward.key) else { bail!("reward for unknown key {}", reward.key) };
+            if (reward.score - want).abs() > 1e-12 || !reward.failure_reason.is_empty() {
+                bail!(
+                    "{}: service scored {} ({:?}), in-process {want}",
+                    reward.key,
+                    reward.score,
+                    reward.failure_reason
+                );
+            }
+            if seen.insert(reward.key.clone(), reward.score).is_some() {
+                bail!("two rewards for {}", reward.key);
+            }
         }
     }
     Ok(seen.len())

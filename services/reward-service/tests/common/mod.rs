@@ -1,5 +1,6 @@
-//! Helpers for the reward service's integration tests: a real nats-server, trajectories published the way a
-//! rollout worker publishes them, the REWARDS stream read back, the service as a real process or in-process.
+//! Helpers for the reward service's integration tests: a real nats-server, trajectories and score requests
+//! published the way a rollout worker publishes them, the REWARDS stream read back, the service as a real process
+//! or in-process.
 
 #![allow(dead_code)] // each test file uses a different subset
 
@@ -11,10 +12,10 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use jetrl_bus::publish::Outgoing;
-use jetrl_bus::{Bus, NatsServer, Publisher};
+use jetrl_bus::{Bus, NatsServer, Publisher, ScoreRequestBuilder};
 use jetrl_config::JobConfig;
 use jetrl_wire::keys::TrajectoryKey;
-use jetrl_wire::v1::{Reward, Timings, Trajectory};
+use jetrl_wire::v1::{Reward, RewardBatch, Timings, Trajectory};
 use jetrl_wire::{packed, subjects, Message};
 
 /// nats-server, a connection to it, and a scratch directory.
@@ -56,29 +57,73 @@ impl Harness {
         path
     }
 
-    pub async fn publish(&self, trajectories: &[Trajectory]) {
-        let mut publisher = Publisher::new(&self.bus, 256);
+    /// Publishes trajectories the way a rollout worker does: each group's trajectories into TRAJ, then its score
+    /// request into SCORE. Returns the request ids, by uid.
+    pub async fn publish(&self, trajectories: &[Trajectory]) -> HashMap<String, String> {
+        let mut groups: Vec<(String, Vec<&Trajectory>)> = Vec::new();
         for traj in trajectories {
-            let subject = subjects::traj_subject(&traj.partition, &traj.uid);
-            publisher.publish(Outgoing::protobuf(subject, Some(traj.key.clone()), traj)).await.expect("publish");
+            match groups.iter_mut().find(|(uid, _)| *uid == traj.uid) {
+                Some((_, group)) => group.push(traj),
+                None => groups.push((traj.uid.clone(), vec![traj])),
+            }
         }
-        publisher.drain().await.expect("publish acks");
+        let mut publisher = Publisher::new(&self.bus, 256);
+        let mut requests = Vec::new();
+        for (uid, group) in &groups {
+            let mut scoring = ScoreRequestBuilder::new(&group[0].partition, uid);
+            for traj in group {
+                let subject = subjects::traj_subject(&traj.partition, &traj.uid);
+                publisher.publish(Outgoing::protobuf(subject, Some(traj.key.clone()), *traj)).await.expect("publish");
+                scoring.add(traj);
+            }
+            requests.push((uid.clone(), scoring));
+        }
+        let acks = publisher.drain().await.expect("publish acks");
+        let mut ids = HashMap::new();
+        for (uid, scoring) in requests {
+            let id = scoring.publish(&self.bus, &acks).await.expect("score request").expect("not empty");
+            ids.insert(uid, id);
+        }
+        ids
     }
 
-    /// Publishes raw bytes as the trajectory `key` (a payload the test encoded itself).
-    pub async fn publish_raw(&self, key: &str, payload: Vec<u8>) {
-        let uid = TrajectoryKey::parse(key).expect("key").uid;
-        let outgoing = Outgoing::new(subjects::traj_subject("train", &uid), Some(key.to_string()), payload.into());
+    /// Publishes raw bytes as the score request of group `uid`, after a stored trajectory `{uid}_0_0` (what a
+    /// corrupted request looks like).
+    pub async fn publish_raw_request(&self, uid: &str, payload: Vec<u8>) {
+        let traj = trajectory(uid, 0);
+        let subject = subjects::traj_subject("train", uid);
+        self.bus.publish_durable(Outgoing::protobuf(subject, Some(traj.key.clone()), &traj)).await.expect("publish");
+        let outgoing = Outgoing::new(subjects::score_subject("train", uid), Some(format!("{uid}.bad")), payload.into());
         self.bus.publish_durable(outgoing).await.expect("publish");
     }
 
-    /// Messages in the REWARDS stream.
-    pub async fn stored_rewards(&self) -> usize {
+    /// Every reward in the REWARDS stream (each message is one group's reward batch), in stream order.
+    pub async fn all_rewards(&self) -> Vec<Reward> {
         let stream = self.bus.stream(subjects::REWARDS_STREAM).await.expect("REWARDS");
-        stream.get_info().await.map(|info| info.state.messages as usize).unwrap_or(0)
+        let total = stream.get_info().await.map(|info| info.state.messages as usize).unwrap_or(0);
+        let consumer = stream
+            .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig::default())
+            .await
+            .expect("ordered consumer");
+        let mut messages = consumer.messages().await.expect("messages");
+        let mut rewards = Vec::new();
+        for _ in 0..total {
+            let msg = tokio::time::timeout(Duration::from_secs(10), messages.next())
+                .await
+                .expect("REWARDS read in time")
+                .expect("REWARDS open")
+                .expect("REWARDS message");
+            rewards.extend(RewardBatch::decode(msg.payload.clone()).expect("reward batch decodes").rewards);
+        }
+        rewards
     }
 
-    /// Waits until REWARDS holds at least `count` messages.
+    /// Rewards in the REWARDS stream.
+    pub async fn stored_rewards(&self) -> usize {
+        self.all_rewards().await.len()
+    }
+
+    /// Waits until REWARDS holds at least `count` rewards.
     pub async fn wait_for_rewards(&self, count: usize, timeout: Duration) {
         let started = Instant::now();
         loop {
@@ -91,23 +136,10 @@ impl Harness {
         }
     }
 
-    /// Every message of REWARDS, decoded, grouped by trajectory key.
+    /// Every reward of REWARDS, grouped by trajectory key.
     pub async fn rewards_by_key(&self) -> HashMap<String, Vec<Reward>> {
-        let total = self.stored_rewards().await;
-        let stream = self.bus.stream(subjects::REWARDS_STREAM).await.expect("REWARDS");
-        let consumer = stream
-            .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig::default())
-            .await
-            .expect("ordered consumer");
-        let mut messages = consumer.messages().await.expect("messages");
         let mut by_key: HashMap<String, Vec<Reward>> = HashMap::new();
-        for _ in 0..total {
-            let msg = tokio::time::timeout(Duration::from_secs(10), messages.next())
-                .await
-                .expect("REWARDS read in time")
-                .expect("REWARDS open")
-                .expect("REWARDS message");
-            let reward = Reward::decode(msg.payload.clone()).expect("reward decodes");
+        for reward in self.all_rewards().await {
             by_key.entry(reward.key.clone()).or_default().push(reward);
         }
         by_key

@@ -1,0 +1,87 @@
+//! The hand-off from the rollout worker to the reward service: once every trajectory of a group is stored in
+//! TRAJ, one [`ScoreRequest`] with the trajectories minus their token arrays goes to the SCORE work queue.
+
+use std::collections::HashMap;
+
+use jetrl_wire::score::{factor_common, request_id, score_view};
+use jetrl_wire::v1::{ScoreRequest, Trajectory};
+use jetrl_wire::{subjects, Message};
+
+use crate::publish::{Acked, Outgoing};
+use crate::{Bus, BusError};
+
+/// Collects a group's trajectories as they are published, then publishes their score request.
+#[derive(Debug, Clone)]
+pub struct ScoreRequestBuilder {
+    request: ScoreRequest,
+}
+
+impl ScoreRequestBuilder {
+    pub fn new(partition: &str, uid: &str) -> Self {
+        Self { request: ScoreRequest { uid: uid.into(), partition: partition.into(), ..Default::default() } }
+    }
+
+    /// Keeps the score view of a trajectory being published (its stored sequence comes from its ack).
+    pub fn add(&mut self, traj: &Trajectory) {
+        self.request.trajectories.push(score_view(traj, 0));
+    }
+
+    /// The request as it would go on the wire now (stored sequences are filled in by [`Self::publish`]).
+    pub fn wire_request(&self) -> ScoreRequest {
+        let mut request = self.request.clone();
+        request.trajectories.sort_by(|a, b| a.key.cmp(&b.key));
+        factor_common(&mut request);
+        request
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.request.trajectories.is_empty()
+    }
+
+    /// Publishes the request once every trajectory is acknowledged (`acks`: at least those of this group's
+    /// trajectories, matched by key). A trajectory the stream already held under its key — an earlier attempt at
+    /// this group stored it before its worker died — is replaced by the stored copy, so the score is computed on
+    /// the payload the trainer will read. Waits until the request is stored; returns its id (`None` when the group
+    /// has no trajectories and nothing was published).
+    pub async fn publish(mut self, bus: &Bus, acks: &[Acked]) -> Result<Option<String>, BusError> {
+        if self.is_empty() {
+            return Ok(None);
+        }
+        let by_key: HashMap<&str, &Acked> = acks.iter().filter_map(|a| a.msg_id.as_deref().map(|id| (id, a))).collect();
+        let mut traj_stream = None;
+        for view in &mut self.request.trajectories {
+            let Some(ack) = by_key.get(view.key.as_str()) else {
+                return Err(BusError::Publish {
+                    subject: subjects::score_subject(&self.request.partition, &self.request.uid),
+                    message: format!("trajectory {} has no publish acknowledgement", view.key),
+                });
+            };
+            view.stored_seq = ack.sequence;
+            if ack.duplicate {
+                let stream = match &traj_stream {
+                    Some(stream) => stream,
+                    None => traj_stream.insert(bus.stream(subjects::TRAJ_STREAM).await?),
+                };
+                match stream.direct_get(ack.sequence).await.map(|m| Trajectory::decode(m.payload.as_ref())) {
+                    Ok(Ok(stored)) if stored.key == view.key => *view = score_view(&stored, ack.sequence),
+                    Ok(Ok(_)) | Ok(Err(_)) => {
+                        tracing::warn!(key = %view.key, seq = ack.sequence, "stored copy of a duplicate trajectory does not match its key; scoring this copy")
+                    }
+                    Err(err) => {
+                        return Err(BusError::Consume {
+                            what: format!("{} seq {}", subjects::TRAJ_STREAM, ack.sequence),
+                            message: err.to_string(),
+                        })
+                    }
+                }
+            }
+        }
+        // Key order, so a retried group with the same trajectories gets the same id whatever order they finished in.
+        self.request.trajectories.sort_by(|a, b| a.key.cmp(&b.key));
+        factor_common(&mut self.request);
+        let id = request_id(&self.request);
+        let subject = subjects::score_subject(&self.request.partition, &self.request.uid);
+        bus.publish_durable(Outgoing::protobuf(subject, Some(id.clone()), &self.request)).await?;
+        Ok(Some(id))
+    }
+}
