@@ -172,7 +172,7 @@ async fn decode(context: &BatchContext, held: Pulled) -> Item {
         .map(|v| v.as_str().to_string());
     match ScoreRequest::decode(held.msg.payload.clone()) {
         Ok(mut request) => {
-            jetrl_wire::score::expand_common(&mut request);
+            jetrl_wire::score::expand_common(&mut request, context.prompts.needed());
             let id = header_id.unwrap_or_else(|| jetrl_wire::score::request_id(&request));
             if delivered > 1 && context.already_scored(&request.partition, &request.uid, &id).await {
                 tracing::debug!(uid = %request.uid, delivered, "redelivered score request already has its rewards");

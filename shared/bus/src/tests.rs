@@ -336,7 +336,7 @@ async fn a_score_request_carries_what_was_stored_even_for_a_trajectory_an_earlie
     assert_eq!(msg.headers.get(async_nats::header::NATS_MESSAGE_ID).map(|v| v.as_str()), Some(id.as_str()));
     let mut request = jetrl_wire::v1::ScoreRequest::decode(msg.payload.as_ref()).unwrap();
     assert_eq!(request.common.as_ref().map(|c| c.ground_truth.as_str()), Some("42"), "shared fields travel once");
-    jetrl_wire::score::expand_common(&mut request);
+    jetrl_wire::score::expand_common(&mut request, true);
     let keys: Vec<&str> = request.trajectories.iter().map(|t| t.key.as_str()).collect();
     assert_eq!(keys, ["u_0_0", "u_1_0"], "key order");
     let (zero, one) = (&request.trajectories[0], &request.trajectories[1]);

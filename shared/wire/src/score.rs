@@ -4,23 +4,32 @@
 use crate::packed;
 use crate::v1::{GroupPrompt, ScoreRequest, Trajectory};
 
-/// `traj` as a score request carries it: everything but the token arrays (prompt ids stay when the trajectory
-/// has no chat messages, so a reward model or user function can still decode the prompt), with `stored_seq`
-/// naming the full trajectory in TRAJ and the arrays' lengths kept.
+/// `traj` as a score request carries it: what a scorer or the reward reads, without the token arrays (prompt ids
+/// stay when the trajectory has no chat messages, so a reward model or user function can still decode the prompt)
+/// and without what only the trainer and the logs read (worker, agent loop, stop reason, tool rewards); uid and
+/// partition are the request's. `stored_seq` names the full trajectory in TRAJ; the arrays' lengths are kept.
 pub fn score_view(traj: &Trajectory, stored_seq: u64) -> Trajectory {
-    let mut view = Trajectory {
+    Trajectory {
+        key: traj.key.clone(),
+        session_id: traj.session_id,
+        index: traj.index,
+        submit_step: traj.submit_step,
+        prompt_ids: if traj.raw_prompt.is_empty() { traj.prompt_ids.clone() } else { Default::default() },
+        min_version: traj.min_version,
+        max_version: traj.max_version,
+        finish_reason: traj.finish_reason,
+        timings: traj.timings,
+        response_text: traj.response_text.clone(),
+        data_source: traj.data_source.clone(),
+        ground_truth: traj.ground_truth.clone(),
+        extra_info_json: traj.extra_info_json.clone(),
+        num_turns: traj.num_turns,
+        raw_prompt: traj.raw_prompt.clone(),
         stored_seq,
         prompt_len: prompt_len(traj),
         response_len: response_len(traj),
-        response_ids: Default::default(),
-        response_mask: Default::default(),
-        logprobs: Default::default(),
-        ..traj.clone()
-    };
-    if !traj.raw_prompt.is_empty() {
-        view.prompt_ids = Default::default();
+        ..Default::default()
     }
-    view
 }
 
 /// Moves the prompt fields that every trajectory of `request` shares into `request.common` (each carried once).
@@ -46,8 +55,13 @@ pub fn factor_common(request: &mut ScoreRequest) {
     request.common = (common != GroupPrompt::default()).then_some(common);
 }
 
-/// Puts the fields [`factor_common`] carried once back into every trajectory of `request`.
-pub fn expand_common(request: &mut ScoreRequest) {
+/// Puts the fields [`factor_common`] carried once back into every trajectory of `request`, and its uid and
+/// partition. The prompt (ids, chat messages) and extra info only `with_prompt`: rule scorers read neither.
+pub fn expand_common(request: &mut ScoreRequest, with_prompt: bool) {
+    for traj in &mut request.trajectories {
+        traj.uid.clone_from(&request.uid);
+        traj.partition.clone_from(&request.partition);
+    }
     let Some(common) = request.common.take() else { return };
     macro_rules! expand {
         ($field:ident) => {
@@ -58,11 +72,13 @@ pub fn expand_common(request: &mut ScoreRequest) {
             }
         };
     }
-    expand!(prompt_ids);
-    expand!(raw_prompt);
     expand!(data_source);
     expand!(ground_truth);
-    expand!(extra_info_json);
+    if with_prompt {
+        expand!(prompt_ids);
+        expand!(raw_prompt);
+        expand!(extra_info_json);
+    }
 }
 
 /// Prompt tokens of a full trajectory or of its score view.
@@ -108,6 +124,7 @@ mod tests {
         Trajectory {
             key: key.into(),
             uid: "u".into(),
+            partition: "train".into(),
             prompt_ids: packed::pack_u32(&[1, 2, 3]),
             response_ids: packed::pack_u32(&[4, 5]),
             response_mask: packed::pack_u8(&[1, 1]),
@@ -119,13 +136,15 @@ mod tests {
 
     #[test]
     fn the_score_view_drops_the_token_arrays_and_keeps_their_lengths_and_the_stored_sequence() {
-        let full = traj("u_0_0");
+        let full = Trajectory { worker_id: "w".into(), stop_reason: "eos".into(), ..traj("u_0_0") };
         let view = score_view(&full, 42);
+        assert!(view.uid.is_empty() && view.worker_id.is_empty() && view.stop_reason.is_empty());
         assert!(view.response_ids.is_empty() && view.response_mask.is_empty() && view.logprobs.is_empty());
         assert_eq!((view.stored_seq, prompt_len(&view), response_len(&view)), (42, 3, 2));
         assert_eq!(view.prompt_ids, full.prompt_ids, "no chat messages: the prompt ids stay for decoding");
         assert_eq!(view.response_text, "45");
-        let chat = Trajectory { raw_prompt: vec![ChatMessage { role: "user".into(), content: "hi".into() }], ..full };
+        let chat =
+            Trajectory { raw_prompt: vec![ChatMessage { role: "user".into(), content: "hi".into() }], ..traj("u_0_0") };
         let view = score_view(&chat, 1);
         assert!(view.prompt_ids.is_empty(), "the chat messages stand for the prompt");
         assert_eq!((view.raw_prompt.len(), prompt_len(&view)), (1, 3));
@@ -147,8 +166,11 @@ mod tests {
         assert!(common.data_source.is_empty(), "differs between trajectories: stays in them");
         assert!(request.trajectories.iter().all(|t| t.ground_truth.is_empty() && t.prompt_ids.is_empty()));
         assert!(request.encoded_len() < original.encoded_len());
-        expand_common(&mut request);
+        let mut rules_only = request.clone();
+        expand_common(&mut request, true);
         assert_eq!(request, original);
+        expand_common(&mut rules_only, false);
+        assert!(rules_only.trajectories.iter().all(|t| t.ground_truth == "45" && t.prompt_ids.is_empty()));
     }
 
     #[test]
