@@ -273,13 +273,14 @@ async fn publish(bus: &Bus, items: &mut [Item], outcomes: Vec<ScoreOutcome>) -> 
     for item in items.iter_mut() {
         let (id, batch) = match item {
             Item::Decoded { request, id, .. } => {
+                let (uid, partition) = (request.uid.as_str(), request.partition.as_str());
                 let rewards = request
                     .trajectories
-                    .iter()
+                    .iter_mut()
                     .map(|traj| {
                         let outcome =
                             outcomes.next().unwrap_or_else(|| missing_outcome(&traj.key, "scorer returned no outcome"));
-                        reward_for(traj, outcome)
+                        reward_for(traj, uid, partition, outcome)
                     })
                     .collect();
                 (id.clone(), RewardBatch { rewards })
@@ -359,12 +360,13 @@ fn missing_outcome(key: &str, why: &str) -> ScoreOutcome {
     }
 }
 
-/// The reward of a trajectory (its score view in a request: `stored_seq` names the payload in TRAJ).
-fn reward_for(traj: &Trajectory, outcome: ScoreOutcome) -> Reward {
+/// The reward of a trajectory of request `uid` (its score view: `stored_seq` names the payload in TRAJ).
+fn reward_for(traj: &mut Trajectory, uid: &str, partition: &str, outcome: ScoreOutcome) -> Reward {
     Reward {
-        key: traj.key.clone(),
-        uid: traj.uid.clone(),
-        partition: traj.partition.clone(),
+        // the view is not read again (settling needs only its timings): its strings move into the reward
+        key: std::mem::take(&mut traj.key),
+        uid: uid.to_string(),
+        partition: partition.to_string(),
         traj_seq: traj.stored_seq,
         score: outcome.score,
         extra: outcome.extra.into_iter().collect(),
@@ -377,7 +379,7 @@ fn reward_for(traj: &Trajectory, outcome: ScoreOutcome) -> Reward {
         submit_step: traj.submit_step,
         session_id: traj.session_id,
         index: traj.index,
-        data_source: traj.data_source.clone(),
+        data_source: std::mem::take(&mut traj.data_source),
     }
 }
 

@@ -55,13 +55,10 @@ pub fn factor_common(request: &mut ScoreRequest) {
     request.common = (common != GroupPrompt::default()).then_some(common);
 }
 
-/// Puts the fields [`factor_common`] carried once back into every trajectory of `request`, and its uid and
-/// partition. The prompt (ids, chat messages) and extra info only `with_prompt`: rule scorers read neither.
+/// Puts the fields [`factor_common`] carried once back into every trajectory of `request` (uid and partition
+/// stay the request's). The prompt (ids, chat messages) and extra info only `with_prompt`: rule scorers read
+/// neither.
 pub fn expand_common(request: &mut ScoreRequest, with_prompt: bool) {
-    for traj in &mut request.trajectories {
-        traj.uid.clone_from(&request.uid);
-        traj.partition.clone_from(&request.partition);
-    }
     let Some(common) = request.common.take() else { return };
     macro_rules! expand {
         ($field:ident) => {
