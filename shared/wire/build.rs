@@ -7,5 +7,10 @@ fn main() {
     let file = root.join("jetrl/v1/jetrl.proto");
     println!("cargo:rerun-if-changed={}", file.display());
     let descriptors = protox::compile([&file], [&root]).expect("proto/jetrl/v1/jetrl.proto does not compile");
-    prost_build::Config::new().bytes(["."]).compile_fds(descriptors).expect("prost-build failed");
+    // A reward's extra values stay ordered maps, as the scorers produce them: moved into the message, not rehashed.
+    prost_build::Config::new()
+        .bytes(["."])
+        .btree_map([".jetrl.v1.Reward"])
+        .compile_fds(descriptors)
+        .expect("prost-build failed");
 }

@@ -278,8 +278,10 @@ async fn publish(bus: &Bus, items: &mut [Item], outcomes: Vec<ScoreOutcome>) -> 
                     .trajectories
                     .iter_mut()
                     .map(|traj| {
-                        let outcome =
-                            outcomes.next().unwrap_or_else(|| missing_outcome(&traj.key, "scorer returned no outcome"));
+                        let outcome = outcomes.next().unwrap_or_else(|| {
+                            let key = TrajectoryKey::new(uid.to_string(), traj.session_id, traj.index).to_string();
+                            missing_outcome(&key, "scorer returned no outcome")
+                        });
                         reward_for(traj, uid, partition, outcome)
                     })
                     .collect();
@@ -316,19 +318,21 @@ async fn settle(context: &BatchContext, items: Vec<Item>, kind: AckKind, started
     metrics::counter!(TRAJECTORIES_METRIC).increment(trajectories as u64);
     metrics::histogram!(BATCH_SECONDS_METRIC).record(started.elapsed().as_secs_f64());
     let now = jetrl_wire::now_unix_ms();
+    let lag = metrics::histogram!(QUEUE_LAG_METRIC);
     for item in &items {
         if let Item::Decoded { request, .. } = item {
             for traj in &request.trajectories {
                 if let Some(done) = traj.timings.as_ref().map(|t| t.completed_unix_ms).filter(|&ms| ms > 0) {
-                    metrics::histogram!(QUEUE_LAG_METRIC).record((now - done).max(0) as f64 / 1000.0);
+                    lag.record((now - done).max(0) as f64 / 1000.0);
                 }
             }
         }
     }
 }
 
-/// The scorer's view of a trajectory. The response text is moved out (the reward does not carry it); extra
-/// info is parsed only for scorers that read it.
+/// The scorer's view of a trajectory. The key, response text and ground truth are moved out (the key comes back
+/// with the outcome; the reward carries neither of the others); extra info is parsed only for scorers that read
+/// it.
 fn score_input(prompts: &PromptSource, traj: &mut Trajectory) -> ScoreInput {
     let prompt = prompts.prompt(traj);
     let extra_info = if prompts.needed() {
@@ -337,7 +341,7 @@ fn score_input(prompts: &PromptSource, traj: &mut Trajectory) -> ScoreInput {
         serde_json::Value::Null
     };
     ScoreInput {
-        key: traj.key.clone(),
+        key: std::mem::take(&mut traj.key),
         data_source: traj.data_source.clone(),
         solution_str: std::mem::take(&mut traj.response_text),
         ground_truth: std::mem::take(&mut traj.ground_truth),
@@ -363,14 +367,15 @@ fn missing_outcome(key: &str, why: &str) -> ScoreOutcome {
 /// The reward of a trajectory of request `uid` (its score view: `stored_seq` names the payload in TRAJ).
 fn reward_for(traj: &mut Trajectory, uid: &str, partition: &str, outcome: ScoreOutcome) -> Reward {
     Reward {
-        // the view is not read again (settling needs only its timings): its strings move into the reward
-        key: std::mem::take(&mut traj.key),
+        // the key went to the scorer and comes back with the outcome; the view is not read again (settling
+        // needs only its timings), so its strings move into the reward
+        key: outcome.key,
         uid: uid.to_string(),
         partition: partition.to_string(),
         traj_seq: traj.stored_seq,
         score: outcome.score,
-        extra: outcome.extra.into_iter().collect(),
-        extra_text: outcome.extra_text.into_iter().collect(),
+        extra: outcome.extra,
+        extra_text: outcome.extra_text,
         failure_reason: outcome.failure_reason.unwrap_or_default(),
         prompt_len: prompt_len(traj),
         response_len: response_len(traj),
