@@ -4,7 +4,7 @@
 
 use bytes::Bytes;
 use jetrl_bus::publish::Outgoing;
-use jetrl_bus::{Bus, BusError, GroupStore, Publisher, ScoreRequestBuilder};
+use jetrl_bus::{score, Bus, BusError, GroupStore, Publisher};
 use jetrl_wire::keys::TrajectoryKey;
 use jetrl_wire::v1::{GroupState, GroupStatus, PromptTask, Reward, RewardBatch, Trajectory};
 use jetrl_wire::{packed, subjects, Message};
@@ -122,7 +122,6 @@ const FIELDS_ALLOWANCE: usize = 256;
 pub async fn produce(
     bus: &Bus,
     groups: &GroupStore,
-    publisher: &mut Publisher,
     spec: &GroupSpec,
     known: Option<(GroupStatus, u64)>,
 ) -> Result<Vec<u64>, BusError> {
@@ -133,22 +132,9 @@ pub async fn produce(
     };
     let running =
         groups.update_from(&spec.partition, &spec.uid, known, |_| Some(GroupState::Running)).await.map_err(kv_err)?;
-    let mut keys = Vec::new();
-    let mut scoring = ScoreRequestBuilder::new(&spec.partition, &spec.uid);
-    for session in 0..spec.scores.len() {
-        let traj = trajectory(spec, session);
-        keys.push(traj.key.clone());
-        publisher
-            .publish(Outgoing::protobuf(
-                subjects::traj_subject(&spec.partition, &spec.uid),
-                Some(traj.key.clone()),
-                &traj,
-            ))
-            .await?;
-        scoring.add(&traj);
-    }
-    let acks = publisher.drain().await?;
-    scoring.publish(bus, &acks).await?;
+    let trajectories: Vec<Trajectory> = (0..spec.scores.len()).map(|session| trajectory(spec, session)).collect();
+    let keys: Vec<String> = trajectories.iter().map(|t| t.key.clone()).collect();
+    let (acks, _) = score::publish_group(bus, &spec.partition, &spec.uid, &trajectories).await?;
     let state = spec.state;
     groups
         .update_from(&spec.partition, &spec.uid, running, |s| {

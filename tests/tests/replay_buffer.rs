@@ -67,7 +67,7 @@ fn request(id: &str, step: u64, batch: u32) -> SampleRequest {
 async fn make_group(bus: &Bus, groups: &GroupStore, spec: &GroupSpec) -> Vec<u64> {
     let mut publisher = Publisher::new(bus, 64);
     let known = sim::submit(groups, spec).await.unwrap();
-    let seqs = sim::produce(bus, groups, &mut publisher, spec, Some(known)).await.unwrap();
+    let seqs = sim::produce(bus, groups, spec, Some(known)).await.unwrap();
     sim::score(&mut publisher, spec, &seqs).await.unwrap();
     seqs
 }
@@ -210,8 +210,7 @@ async fn a_two_megabyte_trajectory_round_trips_through_the_reward_service_the_bu
     let mut spec = GroupSpec::finished("big", 1, &[1.0]);
     spec.payload_bytes = 2 * 1024 * 1024;
     let known = sim::submit(&groups, &spec).await.unwrap();
-    let mut publisher = Publisher::new(&bus, 4);
-    sim::produce(&bus, &groups, &mut publisher, &spec, Some(known)).await.unwrap();
+    sim::produce(&bus, &groups, &spec, Some(known)).await.unwrap();
     // the reward service scores it (data_source "sim" is unknown: a zero reward with a reason, still indexed)
     let answer = sample(&bus, &request("train-1", 1, 1)).await;
     let t = &answer.groups[0].trajectories[0];

@@ -8,7 +8,7 @@ use jetrl_wire::v1::{ScoreRequest, Trajectory};
 use jetrl_wire::{subjects, Message};
 
 use crate::publish::{Acked, Outgoing};
-use crate::{Bus, BusError};
+use crate::{Bus, BusError, Publisher};
 
 /// Collects a group's trajectories as they are published, then publishes their score request.
 #[derive(Debug, Clone)]
@@ -84,4 +84,26 @@ impl ScoreRequestBuilder {
         bus.publish_durable(Outgoing::protobuf(subject, Some(id.clone()), &self.request)).await?;
         Ok(Some(id))
     }
+}
+
+/// Publishes a whole group at once as a rollout worker does over time: every trajectory into TRAJ (pipelined,
+/// keyed by its key), then the score request. For simulated producers, tests and benchmarks; the worker itself
+/// publishes each trajectory as its session ends. Returns the trajectories' acks and the request id (`None` for
+/// no trajectories).
+pub async fn publish_group(
+    bus: &Bus,
+    partition: &str,
+    uid: &str,
+    trajectories: &[Trajectory],
+) -> Result<(Vec<Acked>, Option<String>), BusError> {
+    let mut publisher = Publisher::new(bus, trajectories.len().max(1));
+    let mut scoring = ScoreRequestBuilder::new(partition, uid);
+    for traj in trajectories {
+        let subject = subjects::traj_subject(partition, uid);
+        publisher.publish(Outgoing::protobuf(subject, Some(traj.key.clone()), traj)).await?;
+        scoring.add(traj);
+    }
+    let acks = publisher.drain().await?;
+    let id = scoring.publish(bus, &acks).await?;
+    Ok((acks, id))
 }

@@ -137,12 +137,11 @@ async fn jetrl_path(url: &str, groups_total: usize, batch_groups: usize, produce
             futures::stream::iter((0..per_producer).map(|i| {
                 let (bus, groups) = (bus.clone(), groups.clone());
                 async move {
-                    let mut publisher = Publisher::new(&bus, 64);
                     let spec = bench_spec(&format!("p{p}g{i}"));
                     let known = sim::submit(&groups, &spec).await.expect("submit");
-                    let seqs = sim::produce(&bus, &groups, &mut publisher, &spec, Some(known)).await.expect("produce");
+                    let seqs = sim::produce(&bus, &groups, &spec, Some(known)).await.expect("produce");
                     if sim_reward {
-                        sim::score(&mut publisher, &spec, &seqs).await.expect("score");
+                        sim::score(&mut Publisher::new(&bus, GROUP), &spec, &seqs).await.expect("score");
                     }
                 }
             }))

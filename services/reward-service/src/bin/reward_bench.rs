@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use futures::StreamExt;
 use jetrl_bus::publish::Outgoing;
-use jetrl_bus::{Bus, NatsServer, Publisher, ScoreRequestBuilder};
+use jetrl_bus::{score, Bus, NatsServer, Publisher, ScoreRequestBuilder};
 use jetrl_config::JobConfig;
 use jetrl_reward::{RewardEngine, ScoreInput};
 use jetrl_wire::keys::TrajectoryKey;
@@ -135,27 +135,13 @@ async fn main() -> anyhow::Result<()> {
 /// SCORE. Returns the requests' bytes (for the broker ceiling).
 async fn publish_groups(bus: &Bus, trajectories: &[Trajectory]) -> anyhow::Result<Vec<bytes::Bytes>> {
     let published = Instant::now();
-    let mut publisher = Publisher::new(bus, 1024);
-    let mut requests = Vec::new();
+    let mut request_bytes = Vec::with_capacity(trajectories.len() / GROUP_SIZE + 1);
     for group in trajectories.chunks(GROUP_SIZE) {
-        let mut scoring = ScoreRequestBuilder::new(&group[0].partition, &group[0].uid);
-        for traj in group {
-            let subject = subjects::traj_subject(&traj.partition, &traj.uid);
-            publisher.publish(Outgoing::protobuf(subject, Some(traj.key.clone()), traj)).await?;
-            scoring.add(traj);
-        }
-        requests.push(scoring);
-    }
-    let mut acks_by_subject: HashMap<String, Vec<jetrl_bus::publish::Acked>> = HashMap::new();
-    for ack in publisher.drain().await? {
-        acks_by_subject.entry(ack.subject.clone()).or_default().push(ack);
-    }
-    let mut request_bytes = Vec::with_capacity(requests.len());
-    for scoring in requests {
-        let request = scoring.wire_request();
-        request_bytes.push(bytes::Bytes::from(request.encode_to_vec()));
-        let subject = subjects::traj_subject(&request.partition, &request.uid);
-        scoring.publish(bus, acks_by_subject.get(&subject).map_or(&[][..], Vec::as_slice)).await?;
+        let (partition, uid) = (&group[0].partition, &group[0].uid);
+        let mut request = ScoreRequestBuilder::new(partition, uid);
+        group.iter().for_each(|traj| request.add(traj));
+        request_bytes.push(bytes::Bytes::from(request.wire_request().encode_to_vec()));
+        score::publish_group(bus, partition, uid, group).await?;
     }
     println!(
         "  published {} trajectories and {} score requests in {:.2}s",

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use jetrl_bus::publish::Outgoing;
-use jetrl_bus::{Bus, NatsServer, Publisher, ScoreRequestBuilder};
+use jetrl_bus::{score, Bus, NatsServer};
 use jetrl_config::JobConfig;
 use jetrl_wire::keys::TrajectoryKey;
 use jetrl_wire::v1::{Reward, RewardBatch, Timings, Trajectory};
@@ -60,29 +60,17 @@ impl Harness {
     /// Publishes trajectories the way a rollout worker does: each group's trajectories into TRAJ, then its score
     /// request into SCORE. Returns the request ids, by uid.
     pub async fn publish(&self, trajectories: &[Trajectory]) -> HashMap<String, String> {
-        let mut groups: Vec<(String, Vec<&Trajectory>)> = Vec::new();
+        let mut groups: Vec<(String, Vec<Trajectory>)> = Vec::new();
         for traj in trajectories {
             match groups.iter_mut().find(|(uid, _)| *uid == traj.uid) {
-                Some((_, group)) => group.push(traj),
-                None => groups.push((traj.uid.clone(), vec![traj])),
+                Some((_, group)) => group.push(traj.clone()),
+                None => groups.push((traj.uid.clone(), vec![traj.clone()])),
             }
         }
-        let mut publisher = Publisher::new(&self.bus, 256);
-        let mut requests = Vec::new();
-        for (uid, group) in &groups {
-            let mut scoring = ScoreRequestBuilder::new(&group[0].partition, uid);
-            for traj in group {
-                let subject = subjects::traj_subject(&traj.partition, &traj.uid);
-                publisher.publish(Outgoing::protobuf(subject, Some(traj.key.clone()), *traj)).await.expect("publish");
-                scoring.add(traj);
-            }
-            requests.push((uid.clone(), scoring));
-        }
-        let acks = publisher.drain().await.expect("publish acks");
         let mut ids = HashMap::new();
-        for (uid, scoring) in requests {
-            let id = scoring.publish(&self.bus, &acks).await.expect("score request").expect("not empty");
-            ids.insert(uid, id);
+        for (uid, group) in groups {
+            let (_, id) = score::publish_group(&self.bus, &group[0].partition, &uid, &group).await.expect("publish");
+            ids.insert(uid, id.expect("not empty"));
         }
         ids
     }
