@@ -55,25 +55,31 @@ impl BatchContext {
     /// of each trajectory.
     async fn already_scored(&self, partition: &str, uid: &str, key: &str) -> bool {
         let subject = subjects::reward_subject(partition, uid);
-        let mut from = 1;
-        for _ in 0..MAX_REWARDS_PER_GROUP_CHECKED {
-            match self.rewards.direct_get_next_for_subject(subject.as_str(), Some(from)).await {
-                Ok(stored) => {
-                    let id = stored.headers.get(async_nats::header::NATS_MESSAGE_ID).map(|v| v.as_str());
-                    if id == Some(key) {
-                        return true;
-                    }
-                    from = stored.sequence + 1;
-                }
-                Err(err) if matches!(err.kind(), DirectGetErrorKind::NotFound) => return false,
-                Err(err) => {
-                    tracing::warn!(%key, error = %err, "cannot check REWARDS for an earlier reward");
-                    return false;
+        stored_ids(&self.rewards, &subject, MAX_REWARDS_PER_GROUP_CHECKED).await.iter().any(|(id, _)| id == key)
+    }
+}
+
+/// The `Nats-Msg-Id` and sequence of each message on `subject` in `stream` (at most `max`), oldest first. A read
+/// that fails ends the list early (logged): callers treat what is missing as absent.
+async fn stored_ids(stream: &Stream, subject: &str, max: usize) -> Vec<(String, u64)> {
+    let mut found = Vec::new();
+    let mut from = 1;
+    while found.len() < max {
+        match stream.direct_get_next_for_subject(subject, Some(from)).await {
+            Ok(stored) => {
+                from = stored.sequence + 1;
+                if let Some(id) = stored.headers.get(async_nats::header::NATS_MESSAGE_ID) {
+                    found.push((id.as_str().to_string(), stored.sequence));
                 }
             }
+            Err(err) if matches!(err.kind(), DirectGetErrorKind::NotFound) => break,
+            Err(err) => {
+                tracing::warn!(%subject, error = %err, "cannot read the messages on a subject");
+                break;
+            }
         }
-        false
     }
+    found
 }
 
 /// A score request of the batch, decoded or not.
@@ -203,25 +209,12 @@ impl BatchContext {
     /// `Nats-Msg-Id`): what a group whose score request cannot be read gets instead of scores.
     async fn failed_group(&self, partition: &str, uid: &str, reason: &str) -> Vec<Reward> {
         let subject = subjects::traj_subject(partition, uid);
-        let mut rewards = Vec::new();
-        let mut from = 1;
-        while rewards.len() < MAX_TRAJECTORIES_PER_GROUP {
-            match self.trajectories.direct_get_next_for_subject(subject.as_str(), Some(from)).await {
-                Ok(stored) => {
-                    from = stored.sequence + 1;
-                    let key = stored.headers.get(async_nats::header::NATS_MESSAGE_ID).map(|v| v.as_str().to_string());
-                    if let Some(key) = key.filter(|k| TrajectoryKey::parse(k).is_ok()) {
-                        rewards.push(failure_reward(&key, partition, stored.sequence, reason));
-                    }
-                }
-                Err(err) if matches!(err.kind(), DirectGetErrorKind::NotFound) => break,
-                Err(err) => {
-                    tracing::warn!(%subject, error = %err, "cannot list the trajectories of a malformed request's group");
-                    break;
-                }
-            }
-        }
-        rewards
+        stored_ids(&self.trajectories, &subject, MAX_TRAJECTORIES_PER_GROUP)
+            .await
+            .into_iter()
+            .filter(|(key, _)| TrajectoryKey::parse(key).is_ok())
+            .map(|(key, seq)| failure_reward(&key, partition, seq, reason))
+            .collect()
     }
 }
 
