@@ -1,7 +1,7 @@
 //! jetrl-reward-service: turns trajectories into scores, off the rollout's critical path.
 //!
 //! ```text
-//! SCORE (work queue; durable consumer `reward-service`, shared by every instance)
+//! SCORE (durable consumer `reward-service`, shared by every instance; acknowledged requests are purged in bulk)
 //!   │ one ScoreRequest per prompt group, written by the rollout worker once the group's trajectories are in
 //!   │ TRAJ: the trajectories without their token arrays, each naming its stored sequence
 //!   │ pull::Puller: asks only for what there is room for (reward.max_inflight requests); a lease on each message
@@ -33,6 +33,11 @@
 //! cannot even be decoded is terminated and counted, and every trajectory of its group stored in TRAJ still gets a
 //! zero reward with a failure reason, so the group is never stuck.
 //!
+//! SCORE is a limits stream, not a work queue: a work queue deletes each request from the store as its ack
+//! arrives, and that per-message delete was a third of the broker's work per group. Instead every instance reads
+//! the consumer's ack floor once a second and purges everything at or below it in one request ([`compact`]);
+//! what it has not purged yet is acknowledged, so it is never delivered again.
+//!
 //! [`RewardBatch`]: jetrl_wire::v1::RewardBatch
 
 pub mod batch;
@@ -63,8 +68,11 @@ pub const QUEUE_PENDING_METRIC: &str = "jetrl_reward_queue_pending_messages";
 /// Micro-batches whose rewards could not be published (their requests are redelivered).
 pub const BATCH_ERRORS_METRIC: &str = "jetrl_reward_batch_errors_total";
 const BATCH_SECONDS_METRIC: &str = "jetrl_reward_batch_seconds";
-/// How often the consumer's backlog is read for [`QUEUE_PENDING_METRIC`].
-const BACKLOG_POLL: Duration = Duration::from_secs(5);
+/// Settled score requests purged from SCORE.
+pub const COMPACTED_METRIC: &str = "jetrl_reward_compacted_requests_total";
+/// How often the consumer's state is read: its backlog for [`QUEUE_PENDING_METRIC`], its ack floor for
+/// [`compact`].
+const CONSUMER_POLL: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum RewardServiceError {
@@ -102,7 +110,7 @@ pub async fn run(
     let batch_size = cfg.reward.batch_size.max(1) as usize;
     let (leases, renewal) = Leases::start(bus.client().clone(), ack_wait);
     let (puller, mut pulled) = Puller::start(consumer.clone(), max_inflight, leases.clone(), shutdown.clone());
-    tokio::spawn(report_backlog(consumer, shutdown.clone()));
+    tokio::spawn(watch_consumer(consumer, bus.stream(subjects::SCORE_STREAM).await?, shutdown.clone()));
     let context = Arc::new(BatchContext {
         rewards: bus.stream(subjects::REWARDS_STREAM).await?,
         trajectories: bus.stream(subjects::TRAJ_STREAM).await?,
@@ -160,17 +168,45 @@ fn log_join_error(finished: Result<(), tokio::task::JoinError>) {
     }
 }
 
-/// Publishes the consumer's backlog (not yet delivered to any instance) as a gauge.
-async fn report_backlog(mut consumer: async_nats::jetstream::consumer::PullConsumer, shutdown: Shutdown) {
-    let mut ticker = tokio::time::interval(BACKLOG_POLL);
+/// Every [`CONSUMER_POLL`]: publishes the consumer's backlog (not yet delivered to any instance) as a gauge, and
+/// purges the requests every instance has settled.
+async fn watch_consumer(
+    mut consumer: async_nats::jetstream::consumer::PullConsumer,
+    score: async_nats::jetstream::stream::Stream,
+    shutdown: Shutdown,
+) {
+    let mut ticker = tokio::time::interval(CONSUMER_POLL);
+    let mut purged_through = 0;
     loop {
         tokio::select! {
             _ = shutdown.wait() => return,
             _ = ticker.tick() => {}
         }
         match consumer.info().await {
-            Ok(info) => metrics::gauge!(QUEUE_PENDING_METRIC).set(info.num_pending as f64),
+            Ok(info) => {
+                metrics::gauge!(QUEUE_PENDING_METRIC).set(info.num_pending as f64);
+                purged_through = compact(&score, info.ack_floor.stream_sequence, purged_through).await;
+            }
             Err(err) => tracing::debug!(error = %err, "consumer info unavailable"),
+        }
+    }
+}
+
+/// Purges the SCORE stream through `ack_floor` (every request up to that stream sequence is acknowledged or
+/// terminated) in one request, unless that was done already. Several instances may purge the same range: the
+/// second purge removes nothing. Returns how far the stream is known to be purged.
+pub async fn compact(score: &async_nats::jetstream::stream::Stream, ack_floor: u64, purged_through: u64) -> u64 {
+    if ack_floor <= purged_through {
+        return purged_through;
+    }
+    match score.purge().sequence(ack_floor + 1).await {
+        Ok(purged) => {
+            metrics::counter!(COMPACTED_METRIC).increment(purged.purged);
+            ack_floor
+        }
+        Err(err) => {
+            tracing::warn!(ack_floor, error = %err, "settled score requests not purged; retrying");
+            purged_through
         }
     }
 }
@@ -186,6 +222,7 @@ fn describe_metrics() {
         QUEUE_PENDING_METRIC,
         "score requests (groups) waiting in the SCORE stream for any reward service"
     );
+    metrics::describe_counter!(COMPACTED_METRIC, "settled score requests purged from the SCORE stream");
     metrics::describe_counter!(BATCH_ERRORS_METRIC, "micro-batches not published; their requests are redelivered");
     metrics::describe_histogram!(
         BATCH_SECONDS_METRIC,

@@ -28,6 +28,26 @@ async fn topology_declaration_is_idempotent() {
 }
 
 #[tokio::test]
+async fn a_stream_declared_with_another_retention_by_an_earlier_version_is_named_with_the_way_out() {
+    let server = NatsServer::start().unwrap();
+    let cfg = NatsConfig { url: server.url(), ..NatsConfig::default() };
+    let bus = Bus::connect(&cfg, "bus-test").await.expect("connect");
+    // an earlier jetrl declared SCORE as a work queue
+    bus.jetstream()
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: subjects::SCORE_STREAM.into(),
+            subjects: vec![format!("{}.>", subjects::SCORE_SUBJECT)],
+            retention: async_nats::jetstream::stream::RetentionPolicy::WorkQueue,
+            ..Default::default()
+        })
+        .await
+        .expect("old stream");
+    let err = bus.declare_topology().await.expect_err("retention cannot change in place").to_string();
+    assert!(err.contains(subjects::SCORE_STREAM) && err.contains("WorkQueue"), "{err}");
+    assert!(err.contains(&format!("nats stream rm {}", subjects::SCORE_STREAM)), "{err}");
+}
+
+#[tokio::test]
 async fn same_msg_id_is_stored_once() {
     let server = NatsServer::start().unwrap();
     let bus = bus(&server).await;

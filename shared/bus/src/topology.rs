@@ -44,10 +44,12 @@ impl Bus {
                 allow_direct: true,
                 ..Default::default()
             },
+            // A limits stream, not a work queue: the reward services purge acknowledged requests in bulk (below
+            // their consumer's ack floor), which costs the broker far less than deleting each one on its ack.
             stream::Config {
                 name: subjects::SCORE_STREAM.into(),
                 subjects: vec![format!("{}.>", subjects::SCORE_SUBJECT)],
-                retention: stream::RetentionPolicy::WorkQueue,
+                retention: stream::RetentionPolicy::Limits,
                 storage: stream::StorageType::File,
                 duplicate_window: DEDUP_WINDOW,
                 max_age: PAYLOAD_MAX_AGE,
@@ -66,8 +68,24 @@ impl Bus {
             },
         ];
         for config in streams {
-            let name = config.name.clone();
-            js.create_or_update_stream(config).await.map_err(|e| declare_err(&format!("stream {name}"), e))?;
+            let (name, retention) = (config.name.clone(), config.retention);
+            if let Err(err) = js.create_or_update_stream(config).await {
+                // The server cannot change a stream to or from a work queue in place (SCORE was one before).
+                let mut message = err.to_string();
+                if let Ok(mut existing) = js.get_stream(&name).await {
+                    if let Ok(info) = existing.info().await {
+                        if info.config.retention != retention {
+                            message = format!(
+                                "{message}; it exists with retention {:?} but this jetrl needs {retention:?}: stop \
+                                 the job's services, let it drain (its consumers show nothing pending), delete it \
+                                 (`nats stream rm {name}`) and start them again",
+                                info.config.retention
+                            );
+                        }
+                    }
+                }
+                return Err(declare_err(&format!("stream {name}"), message));
+            }
         }
         self.key_value(subjects::GROUPS_BUCKET).await?;
         self.key_value(subjects::WEIGHTS_BUCKET).await?;

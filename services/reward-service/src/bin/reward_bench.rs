@@ -6,7 +6,9 @@
 //! 2. three times, on a fresh nats-server: publish them in groups of 8 as a rollout worker does (the trajectories
 //!    into TRAJ, one score request per group into SCORE), start the service and time from the creation of its
 //!    consumer (start-up left out, as step 1 leaves out building its engine; it is printed) until every group's
-//!    rewards are in REWARDS; check every reward against the in-process score. Best of three → `service_per_s`;
+//!    rewards are in REWARDS and the settled requests are purged from SCORE (the service does that once a second;
+//!    here it is done at the end of the pass and counted); check every reward against the in-process score. Best
+//!    of three → `service_per_s`;
 //! 3. on the last server, the broker ceiling: the same broker work per group without decoding or scoring.
 //!
 //! The last line printed is `{"bench":"reward","service_per_s":…,"inprocess_per_s":…,"ratio":…}`.
@@ -191,6 +193,17 @@ async fn service_pass(
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+    // The service purges settled requests from SCORE once a second, in bulk; the pass is shorter than that, so
+    // the purge it owes is done here, as the service would, and counted in its time.
+    let rewards_s = consuming.elapsed().as_secs_f64();
+    let mut consumer = score_stream
+        .get_consumer::<async_nats::jetstream::consumer::pull::Config>(subjects::REWARD_CONSUMER)
+        .await
+        .map_err(|e| anyhow::anyhow!("reward consumer: {e}"))?;
+    let ack_floor = consumer.info().await.context("reward consumer info")?.ack_floor.stream_sequence;
+    if jetrl_reward_service::compact(&score_stream, ack_floor, 0).await < ack_floor {
+        bail!("settled score requests were not purged");
+    }
     let service_s = consuming.elapsed().as_secs_f64();
     let cpu_after = (cpu_seconds(None), cpu_seconds(server.pid()));
     let _ = stop.send(());
@@ -198,8 +211,10 @@ async fn service_pass(
     let rate = trajectories as f64 / service_s;
     println!(
         "  service: {trajectories} rewards in {service_s:.3}s ({rate:.0}/s; start-up before that {startup_s:.3}s, \
-         {:.0}/s counting it); CPU meanwhile: service {:.2}s, nats-server {:.2}s",
+         {:.0}/s counting it; the purge of the settled requests took {:.3}s of it); CPU meanwhile: service \
+         {:.2}s, nats-server {:.2}s",
         trajectories as f64 / (service_s + startup_s),
+        service_s - rewards_s,
         cpu_after.0 - cpu_before.0,
         cpu_after.1 - cpu_before.1,
     );
@@ -313,11 +328,14 @@ fn score_input(traj: &Trajectory) -> ScoreInput {
     }
 }
 
-/// Trajectory `i`: one of four rule-scored sources in turn, every other one answered correctly, with reasoning
-/// text before the answer and packed ids, mask and log-probs of the given lengths.
+/// Trajectory `i`: session `i % 8` of prompt group `i / 8`. As in a verl dataset, a group's trajectories are
+/// answers to one prompt, so they share its data source (one of four rule-scored sources, in turn by group),
+/// ground truth and extra info; every other answer is correct. Reasoning text comes before the answer, and the
+/// packed ids, mask and log-probs have the given lengths.
 fn trajectory(i: usize, prompt_tokens: usize, response_tokens: usize) -> Trajectory {
-    let correct = (i / 4) & 1 == 0;
-    let n = (i * 7919) % 1000;
+    let group = i / GROUP_SIZE;
+    let correct = i.is_multiple_of(2);
+    let n = (group * 7919) % 1000;
     let given = if correct { n } else { n + 1 };
     let reasoning = format!(
         "Let me work through this carefully. We are given the quantities in the problem and need to combine them. \
@@ -326,7 +344,7 @@ fn trajectory(i: usize, prompt_tokens: usize, response_tokens: usize) -> Traject
          check passes, so we can state the final answer. "
     )
     .repeat(2);
-    let (data_source, response, truth) = match i % 4 {
+    let (data_source, response, truth) = match group % 4 {
         0 => ("openai/gsm8k", format!("{reasoning}The total is {given}.\n#### {given}"), n.to_string()),
         1 => (
             "lighteval/MATH",
@@ -357,7 +375,7 @@ fn trajectory(i: usize, prompt_tokens: usize, response_tokens: usize) -> Traject
         response_text: response,
         data_source: data_source.into(),
         ground_truth: truth,
-        extra_info_json: format!("{{\"index\": {i}, \"split\": \"train\"}}"),
+        extra_info_json: format!("{{\"index\": {group}, \"split\": \"train\"}}"),
         ..Trajectory::default()
     }
 }
