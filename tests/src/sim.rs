@@ -125,6 +125,19 @@ pub async fn produce(
     spec: &GroupSpec,
     known: Option<(GroupStatus, u64)>,
 ) -> Result<Vec<u64>, BusError> {
+    let trajectories: Vec<Trajectory> = (0..spec.scores.len()).map(|session| trajectory(spec, session)).collect();
+    produce_built(bus, groups, spec, known, &trajectories).await
+}
+
+/// [`produce`] with the group's trajectories already built (a benchmark builds them before its clock starts, as
+/// generating them is the rollout's work, not the data plane's).
+pub async fn produce_built(
+    bus: &Bus,
+    groups: &GroupStore,
+    spec: &GroupSpec,
+    known: Option<(GroupStatus, u64)>,
+    trajectories: &[Trajectory],
+) -> Result<Vec<u64>, BusError> {
     let kv_err = |e: jetrl_bus::groups::GroupUpdateError| BusError::Kv {
         bucket: subjects::GROUPS_BUCKET.into(),
         key: spec.uid.clone(),
@@ -132,9 +145,8 @@ pub async fn produce(
     };
     let running =
         groups.update_from(&spec.partition, &spec.uid, known, |_| Some(GroupState::Running)).await.map_err(kv_err)?;
-    let trajectories: Vec<Trajectory> = (0..spec.scores.len()).map(|session| trajectory(spec, session)).collect();
     let keys: Vec<String> = trajectories.iter().map(|t| t.key.clone()).collect();
-    let (acks, _) = score::publish_group(bus, &spec.partition, &spec.uid, &trajectories).await?;
+    let (acks, _) = score::publish_group(bus, &spec.partition, &spec.uid, trajectories).await?;
     let state = spec.state;
     groups
         .update_from(&spec.partition, &spec.uid, running, |s| {

@@ -56,6 +56,8 @@ pub async fn run(
 struct Buffer {
     bus: Bus,
     groups: GroupStore,
+    /// the payload streams whose released subjects are purged (handles kept: opening one is a round trip)
+    purge_from: [async_nats::jetstream::stream::Stream; 2],
     state: BufferState,
     sampler: SamplerConfig,
     /// per request id: the sample loop's memory (refill credit, metrics) between iterations
@@ -85,9 +87,11 @@ impl Buffer {
             .await
             .map(|i| i.state.messages == 0)
             .map_err(|e| BusError::Consume { what: subjects::REWARDS_STREAM.into(), message: e.to_string() })?;
+        let purge_from = [bus.stream(subjects::TRAJ_STREAM).await?, rewards.clone()];
         Ok(Self {
             bus,
             groups,
+            purge_from,
             state: BufferState::default(),
             sampler,
             progress: HashMap::new(),
@@ -142,7 +146,7 @@ impl Buffer {
                         Ok(entry) => {
                             if entry.delta == 0 { self.groups_current = true; }
                             match decode_entry(&entry) {
-                                Some(Ok(status)) => self.state.apply_group(status),
+                                Some(Ok(status)) => self.state.apply_group_at(status, entry.revision),
                                 Some(Err(err)) => {
                                     consume::count_malformed(SERVICE, subjects::GROUPS_BUCKET);
                                     tracing::error!(key = %entry.key, error = %err, "malformed group record ignored");
@@ -360,15 +364,19 @@ impl Buffer {
     /// Marks the selected groups sampled (CAS, all in flight at once). None if any record changed under us:
     /// what was confirmed is found again by request id next time.
     async fn consume(&mut self, request: &SampleRequest, selected: &[String]) -> Option<Vec<String>> {
-        let jobs: Vec<(GroupStore, String, String, u64, String)> = selected
+        type Job = (GroupStore, String, String, u64, String, Option<(jetrl_wire::v1::GroupStatus, u64)>);
+        let jobs: Vec<Job> = selected
             .iter()
             .map(|uid| {
-                (self.groups.clone(), request.partition.clone(), uid.clone(), request.step, request.request_id.clone())
+                // the record and revision the watch delivered: one round trip instead of a read and a write
+                let known = self.state.group(&request.partition, uid).and_then(|g| g.known_record());
+                let (partition, request_id) = (request.partition.clone(), request.request_id.clone());
+                (self.groups.clone(), partition, uid.clone(), request.step, request_id, known)
             })
             .collect();
-        let updates = jobs.into_iter().map(|(groups, partition, uid, step, request_id)| async move {
+        let updates = jobs.into_iter().map(|(groups, partition, uid, step, request_id, known)| async move {
             let result = groups
-                .update(&partition, &uid, |s| {
+                .update_from(&partition, &uid, known, |s| {
                     s.sampled_step = step;
                     s.sample_request_id = request_id.clone();
                     Some(GroupState::Sampled)
@@ -447,12 +455,7 @@ impl Buffer {
         // The index is gone; the payload purge runs in the background so the trainer's step never waits
         // on storage. A purge that did not happen (a crash) leaves bytes behind for the streams' max age,
         // never a group that can be sampled again (its record says sampled).
-        let bus = self.bus.clone();
-        tokio::spawn(async move {
-            if let Err(err) = purge_payloads(&bus, groups).await {
-                tracing::warn!(error = %err, "released payloads not purged");
-            }
-        });
+        tokio::spawn(purge_payloads(self.purge_from.clone(), groups));
         let response = ReleaseResponse { released_trajectories: released as u64, error: String::new() };
         self.reply(&reply, &response).await;
     }
@@ -490,10 +493,9 @@ impl Buffer {
 }
 
 /// Purges released groups' payloads and rewards: one subject per group in each stream (`…<partition>.<uid>`),
-/// so a whole group goes in one request, many requests in flight.
-async fn purge_payloads(bus: &Bus, groups: Vec<(String, String, usize)>) -> Result<(), BusError> {
-    let traj = bus.stream(subjects::TRAJ_STREAM).await?;
-    let rewards = bus.stream(subjects::REWARDS_STREAM).await?;
+/// so a whole group goes in one request, many requests in flight. `streams` are TRAJ and REWARDS.
+async fn purge_payloads(streams: [async_nats::jetstream::stream::Stream; 2], groups: Vec<(String, String, usize)>) {
+    let [traj, rewards] = streams;
     let trajectories: usize = groups.iter().map(|g| g.2).sum();
     let jobs: Vec<(async_nats::jetstream::stream::Stream, String)> = groups
         .iter()
@@ -513,5 +515,4 @@ async fn purge_payloads(bus: &Bus, groups: Vec<(String, String, usize)>) -> Resu
     .collect::<Vec<_>>()
     .await;
     metrics::counter!("jetrl_buffer_released_trajectories_total").increment(trajectories as u64);
-    Ok(())
 }

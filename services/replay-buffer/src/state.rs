@@ -57,6 +57,8 @@ pub struct Group {
     pub released: bool,
     /// the state label this group is tallied under while retired (see [`BufferState::live`])
     retired: Option<&'static str>,
+    /// KV revision of the record last seen (0: unknown), for a compare-and-set without reading it again
+    pub revision: u64,
 }
 
 impl Group {
@@ -82,6 +84,19 @@ impl Group {
     /// The key of a trajectory of this group.
     pub fn key(&self, slot: Slot) -> String {
         TrajectoryKey::new(self.status.uid.clone(), slot.0, slot.1).to_string()
+    }
+
+    /// The record as last seen, with its revision, for a compare-and-set that needs no read (None when the
+    /// revision is unknown). It lacks the prompt task, which the buffer does not keep: only pending and running
+    /// records are re-issued from their task, and this serves the buffer's own transitions out of `finished` or
+    /// `failure`.
+    pub fn known_record(&self) -> Option<(GroupStatus, u64)> {
+        if self.revision == 0 {
+            return None;
+        }
+        let mut status = self.status.clone();
+        status.trajectory_keys = self.expected.iter().map(|&slot| self.key(slot)).collect();
+        Some((status, self.revision))
     }
 }
 
@@ -167,8 +182,13 @@ impl BufferState {
         a
     }
 
-    /// Applies a record from the GROUPS bucket (initial replay or change).
-    pub fn apply_group(&mut self, mut status: GroupStatus) {
+    /// Applies a record from the GROUPS bucket (initial replay or change) whose revision is not known.
+    pub fn apply_group(&mut self, status: GroupStatus) {
+        self.apply_group_at(status, 0);
+    }
+
+    /// Applies a record from the GROUPS bucket (initial replay or change) at KV `revision`.
+    pub fn apply_group_at(&mut self, mut status: GroupStatus, revision: u64) {
         status.task = None;
         let expected: Vec<Slot> = std::mem::take(&mut status.trajectory_keys)
             .iter()
@@ -184,6 +204,7 @@ impl BufferState {
             group.expected = expected;
         }
         group.status = status;
+        group.revision = revision;
         if let Some(orphans) = self.orphans.remove(&group.status.uid) {
             group.rewards.extend(orphans);
         }
@@ -425,6 +446,20 @@ mod tests {
         assert!(s.select("train", 1).is_none(), "a listed trajectory is not scored yet");
         s.apply_reward(reward("a", "a_1_0", 2), 2);
         assert_eq!(s.select("train", 1).unwrap(), vec!["a".to_string()]);
+    }
+
+    #[test]
+    fn the_last_seen_record_comes_back_with_its_revision_and_keys_but_without_its_task() {
+        let mut s = BufferState::default();
+        let mut record = status("a", GroupState::Finished, 3, &["a_0_0", "a_1_0", "a_1_1"]);
+        record.task = Some(jetrl_wire::v1::PromptTask { uid: "a".into(), ..Default::default() });
+        s.apply_group(record.clone());
+        assert_eq!(s.group("train", "a").unwrap().known_record(), None, "no revision known: read it first");
+        s.apply_group_at(record.clone(), 17);
+        let (known, revision) = s.group("train", "a").unwrap().known_record().expect("known");
+        assert_eq!(revision, 17);
+        assert_eq!(known.trajectory_keys, record.trajectory_keys);
+        assert_eq!((known.state(), known.submit_step, known.task), (GroupState::Finished, 3, None));
     }
 
     #[test]

@@ -18,11 +18,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use jetrl_bus::harness::cpu_seconds;
 use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{Bus, GroupStore, NatsServer, Publisher};
 use jetrl_config::JobConfig;
 use jetrl_tests::sim::{self, GroupSpec};
-use jetrl_wire::v1::{ReleaseRequest, ReleaseResponse, SampleRequest, SampleResponse};
+use jetrl_wire::v1::{ReleaseRequest, ReleaseResponse, SampleRequest, SampleResponse, Trajectory};
 use jetrl_wire::{subjects, Message};
 
 const PAYLOAD: usize = 16 * 1024;
@@ -96,8 +97,20 @@ async fn raw(url: &str, count: usize) -> f64 {
     rate
 }
 
-/// The jetrl data path. Returns (trajectories per second, sample latency samples in ms).
-async fn jetrl_path(url: &str, groups_total: usize, batch_groups: usize, producers: usize) -> (f64, Vec<f64>) {
+/// CPU seconds used so far by this process and by the server.
+fn cpu_now(server: Option<u32>) -> (f64, f64) {
+    (cpu_seconds(None), cpu_seconds(server))
+}
+
+/// The jetrl data path. Returns trajectories per second, sample latency samples in ms, and the CPU seconds this
+/// process (producers, services, consumer) and the server used while the clock ran.
+async fn jetrl_path(
+    url: &str,
+    server: Option<u32>,
+    groups_total: usize,
+    batch_groups: usize,
+    producers: usize,
+) -> (f64, Vec<f64>, (f64, f64)) {
     let mut cfg = JobConfig::default();
     cfg.nats.url = url.into();
     cfg.trainer.mode = "separate_async".into();
@@ -125,21 +138,38 @@ async fn jetrl_path(url: &str, groups_total: usize, batch_groups: usize, produce
     wait_until_ready(&bus, sim_reward).await;
     // uid -> when its last reward was acknowledged (the group is complete once the buffer sees it)
     let completed: Arc<Mutex<HashMap<String, Instant>>> = Arc::new(Mutex::new(HashMap::new()));
-    let started = Instant::now();
     let per_producer = groups_total / producers;
     let groups_total = per_producer * producers;
+    // Generating trajectories is the rollout's work, not the data plane's: they are built before the clock starts
+    // (the raw path publishes bytes built before its clock, too). Encoding and publishing them is timed.
+    let built: Vec<Vec<(GroupSpec, Vec<Trajectory>)>> = (0..producers)
+        .map(|p| {
+            (0..per_producer)
+                .map(|i| {
+                    let spec = bench_spec(&format!("p{p}g{i}"));
+                    let trajectories = (0..GROUP).map(|session| sim::trajectory(&spec, session)).collect();
+                    (spec, trajectories)
+                })
+                .collect()
+        })
+        .collect();
+    // each producer's connection, made before the clock too
+    let mut connections = Vec::new();
+    for _ in 0..producers {
+        connections.push(connect(url, "bench-producer").await);
+    }
+    let started = Instant::now();
+    let cpu_before = cpu_now(server);
     let mut tasks = Vec::new();
-    for p in 0..producers {
-        let url = url.to_string();
+    for (p, (groups_of_producer, (bus, groups))) in built.into_iter().zip(connections).enumerate() {
         tasks.push(tokio::spawn(async move {
-            let (bus, groups) = connect(&url, "bench-producer").await;
             // like a rollout worker: several groups in flight at once, each written children-first
-            futures::stream::iter((0..per_producer).map(|i| {
+            futures::stream::iter(groups_of_producer.into_iter().map(|(spec, trajectories)| {
                 let (bus, groups) = (bus.clone(), groups.clone());
                 async move {
-                    let spec = bench_spec(&format!("p{p}g{i}"));
                     let known = sim::submit(&groups, &spec).await.expect("submit");
-                    let seqs = sim::produce(&bus, &groups, &spec, Some(known)).await.expect("produce");
+                    let seqs =
+                        sim::produce_built(&bus, &groups, &spec, Some(known), &trajectories).await.expect("produce");
                     if sim_reward {
                         sim::score(&mut Publisher::new(&bus, GROUP), &spec, &seqs).await.expect("score");
                     }
@@ -237,12 +267,13 @@ async fn jetrl_path(url: &str, groups_total: usize, batch_groups: usize, produce
         }
     }
     let rate = consumed as f64 / started.elapsed().as_secs_f64();
+    let cpu_after = cpu_now(server);
     for t in tasks {
         t.await.expect("producer");
     }
     eprintln!("  consumer done after {:.2}s ({} sample requests)", started.elapsed().as_secs_f64(), step);
     let _ = stop_tx.send(true);
-    (rate, latencies)
+    (rate, latencies, (cpu_after.0 - cpu_before.0, cpu_after.1 - cpu_before.1))
 }
 
 /// Waits until the buffer answers requests and the reward service has its consumer, so that the clock does not
@@ -349,9 +380,20 @@ async fn main() {
     for pass in 1..=PASSES {
         let server = NatsServer::start().expect("nats-server");
         let url = server.url();
+        let before = cpu_now(server.pid());
         let raw_pass = raw(&url, trajectories).await;
-        let (jetrl_pass, pass_latencies) = jetrl_path(&url, groups_total, batch, producers).await;
-        println!("  pass {pass}: raw JetStream publish+consume {raw_pass:.0} msg/s, jetrl path {jetrl_pass:.0} traj/s");
+        let raw_cpu = cpu_now(server.pid());
+        let (jetrl_pass, pass_latencies, jetrl_cpu) =
+            jetrl_path(&url, server.pid(), groups_total, batch, producers).await;
+        println!(
+            "  pass {pass}: raw JetStream publish+consume {raw_pass:.0} msg/s (CPU: bench {:.2}s, nats-server {:.2}s), \
+             jetrl path {jetrl_pass:.0} traj/s (CPU while timed: producers, services and consumer {:.2}s, \
+             nats-server {:.2}s)",
+            raw_cpu.0 - before.0,
+            raw_cpu.1 - before.1,
+            jetrl_cpu.0,
+            jetrl_cpu.1
+        );
         raw_rate = raw_rate.max(raw_pass);
         jetrl_rate = jetrl_rate.max(jetrl_pass);
         latencies.extend(pass_latencies);
