@@ -131,6 +131,10 @@ impl Buffer {
         tracing::info!("replay buffer serving");
         let mut gauge_tick = tokio::time::interval(Duration::from_secs(1));
         loop {
+            // Whether this event could let a waiting request be answered. Most cannot (a group created or
+            // started, the buffer's own `sampled` write, a reward of a group still running), and running the
+            // policy after each of those would be most of the buffer's work.
+            let mut may_answer = false;
             let next_deadline = self.waiting.iter().map(|w| w.deadline).min();
             let expiry = async move {
                 match next_deadline {
@@ -146,7 +150,12 @@ impl Buffer {
                         Ok(entry) => {
                             if entry.delta == 0 { self.groups_current = true; }
                             match decode_entry(&entry) {
-                                Some(Ok(status)) => self.state.apply_group_at(status, entry.revision),
+                                Some(Ok(status)) => {
+                                    // terminal (may complete a batch) or evicted (leaves the in-flight set,
+                                    // which `wait` and sync DAPO's refill room look at)
+                                    may_answer = status.state().is_terminal() || status.state() == GroupState::Evicted;
+                                    self.state.apply_group_at(status, entry.revision);
+                                }
                                 Some(Err(err)) => {
                                     consume::count_malformed(SERVICE, subjects::GROUPS_BUCKET);
                                     tracing::error!(key = %entry.key, error = %err, "malformed group record ignored");
@@ -155,6 +164,7 @@ impl Buffer {
                                     if let Some((partition, uid)) = subjects::parse_group_key(&entry.key) {
                                         self.state.remove_group(partition, uid);
                                     }
+                                    may_answer = true;
                                 }
                             }
                         }
@@ -170,6 +180,11 @@ impl Buffer {
                             match RewardBatch::decode(msg.payload.as_ref()) {
                                 Ok(batch) => {
                                     for reward in batch.rewards {
+                                        // a reward can only complete a group that is already terminal
+                                        may_answer |= self
+                                            .state
+                                            .group(&reward.partition, &reward.uid)
+                                            .is_some_and(|g| g.state().is_terminal());
                                         self.state.apply_reward(reward, seq);
                                     }
                                 }
@@ -182,7 +197,10 @@ impl Buffer {
                         Err(err) => tracing::warn!(error = %err, "rewards consumer error"),
                     }
                 }
-                Some(msg) = sample_sub.next() => self.on_sample_request(msg),
+                Some(msg) = sample_sub.next() => {
+                    self.on_sample_request(msg);
+                    may_answer = true;
+                }
                 Some(msg) = release_sub.next() => self.on_release(msg).await,
                 Some(msg) = ledger_sub.next() => self.on_ledger(msg).await,
                 _ = expiry => self.expire_waiting().await,
@@ -191,8 +209,11 @@ impl Buffer {
             if !self.replay_retired && self.groups_current && self.rewards_current {
                 self.state.retire_replayed_releases();
                 self.replay_retired = true;
+                may_answer = true;
             }
-            self.answer_waiting().await;
+            if may_answer {
+                self.answer_waiting().await;
+            }
         }
         tracing::info!(waiting = self.waiting.len(), "replay buffer stopping");
         Ok(())
@@ -358,6 +379,12 @@ impl Buffer {
                 Err(err) => tracing::error!(%uid, error = %err, "could not evict group"),
             }
         }
+        // Nothing reads an evicted group's payloads again (the ledger keeps the reason): they go as released
+        // ones do, in the background.
+        if !done.is_empty() {
+            let evicted = done.iter().map(|(uid, _)| (partition.to_string(), uid.clone(), 0)).collect();
+            tokio::spawn(purge_payloads(self.purge_from.clone(), evicted));
+        }
         done
     }
 
@@ -492,8 +519,9 @@ impl Buffer {
     }
 }
 
-/// Purges released groups' payloads and rewards: one subject per group in each stream (`…<partition>.<uid>`),
-/// so a whole group goes in one request, many requests in flight. `streams` are TRAJ and REWARDS.
+/// Purges released (or evicted) groups' payloads and rewards: one subject per group in each stream
+/// (`…<partition>.<uid>`), so a whole group goes in one request, many requests in flight. `streams` are TRAJ and
+/// REWARDS; `groups` are (partition, uid, trajectories released).
 async fn purge_payloads(streams: [async_nats::jetstream::stream::Stream; 2], groups: Vec<(String, String, usize)>) {
     let [traj, rewards] = streams;
     let trajectories: usize = groups.iter().map(|g| g.2).sum();

@@ -118,6 +118,7 @@ pub async fn run(
     jetrl_telemetry::serve_metrics(&cfg.trainer.metrics_addr, async move { stop.wait().await }).await?;
     let mut trainer = Trainer::new(cfg, bus, shutdown).await?;
     let result = trainer.train().await;
+    trainer.finish_releases().await;
     trainer.sink.write_curve();
     match result {
         Err(TrainerError::Shutdown) => {
@@ -160,6 +161,8 @@ struct Trainer {
     resumed: bool,
     ckpt_root: PathBuf,
     transport: WeightTransport,
+    /// releases sent in the background (nothing waits on one), awaited before the run ends
+    releases: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
 impl Trainer {
@@ -236,6 +239,7 @@ impl Trainer {
             resumed: resume.is_some(),
             ckpt_root,
             transport,
+            releases: Default::default(),
         })
     }
 
@@ -334,7 +338,7 @@ impl Trainer {
             timings.insert("save_checkpoint".into(), t.elapsed().as_secs_f64());
         }
 
-        self.release(step, vec![request_id]).await;
+        self.release(step, vec![request_id]);
 
         let t = Instant::now();
         self.publish_weights(step, false).await?;
@@ -556,13 +560,30 @@ impl Trainer {
         Ok(samples)
     }
 
-    async fn release(&self, step: u64, request_ids: Vec<String>) {
-        let request = ReleaseRequest { step, request_ids };
-        match self.bus.request::<_, ReleaseResponse>(subjects::BUFFER_RELEASE, &request, Duration::from_secs(30)).await
-        {
-            Ok(resp) if resp.error.is_empty() => {}
-            Ok(resp) => tracing::warn!(error = %resp.error, "release failed"),
-            Err(err) => tracing::warn!(error = %err, "release not acknowledged"),
+    /// Tells the buffer the step's payloads may go, in the background: the groups are already consumed (their
+    /// records say sampled), so nothing the trainer does next depends on it. A failed release only leaves
+    /// payloads behind until the streams' max age.
+    fn release(&self, step: u64, request_ids: Vec<String>) {
+        let bus = self.bus.clone();
+        let task = tokio::spawn(async move {
+            let request = ReleaseRequest { step, request_ids };
+            match bus.request::<_, ReleaseResponse>(subjects::BUFFER_RELEASE, &request, Duration::from_secs(30)).await {
+                Ok(resp) if resp.error.is_empty() => {}
+                Ok(resp) => tracing::warn!(error = %resp.error, "release failed"),
+                Err(err) => tracing::warn!(error = %err, "release not acknowledged"),
+            }
+        });
+        let mut releases = self.releases.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        releases.retain(|t| !t.is_finished());
+        releases.push(task);
+    }
+
+    /// Waits for the releases still in flight.
+    async fn finish_releases(&self) {
+        let pending: Vec<_> =
+            std::mem::take(&mut *self.releases.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        for task in pending {
+            let _ = task.await;
         }
     }
 
@@ -699,7 +720,7 @@ impl Trainer {
             }
             log_generations(&rows, log_n, step);
         }
-        self.release(step, request_ids).await;
+        self.release(step, request_ids);
         Ok(out)
     }
 

@@ -211,6 +211,7 @@ async fn jetrl_path(
     let mut consumed = 0usize;
     let mut latencies = Vec::new();
     let mut step = 0u64;
+    let mut releases = Vec::new();
     while consumed < groups_total * GROUP {
         step += 1;
         let request = SampleRequest {
@@ -248,23 +249,23 @@ async fn jetrl_path(
         let fetched: Vec<usize> = wanted.iter().map(|(_, seq)| payloads.get(seq).map_or(0, |p| p.len())).collect();
         assert!(fetched.iter().all(|&n| n + 1 >= PAYLOAD), "a payload was missing");
         consumed += fetched.len();
-        let fetched_at = Instant::now();
-        let _: ReleaseResponse = bus
-            .request(
-                subjects::BUFFER_RELEASE,
-                &ReleaseRequest { step, request_ids: vec![request.request_id.clone()] },
-                Duration::from_secs(30),
-            )
-            .await
-            .expect("release");
+        // as the trainer does: the release goes out in the background (the groups are already consumed)
+        let release = ReleaseRequest { step, request_ids: vec![request.request_id.clone()] };
+        let releasing = bus.clone();
+        releases.push(tokio::spawn(async move {
+            let _: ReleaseResponse =
+                releasing.request(subjects::BUFFER_RELEASE, &release, Duration::from_secs(30)).await.expect("release");
+        }));
         if std::env::var("BENCH_TRACE").is_ok() {
             eprintln!(
-                "  step {step}: sample {:.1} ms, fetch {:.1} ms, release {:.1} ms",
+                "  step {step}: sample {:.1} ms, fetch {:.1} ms",
                 (answered - sent).as_secs_f64() * 1e3,
-                (fetched_at - answered).as_secs_f64() * 1e3,
-                fetched_at.elapsed().as_secs_f64() * 1e3
+                answered.elapsed().as_secs_f64() * 1e3
             );
         }
+    }
+    for release in releases {
+        release.await.expect("release");
     }
     let rate = consumed as f64 / started.elapsed().as_secs_f64();
     let cpu_after = cpu_now(server);
