@@ -136,7 +136,7 @@ async fn jetrl_path(
     }
     let (bus, _) = connect(url, "bench-consumer").await;
     wait_until_ready(&bus, sim_reward).await;
-    // uid -> when its last reward was acknowledged (the group is complete once the buffer sees it)
+    // uid -> when its reward batch was stored (the group is complete once the buffer sees it)
     let completed: Arc<Mutex<HashMap<String, Instant>>> = Arc::new(Mutex::new(HashMap::new()));
     let per_producer = groups_total / producers;
     let groups_total = per_producer * producers;
@@ -181,7 +181,8 @@ async fn jetrl_path(
             eprintln!("  producer {p} done after {:.2}s", started.elapsed().as_secs_f64());
         }));
     }
-    // the reward service's output tells us when each group is complete
+    // the reward service's output tells us when each group is complete: one reward batch per group (its score
+    // request's), named by its subject, so nothing needs decoding here
     {
         let completed = completed.clone();
         let rewards = bus.stream(subjects::REWARDS_STREAM).await.expect("rewards stream");
@@ -193,17 +194,10 @@ async fn jetrl_path(
             .await
             .expect("ordered");
         tokio::spawn(async move {
-            let mut counts: HashMap<String, usize> = HashMap::new();
             let mut messages = consumer.messages().await.expect("messages");
             while let Some(Ok(msg)) = messages.next().await {
-                if let Ok(batch) = jetrl_wire::v1::RewardBatch::decode(msg.payload.as_ref()) {
-                    for r in batch.rewards {
-                        let c = counts.entry(r.uid.clone()).or_insert(0);
-                        *c += 1;
-                        if *c == GROUP {
-                            completed.lock().expect("lock").insert(r.uid, Instant::now());
-                        }
-                    }
+                if let Some((_, uid)) = subjects::parse_group_subject(&msg.subject) {
+                    completed.lock().expect("lock").entry(uid.to_string()).or_insert_with(Instant::now);
                 }
             }
         });
