@@ -21,6 +21,22 @@ fn declare_err(what: &str, err: impl std::fmt::Display) -> BusError {
     BusError::Declare { what: what.to_string(), message: err.to_string() }
 }
 
+/// A stream of the data path (TRAJ, SCORE, REWARDS): kept until purged (by the buffer on release or eviction, or
+/// by the reward services below their ack floor), at most [`PAYLOAD_MAX_AGE`]; de-duplicated by `Nats-Msg-Id`;
+/// readable by direct get.
+fn payload_stream(name: &str, subject: &str) -> stream::Config {
+    stream::Config {
+        name: name.into(),
+        subjects: vec![format!("{subject}.>")],
+        retention: stream::RetentionPolicy::Limits,
+        storage: stream::StorageType::File,
+        duplicate_window: DEDUP_WINDOW,
+        max_age: PAYLOAD_MAX_AGE,
+        allow_direct: true,
+        ..Default::default()
+    }
+}
+
 impl Bus {
     /// Declares every stream, bucket and object store (idempotent; existing configs are updated).
     pub async fn declare_topology(&self) -> Result<(), BusError> {
@@ -34,38 +50,11 @@ impl Bus {
                 duplicate_window: DEDUP_WINDOW,
                 ..Default::default()
             },
-            stream::Config {
-                name: subjects::TRAJ_STREAM.into(),
-                subjects: vec![format!("{}.>", subjects::TRAJ_SUBJECT)],
-                retention: stream::RetentionPolicy::Limits,
-                storage: stream::StorageType::File,
-                duplicate_window: DEDUP_WINDOW,
-                max_age: PAYLOAD_MAX_AGE,
-                allow_direct: true,
-                ..Default::default()
-            },
+            payload_stream(subjects::TRAJ_STREAM, subjects::TRAJ_SUBJECT),
             // A limits stream, not a work queue: the reward services purge acknowledged requests in bulk (below
             // their consumer's ack floor), which costs the broker far less than deleting each one on its ack.
-            stream::Config {
-                name: subjects::SCORE_STREAM.into(),
-                subjects: vec![format!("{}.>", subjects::SCORE_SUBJECT)],
-                retention: stream::RetentionPolicy::Limits,
-                storage: stream::StorageType::File,
-                duplicate_window: DEDUP_WINDOW,
-                max_age: PAYLOAD_MAX_AGE,
-                allow_direct: true,
-                ..Default::default()
-            },
-            stream::Config {
-                name: subjects::REWARDS_STREAM.into(),
-                subjects: vec![format!("{}.>", subjects::REWARDS_SUBJECT)],
-                retention: stream::RetentionPolicy::Limits,
-                storage: stream::StorageType::File,
-                duplicate_window: DEDUP_WINDOW,
-                max_age: PAYLOAD_MAX_AGE,
-                allow_direct: true,
-                ..Default::default()
-            },
+            payload_stream(subjects::SCORE_STREAM, subjects::SCORE_SUBJECT),
+            payload_stream(subjects::REWARDS_STREAM, subjects::REWARDS_SUBJECT),
         ];
         for config in streams {
             let (name, retention) = (config.name.clone(), config.retention);
