@@ -214,3 +214,8 @@ pub fn cpu_seconds(pid: Option<u32>) -> f64 {
     let hz = 100.0;
     (ticks(11) + ticks(12)) / hz
 }
+
+/// CPU seconds used so far by this process and by process `server` (a benchmark's two sides of one run).
+pub fn cpu_seconds_here_and(server: Option<u32>) -> (f64, f64) {
+    (cpu_seconds(None), cpu_seconds(server))
+}

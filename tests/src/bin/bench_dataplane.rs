@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use jetrl_bus::harness::cpu_seconds;
+use jetrl_bus::harness::cpu_seconds_here_and;
 use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{Bus, GroupStore, NatsServer, Publisher};
 use jetrl_config::JobConfig;
@@ -97,11 +97,6 @@ async fn raw(url: &str, count: usize) -> f64 {
     rate
 }
 
-/// CPU seconds used so far by this process and by the server.
-fn cpu_now(server: Option<u32>) -> (f64, f64) {
-    (cpu_seconds(None), cpu_seconds(server))
-}
-
 /// The jetrl data path. Returns trajectories per second, sample latency samples in ms, and the CPU seconds this
 /// process (producers, services, consumer) and the server used while the clock ran.
 async fn jetrl_path(
@@ -159,7 +154,7 @@ async fn jetrl_path(
         connections.push(connect(url, "bench-producer").await);
     }
     let started = Instant::now();
-    let cpu_before = cpu_now(server);
+    let cpu_before = cpu_seconds_here_and(server);
     let mut tasks = Vec::new();
     for (p, (groups_of_producer, (bus, groups))) in built.into_iter().zip(connections).enumerate() {
         tasks.push(tokio::spawn(async move {
@@ -262,7 +257,7 @@ async fn jetrl_path(
         release.await.expect("release");
     }
     let rate = consumed as f64 / started.elapsed().as_secs_f64();
-    let cpu_after = cpu_now(server);
+    let cpu_after = cpu_seconds_here_and(server);
     for t in tasks {
         t.await.expect("producer");
     }
@@ -375,9 +370,9 @@ async fn main() {
     for pass in 1..=PASSES {
         let server = NatsServer::start().expect("nats-server");
         let url = server.url();
-        let before = cpu_now(server.pid());
+        let before = cpu_seconds_here_and(server.pid());
         let raw_pass = raw(&url, trajectories).await;
-        let raw_cpu = cpu_now(server.pid());
+        let raw_cpu = cpu_seconds_here_and(server.pid());
         let (jetrl_pass, pass_latencies, jetrl_cpu) =
             jetrl_path(&url, server.pid(), groups_total, batch, producers).await;
         println!(

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use futures::StreamExt;
-use jetrl_bus::harness::cpu_seconds;
+use jetrl_bus::harness::cpu_seconds_here_and;
 use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{score, Bus, NatsServer, Publisher, ScoreRequestBuilder};
 use jetrl_config::JobConfig;
@@ -166,7 +166,7 @@ async fn service_pass(
     groups: usize,
 ) -> anyhow::Result<f64> {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let cpu_before = (cpu_seconds(None), cpu_seconds(server.pid()));
+    let cpu_before = cpu_seconds_here_and(server.pid());
     let started = Instant::now();
     let service = tokio::spawn(jetrl_reward_service::run(cfg.clone(), async move {
         let _ = stopped.await;
@@ -206,7 +206,7 @@ async fn service_pass(
         bail!("settled score requests were not purged");
     }
     let service_s = consuming.elapsed().as_secs_f64();
-    let cpu_after = (cpu_seconds(None), cpu_seconds(server.pid()));
+    let cpu_after = cpu_seconds_here_and(server.pid());
     let _ = stop.send(());
     service.await.context("service task")?.context("service")?;
     let rate = trajectories as f64 / service_s;
