@@ -40,7 +40,7 @@ for extra in "$@"; do
 done
 if [ ${#want[@]} -gt 0 ]; then
   say "pip install ${want[*]}"
-  "$venv/bin/pip" install -q --disable-pip-version-check "${want[@]}"
+  "$venv/bin/pip" install -q --no-cache-dir --disable-pip-version-check "${want[@]}"
 fi
 
 torch_dir="$("$py" -c 'import torch,os;print(os.path.dirname(torch.__file__))' 2>/dev/null)"
