@@ -391,30 +391,25 @@ impl Buffer {
     /// Marks the selected groups sampled (CAS, all in flight at once). None if any record changed under us:
     /// what was confirmed is found again by request id next time.
     async fn consume(&mut self, request: &SampleRequest, selected: &[String]) -> Option<Vec<String>> {
-        type Job = (GroupStore, String, String, u64, String, Option<(jetrl_wire::v1::GroupStatus, u64)>);
-        let jobs: Vec<Job> = selected
-            .iter()
-            .map(|uid| {
-                // the record and revision the watch delivered: one round trip instead of a read and a write
-                let known = self.state.group(&request.partition, uid).and_then(|g| g.known_record());
-                let (partition, request_id) = (request.partition.clone(), request.request_id.clone());
-                (self.groups.clone(), partition, uid.clone(), request.step, request_id, known)
-            })
-            .collect();
-        let updates = jobs.into_iter().map(|(groups, partition, uid, step, request_id, known)| async move {
-            let result = groups
-                .update_from(&partition, &uid, known, |s| {
-                    s.sampled_step = step;
-                    s.sample_request_id = request_id.clone();
-                    Some(GroupState::Sampled)
-                })
-                .await;
-            (uid, result)
+        let groups = &self.groups;
+        let updates = selected.iter().map(|uid| {
+            // the record and revision the watch delivered: one round trip instead of a read and a write
+            let known = self.state.group(&request.partition, uid).and_then(|g| g.known_record());
+            async move {
+                let result = groups
+                    .update_from(&request.partition, uid, known, |s| {
+                        s.sampled_step = request.step;
+                        s.sample_request_id = request.request_id.clone();
+                        Some(GroupState::Sampled)
+                    })
+                    .await;
+                (uid, result)
+            }
         });
         let mut confirmed = Vec::with_capacity(selected.len());
         for (uid, result) in futures::future::join_all(updates).await {
             match result {
-                Ok(_) => confirmed.push(uid),
+                Ok(_) => confirmed.push(uid.clone()),
                 Err(err) => tracing::error!(%uid, error = %err, "could not mark group sampled"),
             }
         }
