@@ -2,7 +2,11 @@
 //!
 //! - jetrl: producers publish 16 KiB trajectories in groups of 8 (record pending → running → trajectories →
 //!   finished), the real reward service scores them, the real replay buffer indexes them, and a consumer
-//!   samples batches of groups, fetches every payload from the TRAJ stream and releases the step.
+//!   samples batches of groups, fetches every payload from the TRAJ stream and releases the step. The consumer
+//!   keeps `BENCH_CONSUMER_DEPTH` (2) sample requests in flight, each followed by its fetch, as the raw path's pull
+//!   consumer keeps a batch requested ahead; with depth 1 it samples, fetches and releases in turn, as the sync
+//!   trainer does, and then measures that loop's round trips more than the data plane (it ends well after the
+//!   producers).
 //! - raw: the same number of messages, each the bytes of one of those trajectories (16 KiB), published with pipelined acks and pulled with acks by
 //!   async-nats on a plain stream.
 //! - three passes, each on a fresh server (raw, then jetrl); the best pass of each is compared, since the
@@ -105,6 +109,7 @@ async fn jetrl_path(
     groups_total: usize,
     batch_groups: usize,
     producers: usize,
+    depth: usize,
 ) -> (f64, Vec<f64>, (f64, f64)) {
     let mut cfg = JobConfig::default();
     cfg.nats.url = url.into();
@@ -197,62 +202,31 @@ async fn jetrl_path(
             }
         });
     }
-    let mut consumed = 0usize;
+    // The consumer keeps `depth` sample requests in flight, each followed by its fetch (as raw's pull consumer
+    // keeps a batch of messages requested ahead); depth 1 is a consumer that samples, fetches and releases in turn.
+    let trajectories_total = groups_total * GROUP;
+    let steps: Vec<(u64, u32)> = (0..groups_total.div_ceil(batch_groups))
+        .map(|i| ((i + 1) as u64, batch_groups.min(groups_total - i * batch_groups) as u32))
+        .collect();
+    let step_count = steps.len();
+    let trace = std::env::var("BENCH_TRACE").is_ok();
+    let results: Vec<(usize, Option<f64>, tokio::task::JoinHandle<()>)> = futures::stream::iter(steps)
+        .map(|(step, batch_size)| {
+            let (bus, completed) = (bus.clone(), completed.clone());
+            async move { consume_step(&bus, &completed, step, batch_size, trace).await }
+        })
+        .buffered(depth.max(1))
+        .collect()
+        .await;
+    let mut consumed = 0;
     let mut latencies = Vec::new();
-    let mut step = 0u64;
     let mut releases = Vec::new();
-    while consumed < groups_total * GROUP {
-        step += 1;
-        let request = SampleRequest {
-            request_id: format!("bench-{step}"),
-            step,
-            partition: "train".into(),
-            batch_size: batch_groups.min(groups_total - consumed / GROUP) as u32,
-            wait_ms: 5_000,
-            ..Default::default()
-        };
-        let sent = Instant::now();
-        let response = loop {
-            match bus.request::<_, SampleResponse>(subjects::BUFFER_SAMPLE, &request, Duration::from_secs(10)).await {
-                Ok(r) if !r.not_ready => break r,
-                Ok(_) => {}
-                // the buffer is still starting
-                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
-            }
-        };
-        let answered = Instant::now();
-        let ready = {
-            let done = completed.lock().expect("lock");
-            response.groups.iter().filter_map(|g| done.get(&g.uid).copied()).max().unwrap_or(sent)
-        };
-        // the first answer also waits for the services to start: not a sampling latency
-        if step > 1 {
-            latencies.push(answered.saturating_duration_since(ready.max(sent)).as_secs_f64() * 1000.0);
-        }
-        let wanted: Vec<(String, u64)> = response
-            .groups
-            .iter()
-            .flat_map(|g| g.trajectories.iter().map(|t| (subjects::traj_subject(&t.partition, &t.uid), t.traj_seq)))
-            .collect();
-        let payloads = bus.fetch_by_sequence(subjects::TRAJ_STREAM, &wanted).await.expect("fetch");
-        let fetched: Vec<usize> = wanted.iter().map(|(_, seq)| payloads.get(seq).map_or(0, |p| p.len())).collect();
-        assert!(fetched.iter().all(|&n| n + 1 >= PAYLOAD), "a payload was missing");
-        consumed += fetched.len();
-        // as the trainer does: the release goes out in the background (the groups are already consumed)
-        let release = ReleaseRequest { step, request_ids: vec![request.request_id.clone()] };
-        let releasing = bus.clone();
-        releases.push(tokio::spawn(async move {
-            let _: ReleaseResponse =
-                releasing.request(subjects::BUFFER_RELEASE, &release, Duration::from_secs(30)).await.expect("release");
-        }));
-        if std::env::var("BENCH_TRACE").is_ok() {
-            eprintln!(
-                "  step {step}: sample {:.1} ms, fetch {:.1} ms",
-                (answered - sent).as_secs_f64() * 1e3,
-                answered.elapsed().as_secs_f64() * 1e3
-            );
-        }
+    for (fetched, latency, release) in results {
+        consumed += fetched;
+        latencies.extend(latency);
+        releases.push(release);
     }
+    assert_eq!(consumed, trajectories_total, "every trajectory is consumed once");
     for release in releases {
         release.await.expect("release");
     }
@@ -261,9 +235,67 @@ async fn jetrl_path(
     for t in tasks {
         t.await.expect("producer");
     }
-    eprintln!("  consumer done after {:.2}s ({} sample requests)", started.elapsed().as_secs_f64(), step);
+    eprintln!("  consumer done after {:.2}s ({} sample requests)", started.elapsed().as_secs_f64(), step_count);
     let _ = stop_tx.send(true);
     (rate, latencies, (cpu_after.0 - cpu_before.0, cpu_after.1 - cpu_before.1))
+}
+
+/// One consumer step: samples `batch_size` groups (re-asking while the buffer is not ready), fetches every payload
+/// from TRAJ and sends the release in the background, as the trainer does. Returns the trajectories fetched, the
+/// sample latency (none for step 1, which also waits for the services to start) and the release task.
+async fn consume_step(
+    bus: &Bus,
+    completed: &Mutex<HashMap<String, Instant>>,
+    step: u64,
+    batch_size: u32,
+    trace: bool,
+) -> (usize, Option<f64>, tokio::task::JoinHandle<()>) {
+    let request = SampleRequest {
+        request_id: format!("bench-{step}"),
+        step,
+        partition: "train".into(),
+        batch_size,
+        wait_ms: 5_000,
+        ..Default::default()
+    };
+    let sent = Instant::now();
+    let response = loop {
+        match bus.request::<_, SampleResponse>(subjects::BUFFER_SAMPLE, &request, Duration::from_secs(10)).await {
+            Ok(r) if !r.not_ready => break r,
+            Ok(_) => {}
+            // the buffer is still starting
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    };
+    let answered = Instant::now();
+    let ready = {
+        let done = completed.lock().expect("lock");
+        response.groups.iter().filter_map(|g| done.get(&g.uid).copied()).max().unwrap_or(sent)
+    };
+    let latency = (step > 1).then(|| answered.saturating_duration_since(ready.max(sent)).as_secs_f64() * 1000.0);
+    let wanted: Vec<(String, u64)> = response
+        .groups
+        .iter()
+        .flat_map(|g| g.trajectories.iter().map(|t| (subjects::traj_subject(&t.partition, &t.uid), t.traj_seq)))
+        .collect();
+    let payloads = bus.fetch_by_sequence(subjects::TRAJ_STREAM, &wanted).await.expect("fetch");
+    let fetched: Vec<usize> = wanted.iter().map(|(_, seq)| payloads.get(seq).map_or(0, |p| p.len())).collect();
+    assert!(fetched.iter().all(|&n| n + 1 >= PAYLOAD), "a payload was missing");
+    // as the trainer does: the release goes out in the background (the groups are already consumed)
+    let release = ReleaseRequest { step, request_ids: vec![request.request_id.clone()] };
+    let releasing = bus.clone();
+    let release = tokio::spawn(async move {
+        let _: ReleaseResponse =
+            releasing.request(subjects::BUFFER_RELEASE, &release, Duration::from_secs(30)).await.expect("release");
+    });
+    if trace {
+        eprintln!(
+            "  step {step}: sample {:.1} ms, fetch {:.1} ms",
+            (answered - sent).as_secs_f64() * 1e3,
+            answered.elapsed().as_secs_f64() * 1e3
+        );
+    }
+    (fetched.len(), latency, release)
 }
 
 /// Waits until the buffer answers requests and the reward service has its consumer, so that the clock does not
@@ -362,8 +394,12 @@ async fn main() {
     let batch = arg("BENCH_BATCH_GROUPS", 16);
     let producers = arg("BENCH_PRODUCERS", 4);
     let memory_trajs = arg("BENCH_MEMORY_TRAJECTORIES", 100_000);
+    let depth = arg("BENCH_CONSUMER_DEPTH", 2);
     let trajectories = groups_total * GROUP;
-    println!("dataplane: {groups_total} groups x {GROUP} trajectories of {PAYLOAD} bytes, {producers} producers, batches of {batch} groups");
+    println!(
+        "dataplane: {groups_total} groups x {GROUP} trajectories of {PAYLOAD} bytes, {producers} producers, batches \
+         of {batch} groups, {depth} sample requests in flight"
+    );
     // Each pass on a fresh server: raw, then the jetrl path. The best pass of each is compared (the machine is
     // shared and noisy); the latency percentiles pool every pass.
     let (mut raw_rate, mut jetrl_rate, mut latencies): (f64, f64, Vec<f64>) = (0.0, 0.0, Vec::new());
@@ -374,7 +410,7 @@ async fn main() {
         let raw_pass = raw(&url, trajectories).await;
         let raw_cpu = cpu_seconds_here_and(server.pid());
         let (jetrl_pass, pass_latencies, jetrl_cpu) =
-            jetrl_path(&url, server.pid(), groups_total, batch, producers).await;
+            jetrl_path(&url, server.pid(), groups_total, batch, producers, depth).await;
         println!(
             "  pass {pass}: raw JetStream publish+consume {raw_pass:.0} msg/s (CPU: bench {:.2}s, nats-server {:.2}s), \
              jetrl path {jetrl_pass:.0} traj/s (CPU while timed: producers, services and consumer {:.2}s, \
