@@ -447,6 +447,7 @@ async fn main() {
             "ratio": (jetrl_rate / raw_rate * 1000.0).round() / 1000.0,
             "sample_latency_p99_ms": (p99 * 100.0).round() / 100.0,
             "buffer_rss_bytes_per_traj": per_traj.round(),
+            "consumer_depth": depth,
         })
     );
 }
