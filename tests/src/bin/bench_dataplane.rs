@@ -202,8 +202,7 @@ async fn jetrl_path(
             }
         });
     }
-    // The consumer keeps `depth` sample requests in flight, each followed by its fetch (as raw's pull consumer
-    // keeps a batch of messages requested ahead); depth 1 is a consumer that samples, fetches and releases in turn.
+    // `depth` steps in flight (see the module doc), each with its own group count
     let trajectories_total = groups_total * GROUP;
     let steps: Vec<(u64, u32)> = (0..groups_total.div_ceil(batch_groups))
         .map(|i| ((i + 1) as u64, batch_groups.min(groups_total - i * batch_groups) as u32))
