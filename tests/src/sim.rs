@@ -3,7 +3,6 @@
 //! reward batches in REWARDS. Used by the replay-buffer integration tests and the `dataplane` benchmark.
 
 use bytes::Bytes;
-use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{score, Bus, BusError, GroupStore, Publisher};
 use jetrl_wire::keys::TrajectoryKey;
 use jetrl_wire::v1::{GroupState, GroupStatus, PromptTask, Reward, RewardBatch, Trajectory};
@@ -162,6 +161,14 @@ pub async fn produce_built(
 
 /// Publishes the rewards of a produced group directly, as one reward batch (when no reward service is running).
 pub async fn score(publisher: &mut Publisher, spec: &GroupSpec, seqs: &[u64]) -> Result<(), BusError> {
+    let id = format!("{}.sim", spec.uid);
+    publisher.publish(jetrl_bus::score::reward_message(&spec.partition, &reward_batch(spec, seqs), &[id])).await?;
+    publisher.drain().await.map(|_| ())
+}
+
+/// The rewards of a produced group (`seqs`: its trajectories' TRAJ sequences), as a reward service would score
+/// them.
+pub fn reward_batch(spec: &GroupSpec, seqs: &[u64]) -> RewardBatch {
     let mut batch = RewardBatch::default();
     for (session, (&score, &seq)) in spec.scores.iter().zip(seqs).enumerate() {
         let key = TrajectoryKey::new(spec.uid.clone(), session as u32, 0).to_string();
@@ -182,11 +189,7 @@ pub async fn score(publisher: &mut Publisher, spec: &GroupSpec, seqs: &[u64]) ->
         reward.extra.insert("acc".into(), score);
         batch.rewards.push(reward);
     }
-    let id = format!("{}.sim", spec.uid);
-    publisher
-        .publish(Outgoing::protobuf(subjects::reward_subject(&spec.partition, &spec.uid), Some(id), &batch))
-        .await?;
-    publisher.drain().await.map(|_| ())
+    batch
 }
 
 #[cfg(test)]

@@ -1,13 +1,16 @@
 //! The replay buffer against a real nats-server: concurrent producers, retries, crashes, the ledger, long
 //! trajectories. The producer is simulated (tests/src/sim.rs) but writes through the real streams and bucket.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
 use jetrl_bus::{Bus, GroupStore, NatsServer, Publisher};
 use jetrl_config::JobConfig;
 use jetrl_tests::sim::{self, GroupSpec};
-use jetrl_wire::v1::{GroupState, LedgerRequest, LedgerResponse, SampleRequest, SampleResponse};
+use jetrl_wire::v1::{
+    GroupState, LedgerRequest, LedgerResponse, ReleaseRequest, ReleaseResponse, ReleasedGroups, SampleRequest,
+    SampleResponse,
+};
 use jetrl_wire::{subjects, Message};
 
 fn job(url: &str, mode: &str) -> JobConfig {
@@ -105,22 +108,86 @@ async fn a_producer_writing_groups_concurrently_while_the_trainer_samples_loses_
     drop(stop);
 }
 
+/// A `jetrl-replay-buffer` process for `server` (its job file written to `dir`), to be killed with -9.
+fn spawn_buffer_process(server: &NatsServer, dir: &std::path::Path) -> std::process::Child {
+    let config = dir.join("job.yaml");
+    std::fs::write(&config, format!("nats: {{url: \"{}\"}}\ndata: {{task: {{name: reverse}}}}\n", server.url()))
+        .unwrap();
+    std::process::Command::new(jetrl_tests::bin("jetrl-replay-buffer"))
+        .arg("--config")
+        .arg(&config)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+async fn release(bus: &Bus, step: u64, request_id: &str) -> ReleaseResponse {
+    let request = ReleaseRequest { step, request_ids: vec![request_id.into()] };
+    bus.request(subjects::BUFFER_RELEASE, &request, Duration::from_secs(10)).await.unwrap()
+}
+
+/// The uid of every reward in REWARDS, with how many it has, once that equals `want` (or fails after 20 s).
+async fn wait_for_stored_rewards(bus: &Bus, want: &[(&str, usize)]) {
+    let want: BTreeMap<String, usize> = want.iter().map(|(uid, n)| (uid.to_string(), *n)).collect();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut stored = BTreeMap::new();
+        for reward in jetrl_bus::score::stored_rewards(bus).await.unwrap() {
+            *stored.entry(reward.uid).or_insert(0) += 1;
+        }
+        if stored == want {
+            return;
+        }
+        assert!(Instant::now() < deadline, "REWARDS holds {stored:?}, expected {want:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn released_rewards_are_purged_below_the_floor_and_stay_released_after_a_kill_and_restart() {
+    let server = NatsServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut buffer = spawn_buffer_process(&server, dir.path());
+    let (bus, groups) = connect(&server.url()).await;
+    let specs: Vec<GroupSpec> = (0..4).map(|i| GroupSpec::finished(&format!("g{i}"), 1 + i, &[0.0, 1.0])).collect();
+    let mut seqs = Vec::new();
+    for spec in &specs {
+        seqs.push(make_group(&bus, &groups, spec).await);
+    }
+    let first = sample(&bus, &request("train-1", 1, 2)).await;
+    assert_eq!(first.groups.iter().map(|g| g.uid.as_str()).collect::<Vec<_>>(), ["g0", "g1"]);
+    assert_eq!(release(&bus, 1, "train-1").await.released_trajectories, 4);
+    // a late copy of g0's rewards (its score request redelivered after all) lands after the release
+    let late = jetrl_bus::score::reward_message("train", &sim::reward_batch(&specs[0], &seqs[0]), &["g0.late".into()]);
+    bus.publish_durable(late).await.unwrap();
+    // the floor is g2's rewards: g0's and g1's below it go; the late copy, above it, waits
+    wait_for_stored_rewards(&bus, &[("g0", 2), ("g2", 2), ("g3", 2)]).await;
+    let rewards = bus.stream(subjects::REWARDS_STREAM).await.unwrap();
+    let marker = rewards.direct_get_last_for_subject(subjects::RELEASED_SUBJECT).await.unwrap();
+    let mut marker = ReleasedGroups::decode(marker.payload.as_ref()).unwrap();
+    marker.groups.sort();
+    assert_eq!((marker.step, marker.groups), (1, vec!["train.g0".to_string(), "train.g1".to_string()]));
+
+    // kill -9 and restart: the replay meets g0's late copy, and the marker says g0 was released
+    buffer.kill().unwrap();
+    buffer.wait().unwrap();
+    let mut buffer = spawn_buffer_process(&server, dir.path());
+    let next = sample(&bus, &request("train-2", 2, 2)).await;
+    assert_eq!(next.groups.iter().map(|g| g.uid.as_str()).collect::<Vec<_>>(), ["g2", "g3"]);
+    assert_eq!(release(&bus, 2, "train-2").await.released_trajectories, 4);
+    // nothing is live, so nothing holds the floor: every reward goes, the late copy too (a g0 taken for live would
+    // keep it for ever)
+    wait_for_stored_rewards(&bus, &[]).await;
+    let _ = buffer.kill();
+    let _ = buffer.wait();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retried_request_gets_the_same_groups_even_after_the_buffer_is_killed_and_restarted() {
     let server = NatsServer::start().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("job.yaml");
-    std::fs::write(&config, format!("nats: {{url: \"{}\"}}\ndata: {{task: {{name: reverse}}}}\n", server.url()))
-        .unwrap();
-    let spawn = || {
-        std::process::Command::new(jetrl_tests::bin("jetrl-replay-buffer"))
-            .arg("--config")
-            .arg(&config)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap()
-    };
+    let spawn = || spawn_buffer_process(&server, dir.path());
     let mut buffer = spawn();
     let (bus, groups) = connect(&server.url()).await;
     let mut payloads = Vec::new();

@@ -1,17 +1,20 @@
 //! The replay-buffer service loop: one task owns [`BufferState`]; every input is an event.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::{self, DeliverPolicy};
 use futures::StreamExt;
 use jetrl_bus::groups::decode_entry;
+use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{consume, Bus, BusError, GroupStore};
 use jetrl_config::JobConfig;
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::v1::{
-    GroupState, LedgerRequest, LedgerResponse, ReleaseRequest, ReleaseResponse, RewardBatch, SampleRequest,
-    SampleResponse,
+    GroupState, LedgerRequest, LedgerResponse, ReleaseRequest, ReleaseResponse, ReleasedGroups, RewardBatch,
+    SampleRequest, SampleResponse,
 };
 use jetrl_wire::{subjects, Message};
 
@@ -21,6 +24,14 @@ use crate::state::BufferState;
 const SERVICE: &str = "buffer";
 /// Answers remembered for retried requests (a retry comes right after a timeout, so a few suffice).
 const ANSWER_CACHE: usize = 64;
+/// Release markers kept in REWARDS (the newest; older ones go with each floor purge). A marker matters only while
+/// a left-over reward of one of its groups (a redelivered score request's late copy) can still be above the
+/// floor, which is a few steps at most.
+const MARKERS_KEPT: u64 = 1000;
+/// Rewards of a group whose record has not arrived this long after them are forgotten (the record of a live
+/// group follows its rewards within moments; these belong to deleted or foreign groups and would hold the
+/// purge floor down for ever).
+const ORPHAN_TTL: Duration = Duration::from_secs(120);
 
 #[derive(Debug, thiserror::Error)]
 pub enum BufferError {
@@ -56,8 +67,18 @@ pub async fn run(
 struct Buffer {
     bus: Bus,
     groups: GroupStore,
-    /// the payload streams whose released subjects are purged (handles kept: opening one is a round trip)
-    purge_from: [async_nats::jetstream::stream::Stream; 2],
+    /// TRAJ, whose released groups' subjects are purged (handle kept: opening one is a round trip)
+    traj: async_nats::jetstream::stream::Stream,
+    /// REWARDS: release markers go in; everything below the floor of the rewards still indexed is purged
+    rewards: async_nats::jetstream::stream::Stream,
+    /// stream sequence of the last REWARDS message read
+    last_reward_seq: u64,
+    /// `(when, last_reward_seq)` at each tick of the last ORPHAN_TTL, oldest first
+    reward_seq_history: VecDeque<(Instant, u64)>,
+    /// REWARDS is purged below this sequence (written by the purge task)
+    rewards_purged_below: Arc<AtomicU64>,
+    /// the floor purge in flight, if any (one at a time)
+    rewards_purge: Option<tokio::task::JoinHandle<()>>,
     state: BufferState,
     sampler: SamplerConfig,
     /// per request id: the sample loop's memory (refill credit, metrics) between iterations
@@ -87,11 +108,16 @@ impl Buffer {
             .await
             .map(|i| i.state.messages == 0)
             .map_err(|e| BusError::Consume { what: subjects::REWARDS_STREAM.into(), message: e.to_string() })?;
-        let purge_from = [bus.stream(subjects::TRAJ_STREAM).await?, rewards.clone()];
+        let traj = bus.stream(subjects::TRAJ_STREAM).await?;
         Ok(Self {
             bus,
             groups,
-            purge_from,
+            traj,
+            rewards,
+            last_reward_seq: 0,
+            reward_seq_history: VecDeque::new(),
+            rewards_purged_below: Arc::new(AtomicU64::new(0)),
+            rewards_purge: None,
             state: BufferState::default(),
             sampler,
             progress: HashMap::new(),
@@ -177,22 +203,8 @@ impl Buffer {
                         Ok(msg) => {
                             let (seq, pending) = msg.info().map(|i| (i.stream_sequence, i.pending)).unwrap_or((0, 1));
                             if pending == 0 { self.rewards_current = true; }
-                            match RewardBatch::decode(msg.payload.as_ref()) {
-                                Ok(batch) => {
-                                    for reward in batch.rewards {
-                                        // a reward can only complete a group that is already terminal
-                                        may_answer |= self
-                                            .state
-                                            .group(&reward.partition, &reward.uid)
-                                            .is_some_and(|g| g.state().is_terminal());
-                                        self.state.apply_reward(reward, seq);
-                                    }
-                                }
-                                Err(err) => {
-                                    consume::count_malformed(SERVICE, subjects::REWARDS_STREAM);
-                                    tracing::error!(subject = %msg.subject, error = %err, "malformed reward batch ignored");
-                                }
-                            }
+                            self.last_reward_seq = self.last_reward_seq.max(seq);
+                            may_answer = self.on_rewards_message(&msg, seq);
                         }
                         Err(err) => tracing::warn!(error = %err, "rewards consumer error"),
                     }
@@ -204,7 +216,10 @@ impl Buffer {
                 Some(msg) = release_sub.next() => self.on_release(msg).await,
                 Some(msg) = ledger_sub.next() => self.on_ledger(msg).await,
                 _ = expiry => self.expire_waiting().await,
-                _ = gauge_tick.tick() => self.export_gauges(),
+                _ = gauge_tick.tick() => {
+                    self.export_gauges();
+                    self.purge_rewards();
+                }
             }
             if !self.replay_retired && self.groups_current && self.rewards_current {
                 self.state.retire_replayed_releases();
@@ -217,6 +232,88 @@ impl Buffer {
         }
         tracing::info!(waiting = self.waiting.len(), "replay buffer stopping");
         Ok(())
+    }
+
+    /// A message of the REWARDS stream: a reward batch (indexed), or a release marker. Returns whether it could
+    /// let a waiting request be answered.
+    fn on_rewards_message(&mut self, msg: &async_nats::jetstream::Message, seq: u64) -> bool {
+        if msg.subject.as_str() == subjects::RELEASED_SUBJECT {
+            match ReleasedGroups::decode(msg.payload.as_ref()) {
+                Ok(marker) => {
+                    // Live, this buffer released these groups itself and this finds none of them. After a
+                    // restart it retires them, and purges their payloads again in case that was cut short.
+                    let released = self.state.apply_release_marker(&marker.groups);
+                    if !released.is_empty() {
+                        tokio::spawn(purge_payloads(self.traj.clone(), released));
+                    }
+                }
+                Err(err) => {
+                    consume::count_malformed(SERVICE, subjects::REWARDS_STREAM);
+                    tracing::error!(subject = %msg.subject, error = %err, "malformed release marker ignored");
+                }
+            }
+            return false;
+        }
+        let mut may_answer = false;
+        match RewardBatch::decode(msg.payload.as_ref()) {
+            Ok(batch) => {
+                for reward in batch.rewards {
+                    // a reward can only complete a group that is already terminal
+                    may_answer |=
+                        self.state.group(&reward.partition, &reward.uid).is_some_and(|g| g.state().is_terminal());
+                    self.state.apply_reward(reward, seq);
+                }
+            }
+            Err(err) => {
+                consume::count_malformed(SERVICE, subjects::REWARDS_STREAM);
+                tracing::error!(subject = %msg.subject, error = %err, "malformed reward batch ignored");
+            }
+        }
+        may_answer
+    }
+
+    /// Once a second, after the restart's replay: forgets orphan rewards older than [`ORPHAN_TTL`], then purges
+    /// every reward batch below the oldest reward still indexed (in the background, one purge at a time), and
+    /// release markers beyond the newest [`MARKERS_KEPT`]. One purge request per second, whatever the rate.
+    fn purge_rewards(&mut self) {
+        if !self.replay_retired {
+            return;
+        }
+        let now = Instant::now();
+        self.reward_seq_history.push_back((now, self.last_reward_seq));
+        let mut horizon = 0;
+        while let Some(&(at, seq)) = self.reward_seq_history.front() {
+            if now.duration_since(at) < ORPHAN_TTL {
+                break;
+            }
+            horizon = seq;
+            self.reward_seq_history.pop_front();
+        }
+        let dropped = self.state.drop_orphans_below(horizon);
+        if dropped > 0 {
+            tracing::warn!(dropped, "rewards whose group record never came are forgotten");
+            metrics::counter!("jetrl_buffer_orphan_rewards_dropped_total").increment(dropped as u64);
+        }
+        if self.rewards_purge.as_ref().is_some_and(|task| !task.is_finished()) {
+            return;
+        }
+        let floor = self.state.reward_floor().unwrap_or(self.last_reward_seq + 1);
+        if floor <= self.rewards_purged_below.load(Ordering::Relaxed) {
+            return;
+        }
+        let (rewards, purged_below) = (self.rewards.clone(), Arc::clone(&self.rewards_purged_below));
+        self.rewards_purge = Some(tokio::spawn(async move {
+            match rewards.purge().filter(subjects::REWARD_BATCHES_FILTER).sequence(floor).await {
+                Ok(purged) => {
+                    metrics::counter!("jetrl_buffer_purged_reward_messages_total").increment(purged.purged);
+                    purged_below.store(floor, Ordering::Relaxed);
+                }
+                Err(err) => tracing::warn!(floor, error = %err, "rewards below the floor not purged; retrying"),
+            }
+            if let Err(err) = rewards.purge().filter(subjects::RELEASED_SUBJECT).keep(MARKERS_KEPT).await {
+                tracing::warn!(error = %err, "old release markers not purged");
+            }
+        }));
     }
 
     fn on_sample_request(&mut self, msg: async_nats::Message) {
@@ -383,7 +480,7 @@ impl Buffer {
         // ones do, in the background.
         if !done.is_empty() {
             let evicted = done.iter().map(|(uid, _)| (partition.to_string(), uid.clone(), 0)).collect();
-            tokio::spawn(purge_payloads(self.purge_from.clone(), evicted));
+            tokio::spawn(purge_payloads(self.traj.clone(), evicted));
         }
         done
     }
@@ -474,12 +571,34 @@ impl Buffer {
             self.progress.remove(id);
         }
         let released: usize = groups.iter().map(|g| g.2).sum();
+        self.record_release(&request, &groups).await;
         // The index is gone; the payload purge runs in the background so the trainer's step never waits
         // on storage. A purge that did not happen (a crash) leaves bytes behind for the streams' max age,
-        // never a group that can be sampled again (its record says sampled).
-        tokio::spawn(purge_payloads(self.purge_from.clone(), groups));
+        // never a group that can be sampled again (its record says sampled); a restart purges again.
+        tokio::spawn(purge_payloads(self.traj.clone(), groups));
         let response = ReleaseResponse { released_trajectories: released as u64, error: String::new() };
         self.reply(&reply, &response).await;
+    }
+
+    /// Writes the release marker of `groups` to REWARDS and waits until it is stored, before the release is
+    /// answered: their rewards stay in the stream until the floor passes them, and a restarted buffer must not
+    /// take those for groups still waiting for their trainer. A marker that cannot be written is logged and
+    /// counted; the release goes on (after a restart those groups would hold the floor until the stream's max
+    /// age).
+    async fn record_release(&self, request: &ReleaseRequest, groups: &[(String, String, usize)]) {
+        if groups.is_empty() {
+            return;
+        }
+        let marker = ReleasedGroups {
+            step: request.step,
+            request_ids: request.request_ids.clone(),
+            groups: groups.iter().map(|(partition, uid, _)| subjects::group_key(partition, uid)).collect(),
+        };
+        if let Err(err) = self.bus.publish_durable(Outgoing::protobuf(subjects::RELEASED_SUBJECT, None, &marker)).await
+        {
+            tracing::error!(step = request.step, error = %err, "release marker not stored");
+            metrics::counter!("jetrl_buffer_release_marker_errors_total").increment(1);
+        }
     }
 
     async fn on_ledger(&self, msg: async_nats::Message) {
@@ -514,24 +633,19 @@ impl Buffer {
     }
 }
 
-/// Purges released (or evicted) groups' payloads and rewards: one subject per group in each stream
-/// (`…<partition>.<uid>`), so a whole group goes in one request, many requests in flight. `streams` are TRAJ and
-/// REWARDS; `groups` are (partition, uid, trajectories released).
-async fn purge_payloads(streams: [async_nats::jetstream::stream::Stream; 2], groups: Vec<(String, String, usize)>) {
-    let [traj, rewards] = streams;
+/// Purges released (or evicted) groups' payloads: one TRAJ subject per group (`jetrl.traj.<partition>.<uid>`), so
+/// a whole group goes in one request, many requests in flight. `groups` are (partition, uid, trajectories
+/// released). Their rewards go with the floor purge ([`Buffer::purge_rewards`]).
+async fn purge_payloads(traj: async_nats::jetstream::stream::Stream, groups: Vec<(String, String, usize)>) {
     let trajectories: usize = groups.iter().map(|g| g.2).sum();
-    let jobs: Vec<(async_nats::jetstream::stream::Stream, String)> = groups
-        .iter()
-        .flat_map(|(partition, uid, _)| {
-            [
-                (traj.clone(), subjects::traj_subject(partition, uid)),
-                (rewards.clone(), subjects::reward_subject(partition, uid)),
-            ]
-        })
-        .collect();
-    futures::stream::iter(jobs.into_iter().map(|(stream, subject)| async move {
-        if let Err(err) = stream.purge().filter(subject.clone()).await {
-            tracing::warn!(%subject, error = %err, "purge failed");
+    let subjects: Vec<String> =
+        groups.iter().map(|(partition, uid, _)| subjects::traj_subject(partition, uid)).collect();
+    futures::stream::iter(subjects.into_iter().map(|subject| {
+        let traj = traj.clone();
+        async move {
+            if let Err(err) = traj.purge().filter(subject.clone()).await {
+                tracing::warn!(%subject, error = %err, "purge failed");
+            }
         }
     }))
     .buffer_unordered(64)

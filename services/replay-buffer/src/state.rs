@@ -112,6 +112,8 @@ pub struct BufferState {
     retired_counts: HashMap<(String, &'static str), u64>,
     /// rewards that arrived before their group record (a reward can overtake the terminal status)
     orphans: HashMap<String, BTreeMap<Slot, IndexedReward>>,
+    /// groups named by a release marker before their record was seen (a restart's two replays run side by side)
+    released_unseen: HashSet<String>,
     /// interned strings (data sources, metric names)
     strings: HashMap<Box<str>, Arc<str>>,
 }
@@ -208,7 +210,56 @@ impl BufferState {
         if let Some(orphans) = self.orphans.remove(&group.status.uid) {
             group.rewards.extend(orphans);
         }
+        if group.state() == GroupState::Sampled && self.released_unseen.remove(&k) {
+            group.released = true;
+            group.rewards.clear();
+        }
         self.refresh(&k);
+    }
+
+    /// A release marker read back from REWARDS: its groups were released (by this buffer before a restart, or
+    /// just now). Returns those that were still live, as [`Self::release`] does, so their payloads can be purged;
+    /// groups not seen yet are released when their record arrives.
+    pub fn apply_release_marker(&mut self, groups: &[String]) -> Vec<(String, String, usize)> {
+        let mut out = Vec::new();
+        for k in groups {
+            match self.groups.get_mut(k) {
+                Some(group) if group.state() == GroupState::Sampled => {
+                    if !group.released {
+                        let released = std::mem::take(&mut group.rewards).len();
+                        group.released = true;
+                        out.push((group.status.partition.clone(), group.status.uid.clone(), released));
+                        self.refresh(k);
+                    }
+                }
+                Some(_) => {}
+                None => {
+                    self.released_unseen.insert(k.clone());
+                }
+            }
+        }
+        out
+    }
+
+    /// The lowest REWARDS sequence an indexed reward still needs (live groups and orphans): everything below it
+    /// may be purged. None when no reward is indexed.
+    pub fn reward_floor(&self) -> Option<u64> {
+        let live = self.live_groups().flat_map(|g| g.rewards.values());
+        live.chain(self.orphans.values().flat_map(BTreeMap::values)).map(|r| r.reward_seq).min()
+    }
+
+    /// Forgets orphan rewards (of groups whose record never came) that are all older than REWARDS sequence
+    /// `seq`; returns how many were dropped. They would otherwise hold [`Self::reward_floor`] down for ever.
+    pub fn drop_orphans_below(&mut self, seq: u64) -> usize {
+        let mut dropped = 0;
+        self.orphans.retain(|_, rewards| {
+            let stale = rewards.values().all(|r| r.reward_seq < seq);
+            if stale {
+                dropped += rewards.len();
+            }
+            !stale
+        });
+        dropped
     }
 
     /// A deleted group record: forget the group.
@@ -240,6 +291,8 @@ impl BufferState {
         };
         let k = key(&reward.partition, &reward.uid);
         let map = match self.groups.get_mut(&k) {
+            // a late copy (a score request redelivered after its group was trained on): nothing reads it
+            Some(group) if group.released => return false,
             Some(group) => &mut group.rewards,
             None => self.orphans.entry(reward.uid.clone()).or_default(),
         };
@@ -344,7 +397,8 @@ impl BufferState {
     }
 
     /// Drops the trajectory index of groups consumed by `request_ids`; returns the released groups as
-    /// (partition, uid, trajectories) so the caller can purge their payloads (one subject per group).
+    /// (partition, uid, trajectories) so the caller can record the release and purge their payloads (one subject
+    /// per group).
     pub fn release(&mut self, request_ids: &[String]) -> Vec<(String, String, usize)> {
         let keys: Vec<String> = self
             .live_groups()
@@ -549,6 +603,58 @@ mod tests {
         s.remove_group("train", "b");
         assert_eq!(s.counts("train").get("evicted").copied().unwrap_or(0), 0);
         assert_eq!(s.indexed_trajectories(), 1);
+    }
+
+    #[test]
+    fn the_reward_floor_is_the_oldest_reward_a_live_group_or_orphan_still_needs() {
+        let mut s = BufferState::default();
+        assert_eq!(s.reward_floor(), None);
+        s.apply_group(status("a", GroupState::Finished, 1, &["a_0_0", "a_1_0"]));
+        s.apply_group(status("b", GroupState::Finished, 1, &["b_0_0"]));
+        s.apply_reward(reward("a", "a_0_0", 1), 10);
+        s.apply_reward(reward("a", "a_1_0", 2), 12);
+        s.apply_reward(reward("b", "b_0_0", 3), 11);
+        assert_eq!(s.reward_floor(), Some(10));
+        s.mark_sampled("train", "a", 1, "r1");
+        assert_eq!(s.reward_floor(), Some(10), "sampled and not released: a retried request needs it");
+        s.release(&["r1".into()]);
+        assert_eq!(s.reward_floor(), Some(11));
+        s.apply_reward(reward("x", "x_0_0", 4), 9);
+        assert_eq!(s.reward_floor(), Some(9), "an orphan may still get its record");
+        assert_eq!(s.drop_orphans_below(9), 0);
+        assert_eq!(s.drop_orphans_below(10), 1);
+        assert_eq!(s.reward_floor(), Some(11));
+    }
+
+    #[test]
+    fn a_late_copy_of_a_released_groups_reward_is_ignored() {
+        let mut s = BufferState::default();
+        s.apply_group(status("a", GroupState::Finished, 1, &["a_0_0"]));
+        s.apply_reward(reward("a", "a_0_0", 1), 1);
+        s.mark_sampled("train", "a", 1, "r1");
+        s.release(&["r1".into()]);
+        assert!(!s.apply_reward(reward("a", "a_0_0", 1), 7));
+        assert_eq!((s.indexed_trajectories(), s.reward_floor()), (0, None));
+    }
+
+    #[test]
+    fn a_release_marker_retires_its_groups_whether_their_records_come_before_or_after_it() {
+        let mut s = BufferState::default();
+        // record first (sampled, its left-over reward replayed), then the marker
+        s.apply_group(status("a", GroupState::Sampled, 1, &["a_0_0"]));
+        s.apply_reward(reward("a", "a_0_0", 1), 3);
+        // marker first: the record and the reward of `b` arrive after it
+        let released = s.apply_release_marker(&["train.a".into(), "train.b".into()]);
+        assert_eq!(released, vec![("train".to_string(), "a".to_string(), 1)]);
+        s.apply_reward(reward("b", "b_0_0", 2), 4);
+        s.apply_group(status("b", GroupState::Sampled, 1, &["b_0_0"]));
+        // a group sampled and not released is untouched
+        s.apply_group(status("c", GroupState::Sampled, 2, &["c_0_0"]));
+        s.apply_reward(reward("c", "c_0_0", 5), 5);
+        assert!(s.apply_release_marker(&["train.a".into()]).is_empty(), "a marker read twice changes nothing");
+        assert_eq!(s.live.iter().collect::<Vec<_>>(), vec!["train.c"]);
+        assert_eq!((s.indexed_trajectories(), s.reward_floor()), (1, Some(5)));
+        assert_eq!(s.counts("train")["sampled"], 3);
     }
 
     #[test]

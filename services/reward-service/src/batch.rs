@@ -1,13 +1,16 @@
 //! One micro-batch of score requests (one per prompt group): decode, skip what is already scored, score, publish
-//! one reward batch per request, then acknowledge.
+//! the rewards of the whole micro-batch as one reward batch per partition, then acknowledge.
 
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
 use async_nats::jetstream::stream::{DirectGetErrorKind, Stream};
 use async_nats::jetstream::AckKind;
+use futures::StreamExt;
 use jetrl_bus::publish::Outgoing;
-use jetrl_bus::{consume, Bus, BusError, Publisher};
+use jetrl_bus::{consume, score, Bus, BusError, Publisher};
 use jetrl_reward::{RewardEngine, ScoreInput, ScoreOutcome, FAILURES_METRIC};
 use jetrl_wire::keys::TrajectoryKey;
 use jetrl_wire::score::{prompt_len, response_len};
@@ -20,17 +23,25 @@ use crate::{BATCH_ERRORS_METRIC, BATCH_SECONDS_METRIC, QUEUE_LAG_METRIC, SERVICE
 
 /// How soon a trajectory whose reward could not be published is offered again.
 const RETRY_DELAY: Duration = Duration::from_secs(1);
-/// Reward batches of one uid inspected at most when checking whether a redelivered request is already scored.
-const MAX_REWARDS_PER_GROUP_CHECKED: usize = 4096;
 /// Trajectories of one group read at most from TRAJ to give the group of a malformed request failure rewards.
 const MAX_TRAJECTORIES_PER_GROUP: usize = 4096;
+/// A reward message is closed once its encoded rewards pass this size (NATS's default payload limit is 1 MiB);
+/// a request's rewards always stay in one message.
+const MAX_MESSAGE_BYTES: usize = 512 * 1024;
+/// The scan for a redelivered request's rewards starts this long before the request was stored (clock
+/// differences between the servers of a cluster).
+const SCAN_SLACK: Duration = Duration::from_secs(2);
+/// Reward messages read at most by one scan; past it, what is not found is scored again.
+const MAX_SCANNED: usize = 200_000;
+/// How long the scan waits for the next message before it treats the stream as read.
+const SCAN_WAIT: Duration = Duration::from_secs(2);
 
 /// What every micro-batch shares.
 pub struct BatchContext {
     pub bus: Bus,
     pub engine: Arc<RewardEngine>,
     pub prompts: PromptSource,
-    /// the REWARDS stream, read to recognise a redelivered request that already has its rewards
+    /// the REWARDS stream, read to recognise redelivered requests that already have their rewards
     pub rewards: Stream,
     /// the TRAJ stream, read for the keys of a group whose score request does not decode
     pub trajectories: Stream,
@@ -49,13 +60,73 @@ impl BatchContext {
         self.room.give_back(1);
     }
 
-    /// Whether the REWARDS stream already holds the reward batch of request `key` (published before a crash, or
-    /// by another instance before its ack was lost). Any doubt answers `false`: publishing again is then
-    /// de-duplicated by `Nats-Msg-Id` within the stream's window, and after it the buffer keeps the first reward
-    /// of each trajectory.
-    async fn already_scored(&self, partition: &str, uid: &str, key: &str) -> bool {
-        let subject = subjects::reward_subject(partition, uid);
-        stored_ids(&self.rewards, &subject, MAX_REWARDS_PER_GROUP_CHECKED).await.iter().any(|(id, _)| id == key)
+    /// The ids of the score requests answered by a reward batch stored in REWARDS since `since` (from each
+    /// batch's [`subjects::SCORE_REQUESTS_HEADER`], read headers only, in one pass). Any doubt leaves an id out:
+    /// its request is then scored again, and the buffer keeps the first reward of each trajectory.
+    async fn answered_since(&self, since: async_nats::datetime::DateTime) -> HashSet<String> {
+        let mut found = HashSet::new();
+        let last = match self.rewards.get_info().await {
+            Ok(info) if info.state.messages > 0 && info.state.last_timestamp >= since => info.state.last_sequence,
+            Ok(_) => return found,
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot read the REWARDS stream's state; redelivered requests are scored again");
+                return found;
+            }
+        };
+        let config = OrderedConfig {
+            filter_subject: subjects::REWARD_BATCHES_FILTER.into(),
+            deliver_policy: DeliverPolicy::ByStartTime { start_time: since },
+            headers_only: true,
+            ..Default::default()
+        };
+        let messages = match self.rewards.create_consumer(config).await {
+            Ok(consumer) => consumer.messages().await,
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot scan REWARDS; redelivered requests are scored again");
+                return found;
+            }
+        };
+        let Ok(mut messages) = messages else { return found };
+        for _ in 0..MAX_SCANNED {
+            let Ok(Some(Ok(msg))) = tokio::time::timeout(SCAN_WAIT, messages.next()).await else { break };
+            if let Some(headers) = &msg.headers {
+                if let Some(ids) = headers.get(subjects::SCORE_REQUESTS_HEADER) {
+                    found.extend(ids.as_str().split(' ').filter(|id| !id.is_empty()).map(str::to_string));
+                } else if let Some(id) = headers.get(async_nats::header::NATS_MESSAGE_ID) {
+                    found.insert(id.as_str().to_string());
+                }
+            }
+            match msg.info() {
+                Ok(info) if info.pending > 0 && info.stream_sequence < last => {}
+                _ => break,
+            }
+        }
+        found
+    }
+
+    /// Turns the redelivered requests of `items` whose rewards are already in REWARDS (published before a
+    /// crash, or by another instance before its ack was lost) into [`Item::AlreadyScored`]: one scan of REWARDS
+    /// from the earliest of them, none when nothing was redelivered.
+    async fn skip_already_scored(&self, items: Vec<Item>) -> Vec<Item> {
+        let since = items
+            .iter()
+            .filter_map(|item| match item {
+                Item::Decoded { held, .. } => held.msg.info().ok().filter(|i| i.delivered > 1).map(|i| i.published),
+                _ => None,
+            })
+            .min();
+        let Some(since) = since else { return items };
+        let answered = self.answered_since(since - SCAN_SLACK).await;
+        items
+            .into_iter()
+            .map(|item| match item {
+                Item::Decoded { held, request, id } if answered.contains(&id) => {
+                    tracing::debug!(uid = %request.uid, "redelivered score request already has its rewards");
+                    Item::AlreadyScored { held }
+                }
+                other => other,
+            })
+            .collect()
     }
 }
 
@@ -123,6 +194,7 @@ pub async fn score_batch(context: Arc<BatchContext>, batch: Vec<Pulled>) {
     for held in batch {
         items.push(decode(&context, held).await);
     }
+    let mut items = context.skip_already_scored(items).await;
     let mut inputs = Vec::new();
     for item in &mut items {
         if let Item::Decoded { request, .. } = item {
@@ -169,7 +241,6 @@ impl Drop for HeldBatch<'_> {
 }
 
 async fn decode(context: &BatchContext, held: Pulled) -> Item {
-    let delivered = held.msg.info().map(|i| i.delivered).unwrap_or(1);
     let header_id = held
         .msg
         .headers
@@ -180,10 +251,6 @@ async fn decode(context: &BatchContext, held: Pulled) -> Item {
         Ok(mut request) => {
             jetrl_wire::score::expand_common(&mut request, context.prompts.needed());
             let id = header_id.unwrap_or_else(|| jetrl_wire::score::request_id(&request));
-            if delivered > 1 && context.already_scored(&request.partition, &request.uid, &id).await {
-                tracing::debug!(uid = %request.uid, delivered, "redelivered score request already has its rewards");
-                return Item::AlreadyScored { held };
-            }
             Item::Decoded { held, request, id }
         }
         Err(err) => {
@@ -258,37 +325,72 @@ fn chunked<T>(items: Vec<T>, size: usize) -> Vec<Vec<T>> {
     chunks
 }
 
-/// Publishes one reward batch per request (the request's id as `Nats-Msg-Id`), pipelined, and waits until all
-/// are stored.
+/// Publishes the rewards of the whole micro-batch, one message per partition (split past
+/// [`MAX_MESSAGE_BYTES`]), each naming the requests it answers, pipelined, and waits until all are stored.
 async fn publish(bus: &Bus, items: &mut [Item], outcomes: Vec<ScoreOutcome>) -> Result<(), BusError> {
-    let mut publisher = Publisher::new(bus, items.len().max(1));
+    let mut messages = RewardMessages::default();
     let mut outcomes = outcomes.into_iter();
     for item in items.iter_mut() {
-        let (id, batch) = match item {
+        match item {
             Item::Decoded { request, id, .. } => {
                 let (uid, partition) = (request.uid.as_str(), request.partition.as_str());
-                let rewards = request
-                    .trajectories
-                    .iter_mut()
-                    .map(|traj| {
-                        let outcome = outcomes.next().unwrap_or_else(|| {
-                            let key = TrajectoryKey::new(uid.to_string(), traj.session_id, traj.index).to_string();
-                            missing_outcome(&key, "scorer returned no outcome")
-                        });
-                        reward_for(traj, uid, partition, outcome)
-                    })
-                    .collect();
-                (id.clone(), RewardBatch { rewards })
+                let rewards = request.trajectories.iter_mut().map(|traj| {
+                    let outcome = outcomes.next().unwrap_or_else(|| {
+                        let key = TrajectoryKey::new(uid.to_string(), traj.session_id, traj.index).to_string();
+                        missing_outcome(&key, "scorer returned no outcome")
+                    });
+                    reward_for(traj, uid, partition, outcome)
+                });
+                let rewards: Vec<Reward> = rewards.collect();
+                messages.add(partition, id, rewards);
             }
-            Item::Malformed { batch: Some((id, batch)), .. } => (id.clone(), batch.clone()),
-            Item::Malformed { batch: None, .. } | Item::AlreadyScored { .. } => continue,
-        };
-        let Some(first) = batch.rewards.first() else { continue };
-        let subject = subjects::reward_subject(&first.partition, &first.uid);
-        publisher.publish(Outgoing::protobuf(subject, Some(id), &batch)).await?;
+            Item::Malformed { batch: Some((id, batch)), .. } => {
+                let partition = batch.rewards.first().map(|r| r.partition.clone()).unwrap_or_default();
+                messages.add(&partition, id, batch.rewards.clone());
+            }
+            Item::Malformed { batch: None, .. } | Item::AlreadyScored { .. } => {}
+        }
+    }
+    let outgoing = messages.finish();
+    let mut publisher = Publisher::new(bus, outgoing.len().max(1));
+    for message in outgoing {
+        publisher.publish(message).await?;
     }
     publisher.drain().await?;
     Ok(())
+}
+
+/// The reward messages of one micro-batch being built: per partition, the open message's rewards and the ids of
+/// the requests they answer.
+#[derive(Default)]
+struct RewardMessages {
+    open: BTreeMap<String, (RewardBatch, Vec<String>)>,
+    closed: Vec<Outgoing>,
+}
+
+impl RewardMessages {
+    /// Adds the rewards of request `id` (all to one message).
+    fn add(&mut self, partition: &str, id: &str, rewards: Vec<Reward>) {
+        if rewards.is_empty() {
+            return;
+        }
+        let (batch, ids) = self.open.entry(partition.to_string()).or_default();
+        batch.rewards.extend(rewards);
+        ids.push(id.to_string());
+        if batch.encoded_len() >= MAX_MESSAGE_BYTES {
+            let (batch, ids) = std::mem::take(self.open.get_mut(partition).expect("just added"));
+            self.closed.push(score::reward_message(partition, &batch, &ids));
+        }
+    }
+
+    fn finish(mut self) -> Vec<Outgoing> {
+        for (partition, (batch, ids)) in std::mem::take(&mut self.open) {
+            if !ids.is_empty() {
+                self.closed.push(score::reward_message(&partition, &batch, &ids));
+            }
+        }
+        self.closed
+    }
 }
 
 /// Acknowledges (or hands back) every request of the batch, ends their leases and frees their room.

@@ -9,7 +9,7 @@
 //!   ▼
 //! micro-batches of the requests that have arrived, several in flight at once
 //!   │ batch::score_batch: decode → RewardEngine (rules | user function | reward model), at most
-//!   ▼                     reward.batch_size trajectories a call → one RewardBatch per request → stored → ack
+//!   ▼                     reward.batch_size trajectories a call → one RewardBatch per micro-batch → stored → ack
 //! REWARDS
 //! ```
 //!
@@ -18,18 +18,20 @@
 //!   moment it arrives until it is acknowledged, so a slow scorer never has its request redelivered to another
 //!   instance while it works.
 //! - [`batch`]: decodes a micro-batch, scores it with [`jetrl_reward::RewardEngine`], publishes one
-//!   [`RewardBatch`] per request on `jetrl.rewards.<partition>.<uid>` with the request's `Nats-Msg-Id`, and
-//!   acknowledges the requests only after every batch is durable. Several micro-batches are in flight at once.
+//!   [`RewardBatch`] per partition for the whole micro-batch on `jetrl.rewards.<partition>.batch`, naming the
+//!   requests it answers in its `Jetrl-Score-Requests` header, and acknowledges the requests only once it is
+//!   durable. Several micro-batches are in flight at once.
 //! - [`prompt`]: what a reward model or a user function reads as the prompt: the trajectory's chat messages, or
 //!   its prompt ids decoded with the policy tokenizer.
 //!
-//! One message in and one out per group, not per trajectory, and never the token arrays: that is what lets one
-//! instance keep up with the broker (see `just bench reward`).
+//! One message in per group and one out per micro-batch, not per trajectory, and never the token arrays: that is
+//! what lets one instance keep up with the broker (see `just bench reward`).
 //!
-//! Every trajectory is scored once: instances share one durable consumer (each request goes to one of them), a
-//! reward batch published twice (a crash between publish and ack) is stored once by `Nats-Msg-Id`, and a
-//! redelivered request whose batch is already in the REWARDS stream is acknowledged without scoring it again
-//! (past the stream's de-duplication window the buffer keeps the first reward of each trajectory). A request that
+//! Every trajectory is scored once: instances share one durable consumer (each request goes to one of them), and
+//! a micro-batch holding a redelivered request (its instance died, or its ack was lost) first reads the headers of
+//! the REWARDS stream from the time that request was stored; a request already answered there is acknowledged
+//! without scoring it again. Whatever slips through (a batch still in flight at another instance) is scored
+//! twice, and the buffer keeps the first reward of each trajectory. A request that
 //! cannot even be decoded is terminated and counted, and every trajectory of its group stored in TRAJ still gets a
 //! zero reward with a failure reason, so the group is never stuck.
 //!

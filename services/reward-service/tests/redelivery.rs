@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use common::Harness;
 use jetrl_bus::consume;
-use jetrl_bus::publish::Outgoing;
 use jetrl_wire::subjects;
 use jetrl_wire::v1::{Reward, RewardBatch};
 
@@ -35,8 +34,8 @@ async fn redelivered_request_whose_rewards_are_stored_is_acknowledged_without_sc
     };
     let batch =
         RewardBatch { rewards: vec![earlier, Reward { key: "done_1_0".into(), score: 0.5, ..Reward::default() }] };
-    let subject = subjects::reward_subject("train", "done");
-    harness.bus.publish_durable(Outgoing::protobuf(subject, Some(ids["done"].clone()), &batch)).await.expect("rewards");
+    let stored = jetrl_bus::score::reward_message("train", &batch, &[ids["done"].clone()]);
+    harness.bus.publish_durable(stored).await.expect("rewards");
     // That instance had received both requests: delivered once, never acknowledged.
     let ack_wait = Duration::from_secs(1);
     let consumer = harness

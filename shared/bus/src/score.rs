@@ -3,8 +3,8 @@
 
 use std::collections::HashMap;
 
-use jetrl_wire::score::{factor_common, request_id, score_view};
-use jetrl_wire::v1::{ScoreRequest, Trajectory};
+use jetrl_wire::score::{factor_common, request_id, reward_batch_id, score_view};
+use jetrl_wire::v1::{Reward, RewardBatch, ScoreRequest, Trajectory};
 use jetrl_wire::{subjects, Message};
 
 use crate::publish::{Acked, Outgoing};
@@ -106,4 +106,45 @@ pub async fn publish_group(
     let acks = publisher.drain().await?;
     let id = scoring.publish(bus, &acks).await?;
     Ok((acks, id))
+}
+
+/// One reward message: the batch on its partition's subject, the answered requests' ids in
+/// [`subjects::SCORE_REQUESTS_HEADER`], and a `Nats-Msg-Id` derived from them (the same requests answered again
+/// are stored once).
+pub fn reward_message(partition: &str, batch: &RewardBatch, request_ids: &[String]) -> Outgoing {
+    let ids: Vec<&str> = request_ids.iter().map(String::as_str).collect();
+    let msg_id = reward_batch_id(&ids);
+    Outgoing::protobuf(subjects::reward_batch_subject(partition), Some(msg_id), batch)
+        .header(subjects::SCORE_REQUESTS_HEADER, ids.join(" "))
+}
+
+/// Every reward stored in REWARDS now, in stream order (release markers and batches that do not decode are
+/// skipped): for tests and benchmarks, which check what the reward services wrote.
+pub async fn stored_rewards(bus: &Bus) -> Result<Vec<Reward>, BusError> {
+    use async_nats::jetstream::consumer::pull::OrderedConfig;
+    use futures::StreamExt;
+    let failed =
+        |e: &dyn std::fmt::Display| BusError::Consume { what: subjects::REWARDS_STREAM.into(), message: e.to_string() };
+    let stream = bus.stream(subjects::REWARDS_STREAM).await?;
+    let state = stream.get_info().await.map_err(|e| failed(&e))?.state;
+    let mut rewards = Vec::new();
+    if state.messages == 0 {
+        return Ok(rewards);
+    }
+    let config = OrderedConfig { filter_subject: subjects::REWARD_BATCHES_FILTER.into(), ..Default::default() };
+    let consumer = stream.create_consumer(config).await.map_err(|e| failed(&e))?;
+    let mut messages = consumer.messages().await.map_err(|e| failed(&e))?;
+    loop {
+        // nothing more within a second: every batch up to the last stored message was read (or none matched)
+        let Ok(next) = tokio::time::timeout(std::time::Duration::from_secs(1), messages.next()).await else { break };
+        let msg = next.ok_or_else(|| failed(&"the consumer ended"))?.map_err(|e| failed(&e))?;
+        if let Ok(batch) = RewardBatch::decode(msg.payload.clone()) {
+            rewards.extend(batch.rewards);
+        }
+        match msg.info() {
+            Ok(info) if info.pending > 0 && info.stream_sequence < state.last_sequence => {}
+            _ => break,
+        }
+    }
+    Ok(rewards)
 }

@@ -100,15 +100,30 @@ pub fn response_len(traj: &Trajectory) -> u32 {
 /// (in order). The same group published again with the same trajectories gets the same id (stored once); a
 /// retry that produced a different set of trajectories gets a new one, so none of them goes unscored.
 pub fn request_id(request: &ScoreRequest) -> String {
-    // FNV-1a, 64 bits: stable across processes and versions (std's hasher is not).
+    let hash = fnv1a(request.trajectories.iter().map(|traj| traj.key.as_str()));
+    format!("{}.{}.{hash:016x}", request.uid, request.trajectories.len())
+}
+
+/// The `Nats-Msg-Id` of a reward batch answering the score requests `ids` (in order): the id itself for one
+/// request, else `batch.{count}.{hash}` over the ids. The same requests answered again are stored once.
+pub fn reward_batch_id(ids: &[&str]) -> String {
+    match ids {
+        [one] => (*one).to_string(),
+        _ => format!("batch.{}.{:016x}", ids.len(), fnv1a(ids.iter().copied())),
+    }
+}
+
+/// FNV-1a, 64 bits, over `parts` each followed by a zero byte: stable across processes and versions (std's
+/// hasher is not).
+fn fnv1a<'a>(parts: impl Iterator<Item = &'a str>) -> u64 {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for traj in &request.trajectories {
-        for byte in traj.key.bytes().chain(std::iter::once(0)) {
+    for part in parts {
+        for byte in part.bytes().chain(std::iter::once(0)) {
             hash ^= u64::from(byte);
             hash = hash.wrapping_mul(0x0100_0000_01b3);
         }
     }
-    format!("{}.{}.{hash:016x}", request.uid, request.trajectories.len())
+    hash
 }
 
 #[cfg(test)]

@@ -17,10 +17,18 @@ pub const SCORE_SUBJECT: &str = "jetrl.score";
 /// The durable pull consumer on SCORE shared by every reward service.
 pub const REWARD_CONSUMER: &str = "reward-service";
 
-/// Scores plus index facts, one RewardBatch per score request: `jetrl.rewards.<partition>.<uid>`, de-duplicated
-/// by the request's id.
+/// Scores plus index facts: one RewardBatch per micro-batch of score requests and partition, on
+/// `jetrl.rewards.<partition>.batch` (any `jetrl.rewards.<partition>.<name>` is read the same way), with the ids
+/// of the requests it answers in [`SCORE_REQUESTS_HEADER`]. The replay buffer's release markers share the stream
+/// (on [`RELEASED_SUBJECT`]) so that a restarted buffer reads them in order with the rewards.
 pub const REWARDS_STREAM: &str = "JETRL_REWARDS";
 pub const REWARDS_SUBJECT: &str = "jetrl.rewards";
+/// Every reward batch (four tokens or more; never a release marker): what the buffer's floor purge filters on.
+pub const REWARD_BATCHES_FILTER: &str = "jetrl.rewards.*.>";
+/// The replay buffer's release markers: one `ReleaseRequest` per release, written before the release is answered.
+pub const RELEASED_SUBJECT: &str = "jetrl.rewards.released";
+/// Header of a reward batch: the `Nats-Msg-Id`s of the score requests it answers, separated by spaces.
+pub const SCORE_REQUESTS_HEADER: &str = "Jetrl-Score-Requests";
 
 /// Group control records, key `<partition>.<uid>`.
 pub const GROUPS_BUCKET: &str = "JETRL_GROUPS";
@@ -53,7 +61,7 @@ pub fn score_subject(partition: &str, uid: &str) -> String {
     format!("{SCORE_SUBJECT}.{partition}.{uid}")
 }
 
-/// Splits a TRAJ, SCORE or REWARDS subject (`jetrl.<kind>.<partition>.<uid>`) into (partition, uid).
+/// Splits a TRAJ or SCORE subject (`jetrl.<kind>.<partition>.<uid>`) into (partition, uid).
 pub fn parse_group_subject(subject: &str) -> Option<(&str, &str)> {
     let mut parts = subject.splitn(4, '.');
     match (parts.next(), parts.next(), parts.next(), parts.next()) {
@@ -64,8 +72,9 @@ pub fn parse_group_subject(subject: &str) -> Option<(&str, &str)> {
     }
 }
 
-pub fn reward_subject(partition: &str, uid: &str) -> String {
-    format!("{REWARDS_SUBJECT}.{partition}.{uid}")
+/// Where a reward service publishes the reward batches of partition `partition`.
+pub fn reward_batch_subject(partition: &str) -> String {
+    format!("{REWARDS_SUBJECT}.{partition}.batch")
 }
 
 pub fn group_key(partition: &str, uid: &str) -> String {

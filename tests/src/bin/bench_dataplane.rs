@@ -27,7 +27,7 @@ use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{Bus, GroupStore, NatsServer, Publisher};
 use jetrl_config::JobConfig;
 use jetrl_tests::sim::{self, GroupSpec};
-use jetrl_wire::v1::{ReleaseRequest, ReleaseResponse, SampleRequest, SampleResponse, Trajectory};
+use jetrl_wire::v1::{ReleaseRequest, ReleaseResponse, RewardBatch, SampleRequest, SampleResponse, Trajectory};
 use jetrl_wire::{subjects, Message};
 
 const PAYLOAD: usize = 16 * 1024;
@@ -181,14 +181,14 @@ async fn jetrl_path(
             eprintln!("  producer {p} done after {:.2}s", started.elapsed().as_secs_f64());
         }));
     }
-    // the reward service's output tells us when each group is complete: one reward batch per group (its score
-    // request's), named by its subject, so nothing needs decoding here
+    // the reward service's output tells us when each group is complete: a group's rewards are published together,
+    // in one reward batch (with the rest of its micro-batch)
     {
         let completed = completed.clone();
         let rewards = bus.stream(subjects::REWARDS_STREAM).await.expect("rewards stream");
         let consumer = rewards
             .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig {
-                filter_subject: format!("{}.>", subjects::REWARDS_SUBJECT),
+                filter_subject: subjects::REWARD_BATCHES_FILTER.into(),
                 ..Default::default()
             })
             .await
@@ -196,8 +196,11 @@ async fn jetrl_path(
         tokio::spawn(async move {
             let mut messages = consumer.messages().await.expect("messages");
             while let Some(Ok(msg)) = messages.next().await {
-                if let Some((_, uid)) = subjects::parse_group_subject(&msg.subject) {
-                    completed.lock().expect("lock").entry(uid.to_string()).or_insert_with(Instant::now);
+                let Ok(batch) = RewardBatch::decode(msg.payload.as_ref()) else { continue };
+                let now = Instant::now();
+                let mut completed = completed.lock().expect("lock");
+                for reward in batch.rewards {
+                    completed.entry(reward.uid).or_insert(now);
                 }
             }
         });

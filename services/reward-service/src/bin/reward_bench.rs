@@ -5,11 +5,12 @@
 //!    in-process in batches of `reward.batch_size`: best of three passes → `inprocess_per_s`;
 //! 2. three times, on a fresh nats-server: publish them in groups of 8 as a rollout worker does (the trajectories
 //!    into TRAJ, one score request per group into SCORE), start the service and time from the creation of its
-//!    consumer (start-up left out, as step 1 leaves out building its engine; it is printed) until every group's
-//!    rewards are in REWARDS and the settled requests are purged from SCORE (the service does that once a second;
-//!    here it is done at the end of the pass and counted); check every reward against the in-process score. Best
-//!    of three → `service_per_s`;
-//! 3. on the last server, the broker ceiling: the same broker work per group without decoding or scoring.
+//!    consumer (start-up left out, as step 1 leaves out building its engine; it is printed) until every score
+//!    request is acknowledged (the service acknowledges a request only once its rewards are stored in REWARDS) and
+//!    the settled requests are purged from SCORE (the service does that once a second; here it is done at the end
+//!    of the pass and counted); check every reward against the in-process score. Best of three → `service_per_s`;
+//! 3. on the last server, the broker ceiling: the same broker work per group (a pull and an ack, and one reward
+//!    message per `reward.batch_size` requests) without decoding or scoring.
 //!
 //! The last line printed is `{"bench":"reward","service_per_s":…,"inprocess_per_s":…,"ratio":…}`.
 //! Usage: `jetrl-reward-bench [--trajectories M] [--response-tokens N] [key=value reward overrides...]`.
@@ -117,10 +118,11 @@ async fn main() -> anyhow::Result<()> {
         let checked = check_rewards(&bus, &expected).await?;
         println!("  pass {pass}: checked {checked} rewards, one per trajectory, each equal to the in-process score");
         if pass == PASSES {
-            let ceiling_per_s = broker_ceiling(&bus, &request_bytes, GROUP_SIZE).await?;
+            let ceiling_per_s = broker_ceiling(&bus, &request_bytes, GROUP_SIZE, batch_size).await?;
             println!(
                 "broker ceiling: {ceiling_per_s:.0} trajectories/s (pull each group's request, publish 100 bytes per \
-                 trajectory with a Nats-Msg-Id, ack: no decoding, no scoring); best service pass at {:.0}% of it",
+                 trajectory with a Nats-Msg-Id in one message per {batch_size} requests, ack: no decoding, no \
+                 scoring); best service pass at {:.0}% of it",
                 100.0 * service_per_s / ceiling_per_s
             );
         }
@@ -182,25 +184,25 @@ async fn service_pass(
         tokio::time::sleep(Duration::from_millis(1)).await;
     };
     let startup_s = consuming.duration_since(started).as_secs_f64();
-    let rewards = bus.stream(subjects::REWARDS_STREAM).await?;
+    let mut consumer = score_stream
+        .get_consumer::<async_nats::jetstream::consumer::pull::Config>(subjects::REWARD_CONSUMER)
+        .await
+        .map_err(|e| anyhow::anyhow!("reward consumer: {e}"))?;
     loop {
-        let stored = rewards.get_info().await.map(|info| info.state.messages as usize).unwrap_or(0);
-        // one reward batch per group
-        if stored >= groups {
+        // every request acknowledged: the service acknowledges a request only once its rewards are stored
+        let info = consumer.info().await.context("reward consumer info")?;
+        let settled = info.ack_floor.consumer_sequence as usize;
+        if info.num_pending == 0 && info.num_ack_pending == 0 && settled >= groups {
             break;
         }
         if started.elapsed() > SERVICE_DEADLINE || service.is_finished() {
-            bail!("the service stored {stored} of {groups} reward batches before stopping or the deadline");
+            bail!("the service acknowledged {settled} of {groups} score requests before stopping or the deadline");
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     // The service purges settled requests from SCORE once a second, in bulk; the pass is shorter than that, so
     // the purge it owes is done here, as the service would, and counted in its time.
     let rewards_s = consuming.elapsed().as_secs_f64();
-    let mut consumer = score_stream
-        .get_consumer::<async_nats::jetstream::consumer::pull::Config>(subjects::REWARD_CONSUMER)
-        .await
-        .map_err(|e| anyhow::anyhow!("reward consumer: {e}"))?;
     let ack_floor = consumer.info().await.context("reward consumer info")?.ack_floor.stream_sequence;
     if jetrl_reward_service::compact(&score_stream, ack_floor, 0).await < ack_floor {
         bail!("settled score requests were not purged");
@@ -223,11 +225,16 @@ async fn service_pass(
 }
 
 /// The same broker work per group as the service does, and nothing else: the score requests' bytes go to a
-/// scratch stream; a durable consumer pulls each one, a message of 100 bytes per trajectory (a reward batch's
-/// size) goes to a second scratch stream with a `Nats-Msg-Id`, and each request is acknowledged once its message
-/// is stored. No decoding, no scoring: the rate (in trajectories) no reward service on this broker and machine can
-/// beat.
-async fn broker_ceiling(bus: &Bus, requests: &[bytes::Bytes], per_request: usize) -> anyhow::Result<f64> {
+/// scratch stream; a durable consumer pulls each one; for every `per_message` requests pulled (the service's
+/// largest micro-batch) one message of 100 bytes per trajectory (a reward's size) goes to a second scratch stream
+/// with a `Nats-Msg-Id`, and the requests are acknowledged once their message is stored. No decoding, no scoring:
+/// the rate (in trajectories) no reward service on this broker and machine can beat.
+async fn broker_ceiling(
+    bus: &Bus,
+    requests: &[bytes::Bytes],
+    per_request: usize,
+    per_message: usize,
+) -> anyhow::Result<f64> {
     const WINDOW: usize = 1024;
     use async_nats::jetstream::{stream, AckKind};
     for (name, subject) in [("BENCH_CEILING_IN", "bench.ceiling.in"), ("BENCH_CEILING_OUT", "bench.ceiling.out")] {
@@ -253,14 +260,17 @@ async fn broker_ceiling(bus: &Bus, requests: &[bytes::Bytes], per_request: usize
     let started = Instant::now();
     let mut messages = consumer.stream().max_messages_per_batch(WINDOW).messages().await.context("pulling")?;
     let mut pending = Vec::with_capacity(WINDOW);
-    let payload = bytes::Bytes::from(vec![7u8; 100 * per_request]);
+    let per_message = per_message.max(1);
+    let payload = bytes::Bytes::from(vec![7u8; 100 * per_request * per_message]);
     let mut done = 0;
     while done < requests.len() {
         let msg = messages.next().await.context("scratch stream ended")?.context("pulling")?;
-        let key = msg.headers.as_ref().and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID)).map(|v| v.to_string());
-        publisher.publish(Outgoing::new("bench.ceiling.out", key, payload.clone())).await?;
         pending.push(msg);
         done += 1;
+        if pending.len().is_multiple_of(per_message) || done == requests.len() {
+            let key = format!("out{done}");
+            publisher.publish(Outgoing::new("bench.ceiling.out", Some(key), payload.clone())).await?;
+        }
         if pending.len() >= WINDOW / 4 || done == requests.len() {
             publisher.drain().await?;
             for msg in pending.drain(..) {

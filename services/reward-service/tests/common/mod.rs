@@ -10,13 +10,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{score, Bus, NatsServer};
 use jetrl_config::JobConfig;
 use jetrl_wire::keys::TrajectoryKey;
-use jetrl_wire::v1::{Reward, RewardBatch, Timings, Trajectory};
-use jetrl_wire::{packed, subjects, Message};
+use jetrl_wire::v1::{Reward, Timings, Trajectory};
+use jetrl_wire::{packed, subjects};
 
 /// nats-server, a connection to it, and a scratch directory.
 pub struct Harness {
@@ -85,25 +84,9 @@ impl Harness {
         self.bus.publish_durable(outgoing).await.expect("publish");
     }
 
-    /// Every reward in the REWARDS stream (each message is one group's reward batch), in stream order.
+    /// Every reward in the REWARDS stream, in stream order.
     pub async fn all_rewards(&self) -> Vec<Reward> {
-        let stream = self.bus.stream(subjects::REWARDS_STREAM).await.expect("REWARDS");
-        let total = stream.get_info().await.map(|info| info.state.messages as usize).unwrap_or(0);
-        let consumer = stream
-            .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig::default())
-            .await
-            .expect("ordered consumer");
-        let mut messages = consumer.messages().await.expect("messages");
-        let mut rewards = Vec::new();
-        for _ in 0..total {
-            let msg = tokio::time::timeout(Duration::from_secs(10), messages.next())
-                .await
-                .expect("REWARDS read in time")
-                .expect("REWARDS open")
-                .expect("REWARDS message");
-            rewards.extend(RewardBatch::decode(msg.payload.clone()).expect("reward batch decodes").rewards);
-        }
-        rewards
+        score::stored_rewards(&self.bus).await.expect("REWARDS read")
     }
 
     /// Rewards in the REWARDS stream.
