@@ -364,7 +364,8 @@ async fn publish(bus: &Bus, items: &mut [Item], outcomes: Vec<ScoreOutcome>) -> 
 /// the requests they answer.
 #[derive(Default)]
 struct RewardMessages {
-    open: BTreeMap<String, (RewardBatch, Vec<String>)>,
+    /// by partition: the open message's rewards, the requests they answer, and its encoded size so far
+    open: BTreeMap<String, (RewardBatch, Vec<String>, usize)>,
     closed: Vec<Outgoing>,
 }
 
@@ -374,17 +375,19 @@ impl RewardMessages {
         if rewards.is_empty() {
             return;
         }
-        let (batch, ids) = self.open.entry(partition.to_string()).or_default();
+        let (batch, ids, bytes) = self.open.entry(partition.to_string()).or_default();
+        // each reward is a length-delimited field: a tag byte and a varint length (at most 3 bytes here)
+        *bytes += rewards.iter().map(|reward| reward.encoded_len() + 4).sum::<usize>();
         batch.rewards.extend(rewards);
         ids.push(id.to_string());
-        if batch.encoded_len() >= MAX_MESSAGE_BYTES {
-            let (batch, ids) = std::mem::take(self.open.get_mut(partition).expect("just added"));
+        if *bytes >= MAX_MESSAGE_BYTES {
+            let (batch, ids, _) = std::mem::take(self.open.get_mut(partition).expect("just added"));
             self.closed.push(score::reward_message(partition, &batch, &ids));
         }
     }
 
     fn finish(mut self) -> Vec<Outgoing> {
-        for (partition, (batch, ids)) in std::mem::take(&mut self.open) {
+        for (partition, (batch, ids, _)) in std::mem::take(&mut self.open) {
             if !ids.is_empty() {
                 self.closed.push(score::reward_message(&partition, &batch, &ids));
             }
@@ -495,5 +498,60 @@ fn failure_reward(key: &str, partition: &str, traj_seq: u64, reason: &str) -> Re
         session_id: parsed.as_ref().map(|k| k.session_id).unwrap_or(0),
         index: parsed.as_ref().map(|k| k.index).unwrap_or(0),
         ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rewards(uid: &str, partition: &str, n: usize, text_bytes: usize) -> Vec<Reward> {
+        (0..n)
+            .map(|i| Reward {
+                key: format!("{uid}_{i}_0"),
+                uid: uid.into(),
+                partition: partition.into(),
+                failure_reason: "x".repeat(text_bytes),
+                ..Reward::default()
+            })
+            .collect()
+    }
+
+    fn requests_of(message: &Outgoing) -> Vec<String> {
+        let header = message.headers.iter().find(|(name, _)| name == subjects::SCORE_REQUESTS_HEADER);
+        header.map(|(_, ids)| ids.split(' ').map(str::to_string).collect()).unwrap_or_default()
+    }
+
+    #[test]
+    fn a_micro_batch_goes_out_as_one_message_per_partition_naming_its_requests() {
+        let mut messages = RewardMessages::default();
+        messages.add("train", "a.2.1", rewards("a", "train", 2, 0));
+        messages.add("val", "v.1.1", rewards("v", "val", 1, 0));
+        messages.add("train", "b.2.1", rewards("b", "train", 2, 0));
+        messages.add("train", "empty.0.1", Vec::new());
+        let out = messages.finish();
+        assert_eq!(out.len(), 2);
+        assert_eq!(out[0].subject, "jetrl.rewards.train.batch");
+        assert_eq!(requests_of(&out[0]), ["a.2.1", "b.2.1"]);
+        assert_eq!(RewardBatch::decode(out[0].payload.clone()).unwrap().rewards.len(), 4);
+        assert_eq!(out[0].msg_id, Some(jetrl_wire::score::reward_batch_id(&["a.2.1", "b.2.1"])));
+        assert_eq!((out[1].subject.as_str(), requests_of(&out[1])), ("jetrl.rewards.val.batch", vec!["v.1.1".into()]));
+        assert_eq!(out[1].msg_id.as_deref(), Some("v.1.1"), "one request: its own id, as before batching");
+    }
+
+    #[test]
+    fn a_message_is_closed_past_its_size_limit_and_a_request_is_never_split() {
+        let mut messages = RewardMessages::default();
+        // 8 rewards of ~40 KiB: each request is ~320 KiB, so two fill a message past 512 KiB
+        for uid in ["a", "b", "c"] {
+            messages.add("train", &format!("{uid}.8.1"), rewards(uid, "train", 8, 40 * 1024));
+        }
+        let out = messages.finish();
+        assert_eq!(out.iter().map(requests_of).collect::<Vec<_>>(), [vec!["a.8.1", "b.8.1"], vec!["c.8.1"]]);
+        for message in &out {
+            let batch = RewardBatch::decode(message.payload.clone()).unwrap();
+            assert_eq!(batch.rewards.len() % 8, 0, "whole requests only");
+            assert!(message.payload.len() < 1024 * 1024, "{} bytes", message.payload.len());
+        }
     }
 }
