@@ -80,6 +80,8 @@ impl BatchContext {
             ..Default::default()
         };
         let messages = match self.rewards.create_consumer(config).await {
+            // no reward batch stored since then (only release markers, or nothing)
+            Ok(consumer) if consumer.cached_info().num_pending == 0 => return found,
             Ok(consumer) => consumer.messages().await,
             Err(err) => {
                 tracing::warn!(error = %err, "cannot scan REWARDS; redelivered requests are scored again");
