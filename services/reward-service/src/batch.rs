@@ -25,8 +25,8 @@ use crate::{BATCH_ERRORS_METRIC, BATCH_SECONDS_METRIC, QUEUE_LAG_METRIC, SERVICE
 const RETRY_DELAY: Duration = Duration::from_secs(1);
 /// Trajectories of one group read at most from TRAJ to give the group of a malformed request failure rewards.
 const MAX_TRAJECTORIES_PER_GROUP: usize = 4096;
-/// A reward message is closed once its encoded rewards pass this size (NATS's default payload limit is 1 MiB);
-/// a request's rewards always stay in one message.
+/// A reward message is closed once its encoded rewards and request ids pass this size (NATS's default payload
+/// limit is 1 MiB); a request's rewards always stay in one message.
 const MAX_MESSAGE_BYTES: usize = 512 * 1024;
 /// The scan for a redelivered request's rewards starts this long before the request was stored (clock
 /// differences between the servers of a cluster).
@@ -382,6 +382,8 @@ impl RewardMessages {
         *bytes += rewards.iter().map(|reward| reward.encoded_len() + 4).sum::<usize>();
         batch.rewards.extend(rewards);
         ids.push(id.to_string());
+        // the header naming the requests counts against the payload limit too
+        *bytes += id.len() + 1;
         if *bytes >= MAX_MESSAGE_BYTES {
             let (batch, ids, _) = std::mem::take(self.open.get_mut(partition).expect("just added"));
             self.closed.push(score::reward_message(partition, &batch, &ids));
