@@ -561,13 +561,16 @@ mod tests {
     }
 
     #[test]
-    fn release_returns_payload_sequences_and_drops_the_index() {
+    fn release_returns_payload_sequences_and_drops_the_index_and_a_late_copy_of_a_reward_is_ignored() {
         let mut s = BufferState::default();
         s.apply_group(status("a", GroupState::Finished, 1, &["a_0_0"]));
         s.apply_reward(reward("a", "a_0_0", 11), 21);
         s.mark_sampled("train", "a", 1, "r1");
         assert_eq!(s.release(&["r1".into()]), vec![("train".to_string(), "a".to_string(), 1)]);
         assert_eq!(s.indexed_trajectories(), 0);
+        // a score request redelivered after its group was trained on
+        assert!(!s.apply_reward(reward("a", "a_0_0", 11), 27));
+        assert_eq!((s.indexed_trajectories(), s.reward_floor()), (0, None));
         assert_eq!(s.counts("train").get("sampled"), Some(&1));
     }
 
@@ -624,17 +627,6 @@ mod tests {
         assert_eq!(s.drop_orphans_below(9), 0);
         assert_eq!(s.drop_orphans_below(10), 1);
         assert_eq!(s.reward_floor(), Some(11));
-    }
-
-    #[test]
-    fn a_late_copy_of_a_released_groups_reward_is_ignored() {
-        let mut s = BufferState::default();
-        s.apply_group(status("a", GroupState::Finished, 1, &["a_0_0"]));
-        s.apply_reward(reward("a", "a_0_0", 1), 1);
-        s.mark_sampled("train", "a", 1, "r1");
-        s.release(&["r1".into()]);
-        assert!(!s.apply_reward(reward("a", "a_0_0", 1), 7));
-        assert_eq!((s.indexed_trajectories(), s.reward_floor()), (0, None));
     }
 
     #[test]
