@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
 use async_nats::jetstream::stream::{DirectGetErrorKind, Stream};
 use async_nats::jetstream::AckKind;
-use futures::StreamExt;
 use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{consume, score, Bus, BusError, Publisher};
 use jetrl_reward::{RewardEngine, ScoreInput, ScoreOutcome, FAILURES_METRIC};
@@ -65,43 +64,23 @@ impl BatchContext {
     /// its request is then scored again, and the buffer keeps the first reward of each trajectory.
     async fn answered_since(&self, since: async_nats::datetime::DateTime) -> HashSet<String> {
         let mut found = HashSet::new();
-        let last = match self.rewards.get_info().await {
-            Ok(info) if info.state.messages > 0 && info.state.last_timestamp >= since => info.state.last_sequence,
-            Ok(_) => return found,
-            Err(err) => {
-                tracing::warn!(error = %err, "cannot read the REWARDS stream's state; redelivered requests are scored again");
-                return found;
-            }
-        };
         let config = OrderedConfig {
             filter_subject: subjects::REWARD_BATCHES_FILTER.into(),
             deliver_policy: DeliverPolicy::ByStartTime { start_time: since },
             headers_only: true,
             ..Default::default()
         };
-        let messages = match self.rewards.create_consumer(config).await {
-            // no reward batch stored since then (only release markers, or nothing)
-            Ok(consumer) if consumer.cached_info().num_pending == 0 => return found,
-            Ok(consumer) => consumer.messages().await,
-            Err(err) => {
-                tracing::warn!(error = %err, "cannot scan REWARDS; redelivered requests are scored again");
-                return found;
+        let read = consume::read_stored(&self.rewards, config, MAX_SCANNED, SCAN_WAIT, |msg| {
+            let Some(headers) = &msg.headers else { return };
+            if let Some(ids) = headers.get(subjects::SCORE_REQUESTS_HEADER) {
+                found.extend(ids.as_str().split(' ').filter(|id| !id.is_empty()).map(str::to_string));
+            } else if let Some(id) = headers.get(async_nats::header::NATS_MESSAGE_ID) {
+                found.insert(id.as_str().to_string());
             }
-        };
-        let Ok(mut messages) = messages else { return found };
-        for _ in 0..MAX_SCANNED {
-            let Ok(Some(Ok(msg))) = tokio::time::timeout(SCAN_WAIT, messages.next()).await else { break };
-            if let Some(headers) = &msg.headers {
-                if let Some(ids) = headers.get(subjects::SCORE_REQUESTS_HEADER) {
-                    found.extend(ids.as_str().split(' ').filter(|id| !id.is_empty()).map(str::to_string));
-                } else if let Some(id) = headers.get(async_nats::header::NATS_MESSAGE_ID) {
-                    found.insert(id.as_str().to_string());
-                }
-            }
-            match msg.info() {
-                Ok(info) if info.pending > 0 && info.stream_sequence < last => {}
-                _ => break,
-            }
+        })
+        .await;
+        if let Err(err) = read {
+            tracing::warn!(error = %err, "cannot scan REWARDS; redelivered requests not found there are scored again");
         }
         found
     }

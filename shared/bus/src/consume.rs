@@ -82,3 +82,39 @@ pub async fn pull_collect(
     }
     Ok(out)
 }
+
+/// Reads what `stream` holds now for `config` (an ordered consumer: its filter and start), oldest first, handing
+/// each message to `each`; stops at the stream's last message as of the call, after `max` messages, or when none
+/// comes for `wait`. Returns how many were read. For one-off reads (a scan, a test's check), not for following a
+/// stream.
+pub async fn read_stored(
+    stream: &jetstream::stream::Stream,
+    config: jetstream::consumer::pull::OrderedConfig,
+    max: usize,
+    wait: Duration,
+    mut each: impl FnMut(&jetstream::Message),
+) -> Result<usize, BusError> {
+    let what = stream.cached_info().config.name.clone();
+    let failed = |message: String| BusError::Consume { what: what.clone(), message };
+    let state = stream.get_info().await.map_err(|e| failed(e.to_string()))?.state;
+    if state.messages == 0 {
+        return Ok(0);
+    }
+    let consumer = stream.create_consumer(config).await.map_err(|e| failed(e.to_string()))?;
+    if consumer.cached_info().num_pending == 0 {
+        return Ok(0);
+    }
+    let mut messages = consumer.messages().await.map_err(|e| failed(e.to_string()))?;
+    let mut read = 0;
+    while read < max {
+        let Ok(next) = tokio::time::timeout(wait, messages.next()).await else { break };
+        let msg = next.ok_or_else(|| failed("the consumer ended".into()))?.map_err(|e| failed(e.to_string()))?;
+        read += 1;
+        each(&msg);
+        match msg.info() {
+            Ok(info) if info.pending > 0 && info.stream_sequence < state.last_sequence => {}
+            _ => break,
+        }
+    }
+    Ok(read)
+}

@@ -121,30 +121,17 @@ pub fn reward_message(partition: &str, batch: &RewardBatch, request_ids: &[Strin
 /// Every reward stored in REWARDS now, in stream order (release markers and batches that do not decode are
 /// skipped): for tests and benchmarks, which check what the reward services wrote.
 pub async fn stored_rewards(bus: &Bus) -> Result<Vec<Reward>, BusError> {
-    use async_nats::jetstream::consumer::pull::OrderedConfig;
-    use futures::StreamExt;
-    let failed =
-        |e: &dyn std::fmt::Display| BusError::Consume { what: subjects::REWARDS_STREAM.into(), message: e.to_string() };
     let stream = bus.stream(subjects::REWARDS_STREAM).await?;
-    let state = stream.get_info().await.map_err(|e| failed(&e))?.state;
+    let config = async_nats::jetstream::consumer::pull::OrderedConfig {
+        filter_subject: subjects::REWARD_BATCHES_FILTER.into(),
+        ..Default::default()
+    };
     let mut rewards = Vec::new();
-    if state.messages == 0 {
-        return Ok(rewards);
-    }
-    let config = OrderedConfig { filter_subject: subjects::REWARD_BATCHES_FILTER.into(), ..Default::default() };
-    let consumer = stream.create_consumer(config).await.map_err(|e| failed(&e))?;
-    let mut messages = consumer.messages().await.map_err(|e| failed(&e))?;
-    loop {
-        // nothing more within a second: every batch up to the last stored message was read (or none matched)
-        let Ok(next) = tokio::time::timeout(std::time::Duration::from_secs(1), messages.next()).await else { break };
-        let msg = next.ok_or_else(|| failed(&"the consumer ended"))?.map_err(|e| failed(&e))?;
+    crate::consume::read_stored(&stream, config, usize::MAX, std::time::Duration::from_secs(1), |msg| {
         if let Ok(batch) = RewardBatch::decode(msg.payload.clone()) {
             rewards.extend(batch.rewards);
         }
-        match msg.info() {
-            Ok(info) if info.pending > 0 && info.stream_sequence < state.last_sequence => {}
-            _ => break,
-        }
-    }
+    })
+    .await?;
     Ok(rewards)
 }
