@@ -223,15 +223,8 @@ impl BufferState {
     pub fn apply_release_marker(&mut self, groups: &[String]) -> Vec<(String, String, usize)> {
         let mut out = Vec::new();
         for k in groups {
-            match self.groups.get_mut(k) {
-                Some(group) if group.state() == GroupState::Sampled => {
-                    if !group.released {
-                        let released = std::mem::take(&mut group.rewards).len();
-                        group.released = true;
-                        out.push((group.status.partition.clone(), group.status.uid.clone(), released));
-                        self.refresh(k);
-                    }
-                }
+            match self.groups.get(k).map(Group::state) {
+                Some(GroupState::Sampled) => out.extend(self.release_group(k)),
                 Some(_) => {}
                 None => {
                     self.released_unseen.insert(k.clone());
@@ -405,16 +398,18 @@ impl BufferState {
             .filter(|g| g.state() == GroupState::Sampled && request_ids.contains(&g.status.sample_request_id))
             .map(|g| key(&g.status.partition, &g.status.uid))
             .collect();
-        let mut out = Vec::with_capacity(keys.len());
-        for k in keys {
-            if let Some(group) = self.groups.get_mut(&k) {
-                let released = std::mem::take(&mut group.rewards).len();
-                group.released = true;
-                out.push((group.status.partition.clone(), group.status.uid.clone(), released));
-            }
-            self.refresh(&k);
-        }
-        out
+        keys.iter().filter_map(|k| self.release_group(k)).collect()
+    }
+
+    /// Releases the group under key `k` unless it is unknown or released already: drops its trajectory index and
+    /// retires it. Returns (partition, uid, trajectories released).
+    fn release_group(&mut self, k: &str) -> Option<(String, String, usize)> {
+        let group = self.groups.get_mut(k).filter(|g| !g.released)?;
+        let released = std::mem::take(&mut group.rewards).len();
+        group.released = true;
+        let out = (group.status.partition.clone(), group.status.uid.clone(), released);
+        self.refresh(k);
+        Some(out)
     }
 
     /// Count of groups by state label, for one partition (or all when `partition` is empty).

@@ -1,5 +1,6 @@
 //! The hand-off from the rollout worker to the reward service: once every trajectory of a group is stored in
-//! TRAJ, one [`ScoreRequest`] with the trajectories minus their token arrays goes to the SCORE work queue.
+//! TRAJ, one [`ScoreRequest`] with the trajectories minus their token arrays goes to the SCORE work queue. And the
+//! hand-off from the reward service to the replay buffer: [`reward_message`], one per micro-batch.
 
 use std::collections::HashMap;
 
