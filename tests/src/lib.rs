@@ -1,6 +1,8 @@
 //! Helpers for jetrl's cross-service tests: a real `nats-server` per test, a tiny real model, and the real
 //! service binaries started as processes (`cargo build --bins` must have run; the test command does).
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -148,6 +150,7 @@ impl TestJob {
     pub fn terminate(&mut self, name: &str) {
         let pid = self.child(name).id() as libc::pid_t;
         // SAFETY: kill(2) on a pid we spawned.
+        #[allow(unsafe_code)]
         unsafe {
             libc::kill(pid, libc::SIGTERM);
         }

@@ -1,6 +1,8 @@
 //! The deploy files (docker compose, systemd, NATS, Prometheus): no Docker engine runs on the CI machines,
 //! so these tests parse the files and run the same commands they run, against a real nats-server.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::Duration;

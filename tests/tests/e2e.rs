@@ -1,6 +1,8 @@
 //! End to end: the five services as separate processes, a real nats-server, the real tiny model, learning
 //! the demo's task on a smaller budget.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 

@@ -1,5 +1,7 @@
 //! Bad input and dead processes, against real nats-server, real services and the real tiny model.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

@@ -1,6 +1,8 @@
 //! The replay buffer against a real nats-server: concurrent producers, retries, crashes, the ledger, long
 //! trajectories. The producer is simulated (tests/src/sim.rs) but writes through the real streams and bucket.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
@@ -16,7 +18,7 @@ use jetrl_wire::{subjects, Message};
 fn job(url: &str, mode: &str) -> JobConfig {
     let mut cfg = JobConfig::default();
     cfg.nats.url = url.into();
-    cfg.trainer.mode = mode.into();
+    cfg.trainer.mode = mode.parse().unwrap();
     cfg.buffer.max_off_policy_threshold = 2;
     cfg
 }

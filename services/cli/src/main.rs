@@ -83,7 +83,7 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Status { nats_url, ledger, uid } => {
-            jetrl_telemetry::init_tracing("warn", "text");
+            jetrl_telemetry::init_tracing("warn", jetrl_config::LogFormat::Text);
             let runtime = tokio::runtime::Runtime::new()?;
             runtime.block_on(status::status(&nats_url, ledger, uid))
         }

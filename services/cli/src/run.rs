@@ -27,9 +27,9 @@ pub async fn run(
     let started = Instant::now();
     let cfg = JobConfig::load(Some(config), &overrides)?;
     if !quiet {
-        jetrl_telemetry::init_tracing("warn", &cfg.log.format);
+        jetrl_telemetry::init_tracing("warn", cfg.log.format);
     } else {
-        jetrl_telemetry::init_tracing(&cfg.log.level, &cfg.log.format);
+        jetrl_telemetry::init_tracing(&cfg.log.level, cfg.log.format);
     }
     let run_dir = PathBuf::from(&cfg.run.dir);
     std::fs::create_dir_all(run_dir.join("logs")).with_context(|| format!("creating {}", run_dir.display()))?;
@@ -37,10 +37,10 @@ pub async fn run(
     // The model: create the preset if the directory has none.
     let model_dir = PathBuf::from(&cfg.model.path);
     if !model_dir.join("config.json").exists() {
-        let preset = cfg.model.init_preset.clone().with_context(|| {
+        let preset = cfg.model.init_preset.map(|p| p.as_str()).with_context(|| {
             format!("model.path {} has no config.json and model.init_preset is not set", model_dir.display())
         })?;
-        jetrl_model::init_model(&preset, &model_dir, cfg.run.seed)
+        jetrl_model::init_model(preset, &model_dir, cfg.run.seed)
             .with_context(|| format!("creating the {preset} model"))?;
         eprintln!("created a random-init `{preset}` model in {}", model_dir.display());
     }
@@ -76,6 +76,7 @@ pub async fn run(
         // If `jetrl run` itself dies (even by SIGKILL), its services get SIGTERM and settle what they hold.
         #[cfg(target_os = "linux")]
         // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of the parent.
+        #[allow(unsafe_code)]
         unsafe {
             command.pre_exec(|| {
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
@@ -183,6 +184,7 @@ async fn stop_all(services: &mut [Service]) {
     for s in services.iter() {
         if let Some(pid) = s.child.id() {
             // SAFETY: kill(2) with a pid we spawned and a valid signal has no memory-safety preconditions.
+            #[allow(unsafe_code)]
             unsafe {
                 libc::kill(pid as libc::pid_t, libc::SIGTERM);
             }

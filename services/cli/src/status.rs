@@ -34,7 +34,7 @@ pub async fn status(url: &str, ledger: bool, uids: Vec<String>) -> anyhow::Resul
                     beat.service,
                     beat.instance_id,
                     beat.policy_version,
-                    beat.state,
+                    beat.state().label(),
                     beat.inflight,
                     (now - beat.unix_ms) as f64 / 1000.0
                 );

@@ -21,13 +21,9 @@ pub enum Mode {
     Async,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Strategy {
-    /// evict finished groups with span > threshold and refill as many
-    Drop,
-    /// never evict; block while an in-flight group has span ≥ threshold
-    Wait,
-}
+/// `buffer.max_off_policy_strategy`: `Drop` evicts finished groups with span > threshold and refills as many;
+/// `Wait` never evicts and blocks while an in-flight group has span ≥ threshold.
+pub use jetrl_config::OffPolicyStrategy as Strategy;
 
 /// The buffer's sampling settings (verl `trainer.v1.sampler.*`, `algorithm.filter_groups.*`).
 #[derive(Debug, Clone)]
@@ -46,9 +42,9 @@ impl SamplerConfig {
     pub fn from_job(cfg: &jetrl_config::JobConfig) -> Self {
         let fg = &cfg.algorithm.filter_groups;
         Self {
-            mode: if cfg.trainer.mode == "sync" { Mode::Sync } else { Mode::Async },
+            mode: if cfg.trainer.mode.is_async() { Mode::Async } else { Mode::Sync },
             max_off_policy_threshold: cfg.buffer.max_off_policy_threshold,
-            strategy: if cfg.buffer.max_off_policy_strategy == "wait" { Strategy::Wait } else { Strategy::Drop },
+            strategy: cfg.buffer.max_off_policy_strategy,
             filter_metric: if fg.enable { fg.metric.clone() } else { None },
             sync_refill_failed_groups: cfg.buffer.sync_refill_failed_groups,
             max_inflight: u64::from(fg.max_inflight_gen_batches.max(1)) * u64::from(cfg.data.train_batch_size),

@@ -1,6 +1,8 @@
 //! A score request redelivered after its rewards were stored (the instance that scored it died before
 //! acknowledging) is acknowledged without being scored again, whatever the de-duplication window.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use std::time::{Duration, Instant};

@@ -1,6 +1,8 @@
 //! Several reward-service processes on one durable consumer of score requests: the work is shared and every
 //! trajectory is scored once; a process killed mid-batch loses nothing and duplicates nothing.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use std::collections::HashMap;

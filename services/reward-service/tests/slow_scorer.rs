@@ -2,6 +2,8 @@
 //! acks, from the moment it arrives (also while it waits for the function) until it is acknowledged, so no
 //! request is redelivered to the other instance and scored twice.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use std::time::Duration;

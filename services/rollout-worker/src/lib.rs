@@ -40,7 +40,7 @@ use jetrl_model::engine::Detokenizer;
 use jetrl_model::{EngineConfig, LogprobsMode, ModelConfig, Request, Sampling, Tokenizer};
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::keys::{validate_uid, TrajectoryKey};
-use jetrl_wire::v1::{self, GroupState, Heartbeat, PromptTask, Trajectory, WeightManifest};
+use jetrl_wire::v1::{self, GroupState, Heartbeat, PromptTask, Trajectory, WeightManifest, WorkerState};
 use jetrl_wire::{packed, subjects, Message};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
@@ -75,22 +75,6 @@ struct Settings {
 fn settings(cfg: &JobConfig) -> Result<Settings, RolloutError> {
     let config = |key, message: String| RolloutError::Config { key, message };
     let r = &cfg.rollout;
-    let logprobs_mode =
-        r.logprobs_mode.parse().map_err(|e: jetrl_model::ModelError| config("rollout.logprobs_mode", e.to_string()))?;
-    let default_agent =
-        AgentKind::from_name(&r.agent.default_agent_loop).map_err(|e| config("rollout.agent.default_agent_loop", e))?;
-    if r.multi_turn.format != "hermes" {
-        return Err(config(
-            "rollout.multi_turn.format",
-            format!("unsupported format {:?} (hermes)", r.multi_turn.format),
-        ));
-    }
-    if !["left", "right", "middle"].contains(&r.multi_turn.tool_response_truncate_side.as_str()) {
-        return Err(config(
-            "rollout.multi_turn.tool_response_truncate_side",
-            format!("{:?} is not left, right or middle", r.multi_turn.tool_response_truncate_side),
-        ));
-    }
     if r.multi_turn.max_parallel_calls == 0 {
         return Err(config("rollout.multi_turn.max_parallel_calls", "must be >= 1".into()));
     }
@@ -100,8 +84,8 @@ fn settings(cfg: &JobConfig) -> Result<Settings, RolloutError> {
     if r.max_model_len.is_some_and(|l| l < 2) {
         return Err(config("rollout.max_model_len", "must be >= 2".into()));
     }
-    let tools = ToolRegistry::from_config(&r.multi_turn).map_err(|e| config("rollout.multi_turn.tools", e))?;
-    Ok(Settings { default_agent, logprobs_mode, tools })
+    let tools = ToolRegistry::from_config(&r.multi_turn);
+    Ok(Settings { default_agent: r.agent.default_agent_loop, logprobs_mode: r.logprobs_mode, tools })
 }
 
 /// The engine's budget from the config: `max_model_len` positions per sequence, `kv_cache_tokens` in all (by
@@ -110,7 +94,7 @@ fn engine_config(cfg: &JobConfig, model: &ModelConfig, seed: u64, eos: Vec<u32>,
     let r = &cfg.rollout;
     let max_model_len =
         r.max_model_len.map(|l| l as usize).unwrap_or((cfg.data.max_prompt_length + cfg.max_new_tokens()) as usize);
-    let elem = if cfg.model.dtype == "bf16" { 2 } else { 4 };
+    let elem = cfg.model.dtype.bytes() as i64;
     let per_token = (2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * elem).max(1) as f64;
     let kv_cache_tokens = match r.kv_cache_tokens {
         Some(tokens) => tokens as usize,
@@ -181,8 +165,8 @@ pub async fn run(
     };
     let engine_settings = EngineSettings {
         model_dir: model_dir.clone(),
-        device: cfg.model.device.clone(),
-        dtype: cfg.model.dtype.clone(),
+        device: cfg.model.device,
+        dtype: cfg.model.dtype,
         config: engine_cfg,
         detokenizer: Some(detokenizer),
     };
@@ -297,17 +281,13 @@ pub async fn run(
     }
     weights_task.abort();
     heartbeat_task.abort();
-    let _ = worker.heartbeat("stopped").await;
+    let _ = worker.heartbeat(WorkerState::Stopped).await;
     tracing::info!("rollout worker stopped");
     Ok(())
 }
 
 fn default_instance_id() -> String {
-    let host = std::env::var("HOSTNAME")
-        .ok()
-        .or_else(|| std::fs::read_to_string("/etc/hostname").ok().map(|s| s.trim().to_string()))
-        .unwrap_or_else(|| "host".into());
-    format!("{host}-{}", std::process::id())
+    format!("{}-{}", jetrl_telemetry::host_name(), std::process::id())
 }
 
 /// The engine sampling settings of a task (proto zeros mean "unset").
@@ -474,10 +454,10 @@ impl Worker {
         received: Instant,
     ) -> Result<(Vec<String>, Option<String>), TaskError> {
         let agent =
-            if task.agent_name.is_empty() { Ok(self.default_agent) } else { AgentKind::from_name(&task.agent_name) };
+            if task.agent_name.is_empty() { Ok(self.default_agent) } else { task.agent_name.parse::<AgentKind>() };
         let agent = match agent {
             Ok(agent) => agent,
-            Err(reason) => return Ok((Vec::new(), Some(reason))),
+            Err(reason) => return Ok((Vec::new(), Some(reason.to_string()))),
         };
         let sampling = sampling_of(task, self.default_max_tokens);
         let n = task.n.max(1) as usize;
@@ -541,17 +521,21 @@ impl Worker {
         out.finish().await
     }
 
-    async fn heartbeat(&self, state: &str) -> Result<(), BusError> {
+    async fn heartbeat(&self, state: WorkerState) -> Result<(), BusError> {
         let load = self.engine.load();
         let beat = Heartbeat {
             service: "rollout".into(),
             instance_id: self.instance.clone(),
             policy_version: self.engine.version(),
             unix_ms: jetrl_wire::now_unix_ms(),
-            state: state.into(),
+            state: state as i32,
             inflight: self.inflight.load(Ordering::SeqCst) as u32,
             tokens_per_s: load.tokens_per_s,
-            host: default_instance_id(),
+            host: jetrl_telemetry::host_name().to_string(),
+            pid: std::process::id(),
+            slots: self.engine.slots() as u32,
+            engine_idle_seconds: load.idle_seconds,
+            message: String::new(),
             running_sequences: load.running as u32,
             waiting_sequences: load.waiting as u32,
             kv_cache_usage: load.kv_usage,
@@ -622,7 +606,7 @@ impl<'a> GroupPublisher<'a> {
         let current = self.worker.engine.version();
         let lag = current.saturating_sub(out.min_version);
         let lag = if lag >= 3 { "3+".to_string() } else { lag.to_string() };
-        metrics::counter!("jetrl_rollout_trajectories_total", "version_lag" => lag, "agent" => self.agent.name())
+        metrics::counter!("jetrl_rollout_trajectories_total", "version_lag" => lag, "agent" => self.agent.as_str())
             .increment(1);
         if out.min_version != out.max_version {
             metrics::counter!("jetrl_rollout_mixed_version_trajectories_total").increment(1);
@@ -661,7 +645,7 @@ impl<'a> GroupPublisher<'a> {
             worker_id: self.worker.instance.clone(),
             num_turns: out.num_turns,
             tool_rewards: out.tool_rewards,
-            agent_name: self.agent.name().into(),
+            agent_name: self.agent.as_str().into(),
             stop_reason: out.stop_reason,
             raw_prompt: task.messages.clone(),
             ..Default::default()
@@ -751,7 +735,7 @@ async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
             loop {
                 match worker.load_version(&manifest).await {
                     Ok(()) => {
-                        let _ = worker.heartbeat("ready").await;
+                        let _ = worker.heartbeat(WorkerState::Ready).await;
                         break;
                     }
                     Err(err) => {
@@ -775,7 +759,7 @@ async fn heartbeats(worker: Arc<Worker>, interval_s: f64, shutdown: Shutdown) {
         tokio::select! {
             _ = shutdown.wait() => return,
             _ = ticker.tick() => {
-                if let Err(err) = worker.heartbeat("ready").await {
+                if let Err(err) = worker.heartbeat(WorkerState::Ready).await {
                     tracing::warn!(error = %err, "heartbeat failed");
                 }
             }

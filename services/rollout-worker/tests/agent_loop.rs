@@ -1,6 +1,8 @@
 //! The tool agent loop against a scripted model: tool calls are parsed and run, tool output is appended as
 //! chat-template tool turns with mask 0, and the loop stops where verl's does. Broken tools never stall it.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use std::collections::VecDeque;
@@ -235,7 +237,7 @@ async fn long_tool_output_is_truncated_to_max_tool_response_length() {
     let tok = tokenizer();
     let multi_turn = MultiTurnConfig {
         max_tool_response_length: 10,
-        tool_response_truncate_side: "left".into(),
+        tool_response_truncate_side: jetrl_config::TruncateSide::Left,
         ..MultiTurnConfig::default()
     };
     let agent = agent(&tok, multi_turn);

@@ -1,5 +1,7 @@
 //! The sandboxed python tool: runs code, and stops runaway code by time, memory and output size.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::time::{Duration, Instant};
 
 use jetrl_rollout_worker::tools::{PythonLimits, PythonTool, Tool, ToolError};

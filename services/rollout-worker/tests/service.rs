@@ -3,6 +3,8 @@
 //! the log-probs the trainer recomputes and the weight version they were sampled under; a stopped worker naks
 //! what it holds and another finishes it.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use std::net::TcpListener;

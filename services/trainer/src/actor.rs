@@ -24,10 +24,10 @@ use std::time::Instant;
 use jetrl_algos::{
     agg_loss, apply_kl_penalty, compute_actor_loss, compute_advantage, compute_rollout_correction, entropy_from_logits,
     logprobs_from_logits, pf_ppo_resample, sum_pi_squared_from_logits, ActorLossInputs, ActorLossParams,
-    AdvantageConfig, AdvantageEstimator, AdvantageInputs, AggMode, GlobalBatchInfo, KlController, KlPenalty,
-    PfPpoReweight, PolicyLossInputs, RolloutCorrectionParams,
+    AdvantageConfig, AdvantageEstimator, AdvantageInputs, GlobalBatchInfo, KlController, KlPenalty, PfPpoReweight,
+    PolicyLossInputs, RolloutCorrectionParams,
 };
-use jetrl_config::JobConfig;
+use jetrl_config::{JobConfig, ModelDtype};
 use jetrl_model::{CausalLm, DType};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
@@ -139,8 +139,8 @@ fn step_seed(run_seed: u64, step: u64) -> i64 {
 /// copies in the optimizer); always f32 on the CPU, where bf16 matmuls are slow and master copies would only
 /// double the memory.
 pub fn compute_dtype(cfg: &JobConfig) -> Result<(Device, DType), ActorError> {
-    let device = jetrl_model::parse_device(&cfg.model.device)?;
-    let requested: DType = cfg.model.dtype.parse()?;
+    let device = jetrl_model::resolve_device(cfg.model.device)?;
+    let requested = DType::from(cfg.model.dtype);
     Ok((device, if device == Device::Cpu { DType::F32 } else { requested }))
 }
 
@@ -149,7 +149,7 @@ impl Actor {
     /// (`global_step_<n>`) and the actor state saved with it.
     pub fn new(cfg: &JobConfig, total_steps: u64, resume: Option<(&Path, &ActorState)>) -> Result<Self, ActorError> {
         let (device, dtype) = compute_dtype(cfg)?;
-        if device == Device::Cpu && cfg.model.dtype != "f32" {
+        if device == Device::Cpu && cfg.model.dtype != ModelDtype::F32 {
             tracing::info!(dtype = %cfg.model.dtype, "training in f32 on the CPU; weights are shipped as {}", cfg.model.dtype);
         }
         tch::manual_seed(cfg.run.seed as i64);
@@ -182,10 +182,9 @@ impl Actor {
             Some(rc) if !rc.bypass_mode => Some(RolloutCorrectionParams::from_config(rc)?),
             _ => None,
         };
-        let estimator: AdvantageEstimator = cfg.algorithm.adv_estimator.parse()?;
+        let estimator = cfg.algorithm.adv_estimator;
         let pf_ppo = (cfg.algorithm.use_pf_ppo && estimator == AdvantageEstimator::Gae)
-            .then(|| PfPpoReweight::from_config(&cfg.algorithm.pf_ppo))
-            .transpose()?;
+            .then(|| PfPpoReweight::from_config(&cfg.algorithm.pf_ppo));
         let temperature = f64::from(cfg.rollout.temperature);
         let mut actor = Self {
             model,
@@ -194,7 +193,7 @@ impl Actor {
             reference,
             critic,
             kl_ctrl: use_kl_in_reward.then(|| KlController::from_config(&cfg.algorithm.kl_ctrl)).transpose()?,
-            kl_penalty: cfg.algorithm.kl_penalty.parse()?,
+            kl_penalty: cfg.algorithm.kl_penalty,
             loss: ActorLossParams::from_config(&cfg.actor, cfg.algorithm.rollout_correction.as_ref())?,
             correction,
             estimator,
@@ -210,16 +209,12 @@ impl Actor {
                 temperature: if temperature > 0.0 { temperature } else { 1.0 },
                 critic_warmup: cfg.trainer.critic_warmup,
                 run_seed: cfg.run.seed,
-                calculate_sum_pi_squared: cfg.actor.calculate_sum_pi_squared
-                    || matches!(
-                        estimator,
-                        AdvantageEstimator::OptimalTokenBaseline | AdvantageEstimator::TirOptimalTokenBaseline
-                    ),
+                calculate_sum_pi_squared: cfg.actor.calculate_sum_pi_squared || estimator.needs_sum_pi_squared(),
                 bypass_old_log_prob: bypass,
             },
             actor_updates: 0,
             model_dir,
-            ship_dtype: cfg.model.dtype.parse()?,
+            ship_dtype: DType::from(cfg.model.dtype),
             pad_id: 0,
         };
         if let Some((_, state)) = resume {
@@ -700,11 +695,6 @@ pub fn stats(values: &[f64], name: &str, out: &mut BTreeMap<String, f64>) {
     out.insert(format!("{name}/mean"), values.iter().sum::<f64>() / values.len() as f64);
     out.insert(format!("{name}/max"), values.iter().copied().fold(f64::MIN, f64::max));
     out.insert(format!("{name}/min"), values.iter().copied().fold(f64::MAX, f64::min));
-}
-
-/// The aggregation mode of `actor.loss_agg_mode`, for callers outside the actor.
-pub fn agg_mode(cfg: &JobConfig) -> Result<AggMode, ActorError> {
-    Ok(cfg.actor.loss_agg_mode.parse()?)
 }
 
 type Job = Box<dyn FnOnce(&mut Actor) + Send>;

@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use jetrl_config::JobConfig;
+use jetrl_config::{JobConfig, ResumeMode};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
@@ -120,9 +120,9 @@ pub fn keep_count(cfg: &JobConfig) -> Option<usize> {
 /// newest complete directory) under the root, if any; `resume_path`/`path` takes `resume_from_path`, which
 /// must exist; `disable` starts fresh.
 pub fn resolve_resume(cfg: &JobConfig) -> Result<Option<PathBuf>, CheckpointError> {
-    match cfg.trainer.resume_mode.as_str() {
-        "disable" => Ok(None),
-        "resume_path" | "path" => {
+    match cfg.trainer.resume_mode {
+        ResumeMode::Disable => Ok(None),
+        ResumeMode::ResumePath => {
             let path = cfg.trainer.resume_from_path.as_deref().unwrap_or_default();
             let dir = PathBuf::from(path);
             if step_of(&dir).is_none() {
@@ -137,7 +137,7 @@ pub fn resolve_resume(cfg: &JobConfig) -> Result<Option<PathBuf>, CheckpointErro
             }
             Ok(Some(dir))
         }
-        _ => {
+        ResumeMode::Auto => {
             let root = root_dir(cfg);
             let tracked = std::fs::read_to_string(root.join(LATEST_FILE))
                 .ok()
@@ -305,7 +305,7 @@ mod tests {
     fn cfg_with(root: &Path, mode: &str, path: Option<String>) -> JobConfig {
         let mut cfg = JobConfig::default();
         cfg.trainer.default_local_dir = Some(root.display().to_string());
-        cfg.trainer.resume_mode = mode.into();
+        cfg.trainer.resume_mode = mode.parse().unwrap();
         cfg.trainer.resume_from_path = path;
         cfg
     }

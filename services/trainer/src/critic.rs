@@ -101,7 +101,7 @@ impl Critic {
             seed: critic.data_loader_seed,
             grad_clip: critic.grad_clip,
             cliprange_value: critic.cliprange_value,
-            agg: critic.loss_agg_mode.as_deref().unwrap_or(&cfg.actor.loss_agg_mode).parse()?,
+            agg: critic.loss_agg_mode.unwrap_or(cfg.actor.loss_agg_mode),
             loss_scale_factor: critic.loss_scale_factor.or(cfg.actor.loss_scale_factor),
         };
         let mut out = Self {

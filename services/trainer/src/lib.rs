@@ -43,7 +43,7 @@ use futures::StreamExt;
 use jetrl_bus::publish::Outgoing;
 use jetrl_bus::weights::{manifest_for, WeightTransport};
 use jetrl_bus::{Bus, BusError, GroupStore, Publisher};
-use jetrl_config::JobConfig;
+use jetrl_config::{JobConfig, TrainerMode, WeightTransportKind};
 use jetrl_data::prompt::{PromptLimits, PromptTokenizer};
 use jetrl_data::{ChatMessage, DataLoader, Example, Prompt};
 use jetrl_model::Tokenizer;
@@ -51,7 +51,7 @@ use jetrl_telemetry::Shutdown;
 use jetrl_wire::keys::new_uid;
 use jetrl_wire::v1::{
     self, GroupState, GroupStatus, Heartbeat, PromptTask, ReleaseRequest, ReleaseResponse, SampleRequest,
-    SampleResponse, Trajectory, WeightAnnounce, WeightAnnounceResponse,
+    SampleResponse, Trajectory, WeightAnnounce, WeightAnnounceResponse, WorkerState,
 };
 use jetrl_wire::{packed, subjects, Message};
 
@@ -82,8 +82,8 @@ pub enum TrainerError {
     Buffer(String),
     #[error("weight sync of version {version}: {message}")]
     WeightSync { version: u64, message: String },
-    #[error("trainer.mode {0:?} is not implemented yet (only sync)")]
-    Mode(String),
+    #[error("trainer.mode {0} is not implemented yet (only sync)")]
+    Mode(TrainerMode),
     #[error("shutdown requested")]
     Shutdown,
 }
@@ -97,6 +97,7 @@ pub enum TrainerError {
 pub fn keep_freed_memory_in_heap() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only changes allocator parameters; it is called before the trainer allocates tensors.
+    #[allow(unsafe_code)]
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
         libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
@@ -108,8 +109,8 @@ pub async fn run(
     cfg: JobConfig,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), TrainerError> {
-    if cfg.trainer.mode != "sync" {
-        return Err(TrainerError::Mode(cfg.trainer.mode.clone()));
+    if cfg.trainer.mode != TrainerMode::Sync {
+        return Err(TrainerError::Mode(cfg.trainer.mode));
     }
     let shutdown = Shutdown::new(shutdown);
     let bus = Bus::connect(&cfg.nats, "jetrl-trainer").await?;
@@ -171,7 +172,7 @@ impl Trainer {
         let model_dir = PathBuf::from(&cfg.model.path);
         let tokenizer = Tokenizer::from_dir(&model_dir)
             .map_err(|e| TrainerError::Tokenizer(format!("{}: {e}", model_dir.display())))?;
-        let limits = PromptLimits::from_config(&cfg.data)?;
+        let limits = PromptLimits::from_config(&cfg.data);
         if cfg.data.filter_overlong_prompts {
             let prompts = ModelPrompts(&tokenizer);
             let (kept, dropped) = jetrl_data::prompt::filter_overlong(train, &prompts, limits.max_len)?;
@@ -209,11 +210,13 @@ impl Trainer {
         let run_dir = PathBuf::from(&cfg.run.dir);
         let sink = MetricsSink::open(&bus, &run_dir, &cfg.trainer, resume.as_ref().map(|_| start_step))
             .map_err(|e| TrainerError::RunDir { path: run_dir.display().to_string(), message: e.to_string() })?;
-        let transport = match cfg.checkpoint.transport.as_str() {
-            "shared_fs" => {
+        let transport = match cfg.checkpoint.transport {
+            WeightTransportKind::SharedFs => {
                 WeightTransport::SharedFs { dir: PathBuf::from(cfg.checkpoint.shared_dir.clone().unwrap_or_default()) }
             }
-            _ => WeightTransport::ObjectStore { chunk_bytes: cfg.checkpoint.chunk_bytes as usize },
+            WeightTransportKind::ObjectStore => {
+                WeightTransport::ObjectStore { chunk_bytes: cfg.checkpoint.chunk_bytes as usize }
+            }
         };
         tracing::info!(
             total_steps,
@@ -635,7 +638,7 @@ impl Trainer {
         loop {
             let now = jetrl_wire::now_unix_ms();
             let live: Vec<&Heartbeat> =
-                beats.values().filter(|b| b.state != "stopped" && now - b.unix_ms < 10_000).collect();
+                beats.values().filter(|b| b.state() != WorkerState::Stopped && now - b.unix_ms < 10_000).collect();
             let loaded = |b: &&Heartbeat| if exact { b.policy_version == version } else { b.policy_version >= version };
             if !live.is_empty() && live.iter().all(loaded) {
                 return Ok(());
@@ -901,39 +904,4 @@ fn batch_metrics(
     out.insert("training/rollout_failure/groups".into(), failed as f64);
     out.insert("training/num_groups".into(), response.groups.len() as f64);
     out.insert("training/num_trajectories".into(), samples.len() as f64);
-}
-
-#[cfg(test)]
-mod tests {
-    use std::io::Write;
-
-    use jetrl_config::JobConfig;
-
-    /// A verl user's `trainer.*` and `data.*` keys load as they are; wrong values name their key.
-    #[test]
-    fn verl_trainer_and_data_keys_load_and_bad_values_name_the_key() {
-        let mut file = tempfile::NamedTempFile::new().unwrap();
-        writeln!(
-            file,
-            "data:\n  train_files: [a.parquet]\n  val_files: [b.jsonl]\n  truncation: middle\n  filter_overlong_prompts: true\n  \
-             val_batch_size: 8\n  train_max_samples: 100\n\
-             trainer:\n  save_freq: 10\n  test_freq: 5\n  max_actor_ckpt_to_keep: 2\n  resume_mode: auto\n  \
-             default_local_dir: /tmp/ck\n  log_val_generations: 4\n  validation_data_dir: /tmp/val\n  \
-             logger: [console, tensorboard, wandb]\n  critic_warmup: 3\n  val_only: false"
-        )
-        .unwrap();
-        let cfg = JobConfig::load(Some(file.path()), &[]).unwrap();
-        assert_eq!(cfg.trainer.max_actor_ckpt_to_keep, Some(2));
-        assert_eq!(cfg.data.truncation, "middle");
-        assert_eq!(cfg.trainer.logger, vec!["console", "tensorboard", "wandb"]);
-        let bad = |o: &str| JobConfig::load(Some(file.path()), &[o.to_string()]).unwrap_err().to_string();
-        assert!(bad("data.truncation=both").contains("data.truncation"));
-        assert!(bad("trainer.resume_mode=resume_path").contains("trainer.resume_from_path"));
-        assert!(bad("trainer.logger=[\"neptune\"]").contains("trainer.logger"));
-        let path = JobConfig::load(
-            Some(file.path()),
-            &["trainer.resume_mode=resume_path".into(), "trainer.resume_from_path=/ck/global_step_10".into()],
-        );
-        assert!(path.is_ok(), "{path:?}");
-    }
 }

@@ -8,7 +8,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use jetrl_bus::Bus;
-use jetrl_config::TrainerConfig;
+use jetrl_config::{Logger, TrainerConfig};
 use jetrl_wire::subjects;
 
 use crate::tensorboard::EventWriter;
@@ -59,15 +59,15 @@ impl MetricsSink {
         }
         let mut jsonl = std::fs::OpenOptions::new().create(true).write(true).truncate(true).open(&path)?;
         jsonl.write_all(kept.as_bytes())?;
-        let tensorboard = if trainer.logger.iter().any(|l| l == "tensorboard") {
+        let tensorboard = if trainer.logger.contains(&Logger::Tensorboard) {
             let dir = trainer.tensorboard_dir.clone().map(PathBuf::from).unwrap_or_else(|| run_dir.join("tensorboard"));
             Some(EventWriter::create(&dir, resumed_from.map(|s| s + 1))?)
         } else {
             None
         };
         for logger in &trainer.logger {
-            if !["console", "jsonl", "tensorboard"].contains(&logger.as_str()) {
-                tracing::warn!(logger, "trainer.logger backend not supported by jetrl; ignored");
+            if !logger.is_supported() {
+                tracing::warn!(%logger, "trainer.logger backend not supported by jetrl; ignored");
             }
         }
         Ok(Self {
@@ -76,7 +76,7 @@ impl MetricsSink {
             run_dir: run_dir.to_path_buf(),
             curve,
             tensorboard,
-            console: trainer.logger.iter().any(|l| l == "console"),
+            console: trainer.logger.contains(&Logger::Console),
         })
     }
 

@@ -3,6 +3,8 @@
 //! (the real tiny model, every piece of state in play: shuffled mini-batches, micro-batches, warmup + cosine
 //! LR, AdamW moments, the reference model, an adaptive in-reward KL controller, the critic).
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -47,7 +49,7 @@ fn config(model: &Path, critic: bool) -> JobConfig {
     cfg.actor.optim.lr = 1e-3;
     cfg.actor.optim.weight_decay = 0.01;
     cfg.actor.optim.lr_warmup_steps = Some(1);
-    cfg.actor.optim.lr_scheduler_type = "cosine".into();
+    cfg.actor.optim.lr_scheduler_type = jetrl_config::LrSchedulerType::Cosine;
     cfg.actor.optim.min_lr_ratio = 0.1;
     cfg.actor.ppo_mini_batch_size = Some(2);
     cfg.actor.ppo_epochs = 2;
@@ -56,15 +58,17 @@ fn config(model: &Path, critic: bool) -> JobConfig {
     cfg.actor.entropy_coeff = 0.01;
     cfg.actor.use_kl_loss = true;
     cfg.algorithm.use_kl_in_reward = true;
-    cfg.algorithm.kl_ctrl.kind = "adaptive".into();
+    cfg.algorithm.kl_ctrl.kind = jetrl_config::KlCtrlType::Adaptive;
     cfg.algorithm.kl_ctrl.kl_coef = 0.05;
     if critic {
-        cfg.algorithm.adv_estimator = "gae".into();
+        cfg.algorithm.adv_estimator = jetrl_config::AdvantageEstimator::Gae;
         cfg.algorithm.lam = 0.95;
         cfg.critic.optim.lr = 1e-3;
         cfg.trainer.critic_warmup = 2;
-        cfg.algorithm.rollout_correction =
-            Some(jetrl_config::RolloutCorrectionConfig { rollout_is: Some("token".into()), ..Default::default() });
+        cfg.algorithm.rollout_correction = Some(jetrl_config::RolloutCorrectionConfig {
+            rollout_is: Some(jetrl_config::RolloutIsLevel::Token),
+            ..Default::default()
+        });
     }
     cfg
 }

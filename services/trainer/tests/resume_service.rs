@@ -5,6 +5,8 @@
 //! re-issues the prompt groups the first incarnation left in flight, and the run ends with one metrics line
 //! per step and the final checkpoint.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::path::Path;
 use std::time::{Duration, Instant};
 

@@ -62,6 +62,7 @@ impl NatsServer {
         {
             use std::os::unix::process::CommandExt;
             // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of the parent.
+            #[allow(unsafe_code)]
             unsafe {
                 command.pre_exec(|| {
                     libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);

@@ -25,8 +25,6 @@ pub enum DataError {
     Read { path: String, message: String },
     #[error("{path} line {line}: {message}")]
     Row { path: String, line: usize, message: String },
-    #[error("unknown built-in task {0:?} (known: reverse, sort, copy)")]
-    UnknownTask(String),
     #[error("dataset is empty: {0}")]
     Empty(String),
     #[error("dataset format of {0} is not supported (.parquet or .jsonl)")]

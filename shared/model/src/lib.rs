@@ -28,7 +28,7 @@ pub mod model;
 mod weights;
 
 pub use config::{Architecture, ModelConfig, RopeScaling};
-pub use device::{parse_device, DType};
+pub use device::{parse_device, resolve_device, DType};
 pub use engine::{
     Engine, EngineConfig, EngineStats, Finish, LogprobsMode, Prefix, Request, RequestId, Sampling, SequenceOutput,
 };

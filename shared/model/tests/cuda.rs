@@ -1,5 +1,7 @@
 //! The model on a CUDA device agrees with the CPU. Skipped (with the reason printed) where libtorch sees no GPU.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use common::*;

@@ -1,6 +1,8 @@
 //! The continuous-batching engine: its log-probs are the trainer's, its batching changes nothing a sequence
 //! sees, and its group forks, seeds, stops, penalties, weight swaps and abort/resume behave as documented.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use std::sync::Arc;

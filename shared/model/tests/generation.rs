@@ -1,5 +1,7 @@
 //! Generation, the KV cache and the training forward agree with each other on the same weights.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use common::*;

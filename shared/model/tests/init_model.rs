@@ -1,5 +1,7 @@
 //! `init_model` writes an HF model directory that jetrl and transformers both load.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use std::process::Command;

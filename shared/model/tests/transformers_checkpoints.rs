@@ -2,6 +2,8 @@
 //! `make_hf_checkpoints.py`); each must reproduce transformers' log-probs within 1e-4 (CPU, f32) and its chat
 //! ids exactly. Skipped, with the reason printed, when python cannot import transformers.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use common::*;

@@ -1,5 +1,7 @@
 //! The remote reward model against a tiny HTTP server written here on tokio.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -1,6 +1,8 @@
 //! The out-of-process user function, end to end through `RewardEngine` with real Python processes.
 //! Every test skips (with a message) where `python3` is missing.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::time::{Duration, Instant};
 
 use jetrl_config::RewardConfig;

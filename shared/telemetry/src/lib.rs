@@ -21,13 +21,30 @@ pub enum TelemetryError {
 }
 
 /// Installs the global tracing subscriber once; later calls are no-ops (tests start many services).
-pub fn init_tracing(level: &str, format: &str) {
+pub fn init_tracing(level: &str, format: jetrl_config::LogFormat) {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(level))
         .unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    let _ = if format == "json" { builder.json().flatten_event(true).try_init() } else { builder.compact().try_init() };
+    let _ = if format == jetrl_config::LogFormat::Json {
+        builder.json().flatten_event(true).try_init()
+    } else {
+        builder.compact().try_init()
+    };
+}
+
+/// This machine's host name (`HOSTNAME`, else `/etc/hostname`, else `host`), read once per process.
+pub fn host_name() -> &'static str {
+    static HOST: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    HOST.get_or_init(|| {
+        std::env::var("HOSTNAME")
+            .ok()
+            .filter(|h| !h.trim().is_empty())
+            .or_else(|| std::fs::read_to_string("/etc/hostname").ok().map(|s| s.trim().to_string()))
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "host".into())
+    })
 }
 
 /// The process-wide Prometheus recorder, installed on first use.
@@ -209,7 +226,7 @@ where
     let overrides: Vec<String> =
         matches.get_many::<String>("overrides").map(|v| v.cloned().collect()).unwrap_or_default();
     let cfg = jetrl_config::JobConfig::load(config.as_deref(), &overrides)?;
-    init_tracing(&cfg.log.level, &cfg.log.format);
+    init_tracing(&cfg.log.level, cfg.log.format);
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(run(cfg, Box::pin(shutdown_signal())))?;
     Ok(())

@@ -42,6 +42,20 @@ impl v1::GroupState {
     }
 }
 
+impl v1::WorkerState {
+    /// Short lowercase name (`ready`, `paused`, `load_failed`, ...), for logs, metrics and `jetrl status`.
+    pub fn label(self) -> &'static str {
+        match self {
+            v1::WorkerState::Unspecified => "unspecified",
+            v1::WorkerState::Ready => "ready",
+            v1::WorkerState::Paused => "paused",
+            v1::WorkerState::LoadFailed => "load_failed",
+            v1::WorkerState::Stopped => "stopped",
+            v1::WorkerState::Starting => "starting",
+        }
+    }
+}
+
 /// Milliseconds since the Unix epoch, for the `*_unix_ms` fields.
 pub fn now_unix_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)

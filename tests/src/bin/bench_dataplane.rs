@@ -113,7 +113,7 @@ async fn jetrl_path(
 ) -> (f64, Vec<f64>, (f64, f64)) {
     let mut cfg = JobConfig::default();
     cfg.nats.url = url.into();
-    cfg.trainer.mode = "separate_async".into();
+    cfg.trainer.mode = jetrl_config::TrainerMode::SeparateAsync;
     cfg.buffer.max_off_policy_threshold = 1_000_000;
     cfg.reward.max_inflight = 512;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

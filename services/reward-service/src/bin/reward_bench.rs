@@ -66,7 +66,7 @@ fn parse_args() -> anyhow::Result<Args> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = parse_args()?;
-    jetrl_telemetry::init_tracing("warn", "text");
+    jetrl_telemetry::init_tracing("warn", jetrl_config::LogFormat::Text);
     // Only the reward section matters here; the rest of the job stays at its defaults.
     let mut cfg = JobConfig {
         reward: jetrl_config::load(None, &args.overrides).context("reward overrides")?,

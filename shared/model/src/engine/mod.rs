@@ -23,7 +23,6 @@ mod forward;
 mod sampler;
 
 use std::collections::VecDeque;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -43,28 +42,7 @@ pub type RequestId = u64;
 pub type Detokenizer = Arc<dyn Fn(&[u32]) -> Option<String> + Send + Sync>;
 
 /// Which log-prob is recorded per sampled token (verl's `rollout.logprobs_mode`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum LogprobsMode {
-    /// Under the distribution sampled from: after repetition penalty, temperature, top-k and top-p.
-    #[default]
-    Processed,
-    /// `log_softmax` of the model's logits, before any processing.
-    Raw,
-}
-
-impl FromStr for LogprobsMode {
-    type Err = ModelError;
-
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "processed_logprobs" => Ok(LogprobsMode::Processed),
-            "raw_logprobs" => Ok(LogprobsMode::Raw),
-            other => {
-                Err(ModelError::Config(format!("unknown logprobs mode `{other}` (processed_logprobs, raw_logprobs)")))
-            }
-        }
-    }
-}
+pub use jetrl_config::LogprobsMode;
 
 /// How one request is sampled (vLLM's `SamplingParams`, the subset RL rollouts use).
 #[derive(Debug, Clone, PartialEq)]
@@ -408,6 +386,13 @@ impl Engine {
     /// Sets the version label of the current weights (e.g. after loading a checkpoint at start).
     pub fn set_version(&mut self, version: u64) {
         self.version = version;
+    }
+
+    /// The random seed a request's samples draw from: its own `sampling.seed`, else one derived from the engine's
+    /// seed and the request id (what [`Engine::add_request`] uses). A caller that resubmits an aborted sample
+    /// under a new id passes this seed explicitly, so the sample's random stream continues.
+    pub fn seed_for(&self, id: RequestId, sampling: &Sampling) -> u64 {
+        sampling.seed.unwrap_or_else(|| mix(self.config.seed, id))
     }
 
     /// Whether a `step` would do anything.
