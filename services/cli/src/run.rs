@@ -25,7 +25,19 @@ pub async fn run(
     quiet: bool,
 ) -> anyhow::Result<i32> {
     let started = Instant::now();
+    // colocate_async pairs the trainer with one worker on its device: name it, unless the job does.
+    let merged = jetrl_config::load_value(Some(config), &overrides)?;
+    if merged["trainer"]["mode"] == "colocate_async"
+        && merged["trainer"]["colocate_async"]["rollout_instance"].as_str().is_none_or(str::is_empty)
+    {
+        overrides.push("trainer.colocate_async.rollout_instance=rollout-0".into());
+    }
     let cfg = JobConfig::load(Some(config), &overrides)?;
+    anyhow::ensure!(
+        cfg.trainer.mode != jetrl_config::TrainerMode::ColocateAsync || cfg.rollout.workers == 1,
+        "rollout.workers is {} but colocate_async runs exactly one rollout worker, on the trainer's device",
+        cfg.rollout.workers
+    );
     if !quiet {
         jetrl_telemetry::init_tracing("warn", cfg.log.format);
     } else {

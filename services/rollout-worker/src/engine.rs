@@ -452,7 +452,8 @@ impl EngineThread {
 
     fn pause(&mut self, free_cache: bool) -> Result<Parked, EngineError> {
         if self.paused.is_none() {
-            let aborted = self.engine.abort_all().map_err(|e| EngineError::Pause(e.to_string()))?;
+            // Only running sequences hold KV rows: queued samples stay queued and start after the resume.
+            let aborted = self.engine.preempt_running().map_err(|e| EngineError::Pause(e.to_string()))?;
             let parked: Vec<(RequestId, SequenceOutput)> = aborted
                 .into_iter()
                 .filter_map(|o| {

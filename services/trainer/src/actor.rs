@@ -11,14 +11,20 @@
 //! `ppo_epochs` passes over mini-batches of `ppo_mini_batch_size` prompt groups (seeded shuffle), each split
 //! into micro-batches that fit `ppo_max_token_len` tokens, with gradients accumulated and the loss normalised
 //! over the whole mini-batch (so the split does not change the gradient), global-norm clipping and AdamW.
-//! The LR schedules step once per training step, as verl's.
+//! The LR schedules step once per [`Actor::train`] call, as verl's `update_actor` calls do: once per global step
+//! in sync and colocate_async, once per local update in separate_async (whose horizon is therefore
+//! `total_training_steps × parameter_sync_step`).
+//!
+//! separate_async is decoupled PPO: the `parameter_sync_step` local updates of one global step all take π_old
+//! from the policy as it was at the start of the step ([`OldPolicy::CycleStart`]), kept as a copy of the weights
+//! ([`Actor::snapshot`]), while the rollout-correction weights come from the behaviour log-probs the trajectories
+//! carry.
 //!
 //! Everything random in a step draws from seeds derived from (`run.seed`, step), so a resumed run repeats an
 //! uninterrupted one exactly: the checkpoint holds no opaque generator state.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{sync_channel, SyncSender};
 use std::time::Instant;
 
 use jetrl_algos::{
@@ -29,44 +35,17 @@ use jetrl_algos::{
 };
 use jetrl_config::{JobConfig, ModelDtype};
 use jetrl_model::{CausalLm, DType};
-use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 use tokio::sync::oneshot;
 
 pub use crate::batch::Sample;
 use crate::batch::{gather_rows, groups_of, mini_batches, split_by_token_budget, to_host, MicroBatch};
-use crate::checkpoint::{self, CheckpointError};
+use crate::checkpoint;
 use crate::critic::{Critic, ValueTargets};
-use crate::optim::{AdamW, LrSchedule, OptimError};
+use crate::optim::{AdamW, LrSchedule};
 
-#[derive(Debug, thiserror::Error)]
-pub enum ActorError {
-    #[error("model: {0}")]
-    Model(#[from] jetrl_model::ModelError),
-    #[error("algorithm: {0}")]
-    Algo(#[from] jetrl_algos::AlgoError),
-    #[error("torch: {0}")]
-    Torch(#[from] tch::TchError),
-    #[error(transparent)]
-    Optim(#[from] OptimError),
-    #[error(transparent)]
-    Checkpoint(#[from] CheckpointError),
-    #[error("batch: {0}")]
-    Batch(String),
-    #[error("the actor thread has stopped")]
-    Stopped,
-}
-
-/// What the actor carries from step to step besides tensors (saved in `trainer_state.json`).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct ActorState {
-    /// actor update calls made: the position of the actor's LR schedule
-    pub actor_updates: u64,
-    /// critic update calls made: the position of the critic's LR schedule
-    pub critic_updates: u64,
-    /// the in-reward KL coefficient and its controller (adaptive ones change every step)
-    pub kl_ctrl: Option<KlController>,
-}
+pub use crate::checkpoint::ActorState;
+pub use crate::error::ActorError;
 
 /// Training settings, resolved from the job config once.
 #[derive(Debug, Clone)]
@@ -95,6 +74,16 @@ pub struct TrainOutput {
     pub timings: BTreeMap<String, f64>,
 }
 
+/// Which weights give π_old, the log-probs the PPO ratio is taken against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OldPolicy {
+    /// the policy as it is now (sync, colocate_async: one update call per batch)
+    Current,
+    /// the copy taken by the last [`Actor::snapshot`] (separate_async: the policy at the start of the global
+    /// step, for every local update of it)
+    CycleStart,
+}
+
 /// Per-row log-probs, and the entropy and Σπ² when asked, as `[rows, width]` host matrices.
 type ScoredRows = (Vec<f32>, Option<Vec<f32>>, Option<Vec<f32>>);
 
@@ -111,6 +100,9 @@ struct Columns {
 
 pub struct Actor {
     model: CausalLm,
+    /// π_old of decoupled PPO: the weights at the start of the current global step (separate_async), loaded
+    /// on first use
+    cycle_start: Option<CausalLm>,
     optim: AdamW,
     schedule: LrSchedule,
     reference: Option<CausalLm>,
@@ -188,6 +180,7 @@ impl Actor {
         let temperature = f64::from(cfg.rollout.temperature);
         let mut actor = Self {
             model,
+            cycle_start: None,
             optim,
             schedule: LrSchedule::new(&cfg.actor.optim, total_steps),
             reference,
@@ -327,8 +320,22 @@ impl Actor {
         Ok((lp, ent, spsq))
     }
 
-    /// One training step on `samples` (the global step `step`); returns verl-named metrics and timings.
-    pub fn train(&mut self, samples: &[Sample], step: u64) -> Result<TrainOutput, ActorError> {
+    /// Copies the current weights as π_old for the local updates that follow (separate_async, at the start of
+    /// every global step).
+    pub fn snapshot(&mut self) -> Result<(), ActorError> {
+        if self.cycle_start.is_none() {
+            let mut copy = CausalLm::load(&self.model_dir, self.model.device(), self.model.dtype())?;
+            copy.var_store_mut().freeze();
+            self.cycle_start = Some(copy);
+        }
+        let copy = self.cycle_start.as_mut().ok_or(ActorError::Stopped)?;
+        tch::no_grad(|| copy.var_store_mut().copy(self.model.var_store()))?;
+        Ok(())
+    }
+
+    /// One training step on `samples` (the global step `step`) with π_old from `old`: old, reference and value
+    /// passes, advantages, critic and actor updates. Returns verl-named metrics and timings.
+    pub fn train(&mut self, samples: &[Sample], step: u64, pi_old: OldPolicy) -> Result<TrainOutput, ActorError> {
         if samples.is_empty() {
             return Err(ActorError::Batch("no trajectories to train on".into()));
         }
@@ -365,8 +372,14 @@ impl Actor {
         let (old, spsq) = if self.settings.bypass_old_log_prob {
             (rollout.clone(), None)
         } else {
+            let policy = match pi_old {
+                OldPolicy::Current => &self.model,
+                OldPolicy::CycleStart => self.cycle_start.as_ref().ok_or_else(|| {
+                    ActorError::Batch("π_old of the cycle start was asked for before any snapshot".into())
+                })?,
+            };
             let (old, entropy, spsq) =
-                self.score_rows(&self.model, &samples, width, true, self.settings.calculate_sum_pi_squared)?;
+                self.score_rows(policy, &samples, width, true, self.settings.calculate_sum_pi_squared)?;
             if let Some(entropy) = entropy {
                 let value = agg_loss(&host_tensor(&entropy, n)?, &mask_t, agg, &full_batch)?;
                 out.metrics.insert("actor/entropy".into(), f64::try_from(value)?);
@@ -699,16 +712,17 @@ pub fn stats(values: &[f64], name: &str, out: &mut BTreeMap<String, f64>) {
 
 type Job = Box<dyn FnOnce(&mut Actor) + Send>;
 
-/// Handle to the actor thread: closures run on the thread, in order, with exclusive access.
+/// Handle to the actor thread: closures run on the thread, in order, with exclusive access. The thread blocks on
+/// its bounded channel; callers wait for room without blocking the reactor.
 #[derive(Clone)]
 pub struct ActorHandle {
-    tx: SyncSender<Job>,
+    tx: tokio::sync::mpsc::Sender<Job>,
 }
 
 impl ActorHandle {
     /// Builds the actor on a new thread; returns once the models are loaded (or failed to load).
     pub fn spawn(cfg: JobConfig, total_steps: u64, resume: Option<(PathBuf, ActorState)>) -> Result<Self, ActorError> {
-        let (tx, rx) = sync_channel::<Job>(16);
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Job>(16);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         std::thread::Builder::new()
             .name("trainer-actor".into())
@@ -724,11 +738,11 @@ impl ActorHandle {
                         return;
                     }
                 };
-                while let Ok(job) = rx.recv() {
+                while let Some(job) = rx.blocking_recv() {
                     job(&mut actor);
                 }
             })
-            .map_err(|e| ActorError::Batch(format!("cannot start the actor thread: {e}")))?;
+            .map_err(ActorError::Spawn)?;
         ready_rx.recv().map_err(|_| ActorError::Stopped)??;
         Ok(Self { tx })
     }
@@ -742,11 +756,7 @@ impl ActorHandle {
         let job: Job = Box::new(move |actor| {
             let _ = reply.send(f(actor));
         });
-        let tx = self.tx.clone();
-        tokio::task::spawn_blocking(move || tx.send(job))
-            .await
-            .map_err(|_| ActorError::Stopped)?
-            .map_err(|_| ActorError::Stopped)?;
+        self.tx.send(job).await.map_err(|_| ActorError::Stopped)?;
         rx.await.map_err(|_| ActorError::Stopped)
     }
 }

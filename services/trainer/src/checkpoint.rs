@@ -32,7 +32,7 @@ pub struct TrainerState {
     /// the dataloader's position after the batch of `global_step` was drawn (verl's `data.pt`)
     pub dataloader: jetrl_data::LoaderState,
     /// update counters and the KL controller
-    pub actor: crate::actor::ActorState,
+    pub actor: ActorState,
     /// The seeds every random choice derives from (with the step number): libtorch's generator is re-seeded
     /// from `run` at every step, mini-batch shuffles from `actor_shuffle`, the dataloader from `data`. Together
     /// with the step they are the complete RNG state.
@@ -50,6 +50,17 @@ impl Seeds {
     pub fn of(cfg: &JobConfig) -> Self {
         Self { run: cfg.run.seed, data: cfg.data.seed, actor_shuffle: cfg.actor.data_loader_seed }
     }
+}
+
+/// What the actor carries from step to step besides tensors (saved in `trainer_state.json`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ActorState {
+    /// actor update calls made: the position of the actor's LR schedule
+    pub actor_updates: u64,
+    /// critic update calls made: the position of the critic's LR schedule
+    pub critic_updates: u64,
+    /// the in-reward KL coefficient and its controller (adaptive ones change every step)
+    pub kl_ctrl: Option<jetrl_algos::KlController>,
 }
 
 /// verl's tracker file: the newest complete checkpoint's step.

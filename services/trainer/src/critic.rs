@@ -11,9 +11,9 @@ use jetrl_model::{CausalLm, DType};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
-use crate::actor::ActorError;
 use crate::batch::{gather_rows, groups_of, mini_batches, split_by_token_budget, to_host, MicroBatch, Sample};
 use crate::checkpoint::{self, CheckpointError};
+use crate::error::ActorError;
 use crate::optim::{AdamW, LrSchedule};
 
 /// Settings of the critic's update, resolved from `critic.*` with verl's inheritance from `actor.*`.

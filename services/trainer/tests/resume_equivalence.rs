@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use jetrl_config::JobConfig;
-use jetrl_trainer::actor::{Actor, ActorState, Sample};
+use jetrl_trainer::actor::{Actor, ActorState, OldPolicy, Sample};
 use jetrl_trainer::checkpoint;
 use rand::{Rng, SeedableRng};
 use tch::Tensor;
@@ -95,12 +95,12 @@ fn run_and_compare(critic: bool) {
     let mut straight = Actor::new(&cfg, STEPS, None).unwrap();
     let mut straight_metrics = Vec::new();
     for step in 1..=STEPS {
-        straight_metrics.push(straight.train(&batch(step), step).unwrap().metrics);
+        straight_metrics.push(straight.train(&batch(step), step, OldPolicy::Current).unwrap().metrics);
     }
 
     let mut first = Actor::new(&cfg, STEPS, None).unwrap();
     for step in 1..=STEPS / 2 {
-        first.train(&batch(step), step).unwrap();
+        first.train(&batch(step), step, OldPolicy::Current).unwrap();
     }
     let ckpt = dir.path().join("global_step_2");
     let state: ActorState = first.save_checkpoint(&ckpt).unwrap();
@@ -108,7 +108,7 @@ fn run_and_compare(critic: bool) {
     let mut resumed = Actor::new(&cfg, STEPS, Some((&ckpt, &state))).unwrap();
     let mut resumed_metrics = Vec::new();
     for step in STEPS / 2 + 1..=STEPS {
-        resumed_metrics.push(resumed.train(&batch(step), step).unwrap().metrics);
+        resumed_metrics.push(resumed.train(&batch(step), step, OldPolicy::Current).unwrap().metrics);
     }
 
     let a = final_weights(&straight, &dir.path().join("scratch_a"));
@@ -161,7 +161,7 @@ fn checkpoint_holds_hf_model_directories_and_optimizer_state() {
     let cfg = config(&model, true);
     let mut actor = Actor::new(&cfg, STEPS, None).unwrap();
     for step in 1..=2 {
-        actor.train(&batch(step), step).unwrap();
+        actor.train(&batch(step), step, OldPolicy::Current).unwrap();
     }
     let ckpt = dir.path().join("global_step_2");
     actor.save_checkpoint(&ckpt).unwrap();

@@ -166,6 +166,15 @@ pub struct LoaderState {
     pub cursor: usize,
 }
 
+/// One row drawn by a [`DataLoader`]: the unit of the exactly-once ledger is (`epoch`, `row`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Drawn {
+    pub epoch: u64,
+    /// position in the dataset (0-based)
+    pub row: u64,
+    pub example: Example,
+}
+
 /// Seeded, re-iterated forever (verl re-iterates on StopIteration); each epoch reshuffles with
 /// `seed + epoch`.
 pub struct DataLoader {
@@ -205,6 +214,12 @@ impl DataLoader {
 
     /// The next `n` examples, wrapping into the next epoch as needed.
     pub fn next_batch(&mut self, n: usize) -> Vec<Example> {
+        self.next_rows(n).into_iter().map(|d| d.example).collect()
+    }
+
+    /// The next `n` rows with where they come from (epoch, position in the dataset), wrapping into the next
+    /// epoch as needed.
+    pub fn next_rows(&mut self, n: usize) -> Vec<Drawn> {
         let mut out = Vec::with_capacity(n);
         while out.len() < n {
             if self.state.cursor >= self.order.len() {
@@ -212,7 +227,8 @@ impl DataLoader {
                 self.state.cursor = 0;
                 self.reorder();
             }
-            out.push(self.examples[self.order[self.state.cursor]].clone());
+            let row = self.order[self.state.cursor];
+            out.push(Drawn { epoch: self.state.epoch, row: row as u64, example: self.examples[row].clone() });
             self.state.cursor += 1;
         }
         out

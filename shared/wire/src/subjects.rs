@@ -49,6 +49,16 @@ pub const WEIGHTS_ANNOUNCE: &str = "jetrl.weights.announce";
 /// Trainer step metrics (JSON), for `jetrl run`'s progress display.
 pub const TRAINER_METRICS: &str = "jetrl.trainer.metrics";
 
+/// The partitions of a job: training groups and validation groups.
+pub const TRAIN_PARTITION: &str = "train";
+pub const VAL_PARTITION: &str = "val";
+
+/// Trainer -> co-located rollout worker handshakes (colocate_async): `jetrl.control.<instance>.<verb>`, verb
+/// `pause` or `resume`.
+pub fn control_subject(instance: &str, verb: &str) -> String {
+    format!("jetrl.control.{instance}.{verb}")
+}
+
 pub fn prompt_subject(partition: &str) -> String {
     format!("{PROMPTS_SUBJECT}.{partition}")
 }

@@ -506,6 +506,18 @@ impl Engine {
         Ok(out)
     }
 
+    /// Takes every running sequence out of its KV row (finish [`Finish::Aborted`], with what it generated so far)
+    /// and leaves the queue as it is: samples not admitted yet hold no KV and wait for the next admission. With
+    /// no row left, [`Engine::free_cache`] can release the cache (colocate_async's pause).
+    pub fn preempt_running(&mut self) -> Result<Vec<SequenceOutput>> {
+        let all: Vec<usize> = (0..self.rows.len()).collect();
+        let version = self.version;
+        let mut out: Vec<SequenceOutput> =
+            self.remove_rows(&all)?.into_iter().map(|row| row.into_output(Finish::Aborted, version)).collect();
+        out.sort_by_key(|o| (o.request, o.index));
+        Ok(out)
+    }
+
     /// Aborts everything (e.g. before freeing the cache for training on the same device).
     pub fn abort_all(&mut self) -> Result<Vec<SequenceOutput>> {
         let mut ids: Vec<RequestId> = self.rows.iter().map(|r| r.shared.id).collect();
