@@ -490,6 +490,7 @@ impl EngineThread {
                     logprobs: output.logprobs,
                     min_version: output.min_version,
                     max_version: output.max_version,
+                    version_runs: output.version_runs,
                 }),
                 first_sample: output.index,
             };

@@ -357,6 +357,11 @@ impl<'a> GroupPublisher<'a> {
             logprobs: packed::pack_f32(&out.logprobs),
             min_version: out.min_version,
             max_version: out.max_version,
+            version_runs: out
+                .version_runs
+                .iter()
+                .map(|&(first_token, version)| v1::VersionRun { first_token, version })
+                .collect(),
             finish_reason: finish as i32,
             timings: Some(v1::Timings {
                 time_to_first_token_s: out.time_to_first_token.map_or(0.0, |d| d.as_secs_f64()),

@@ -89,6 +89,7 @@ async fn an_aborted_request_returns_its_prefix_and_resuming_it_finishes_the_same
                 logprobs: partial.logprobs.clone(),
                 min_version: partial.min_version,
                 max_version: partial.max_version,
+                version_runs: partial.version_runs.clone(),
             }),
             first_sample: 0,
         })
@@ -168,4 +169,52 @@ async fn a_paused_engine_parks_its_sequences_and_resumes_each_from_its_prefix_un
     for (a, b) in outs.iter().zip(&straight) {
         assert_eq!(a.tokens, b.tokens, "sample {}: resuming from the prefix continues the same stream", a.index);
     }
+}
+
+/// Partial rollout is exact: a sequence paused under weights v0 and resumed under different weights v1 records
+/// where the version changed, and each of its behaviour log-probs is what the model of that token's version
+/// gives it (teacher-forced over the whole context, which the resume re-prefills under v1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_sequence_records_its_version_runs_and_each_token_has_its_versions_log_prob() {
+    let dir = model_dir();
+    let engine = start(dir.path(), 2);
+    let v0 = CausalLm::load(dir.path(), Device::Cpu, DType::F32).unwrap();
+    let v1 = CausalLm::load(dir.path(), Device::Cpu, DType::F32).unwrap();
+    tch::manual_seed(3);
+    tch::no_grad(|| {
+        for (_, mut p) in v1.parameters() {
+            let noise = p.randn_like() * 0.05;
+            let _ = p.f_add_(&noise).unwrap();
+        }
+    });
+    let blob = v1.to_safetensors_bytes().unwrap();
+
+    let prompt = vec![11, 12, 13];
+    let mut generation = engine.submit(Request::new(prompt.clone(), 1, sampled(120, 5))).await.unwrap();
+    until("some tokens", || engine.load().kv_usage > 0.0).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    engine.pause(true).await.unwrap();
+    engine.resume(Some((blob.into(), 1))).await.unwrap();
+    let out = generation.next().await.unwrap().unwrap();
+    assert_eq!(out.tokens.len(), 120);
+    assert_eq!(out.version_runs.len(), 2, "one run per version: {:?}", out.version_runs);
+    let (switch, _) = out.version_runs[1];
+    assert_eq!(out.version_runs, vec![(0, 0), (switch, 1)]);
+    assert!(switch > 0 && (switch as usize) < out.tokens.len());
+    assert_eq!((out.min_version, out.max_version), (0, 1));
+
+    let full: Vec<u32> = prompt.iter().chain(&out.tokens).copied().collect();
+    let under = |model: &CausalLm| jetrl_model::log_probs_of(model, &full).unwrap();
+    let (lp0, lp1) = (under(&v0), under(&v1));
+    let first = prompt.len() - 1; // log_probs_of scores ids[1..]: response token i is at first + i
+    let mut worst = 0f32;
+    for (i, &behaviour) in out.logprobs.iter().enumerate() {
+        let expected = if i < switch as usize { lp0[first + i] } else { lp1[first + i] };
+        worst = worst.max((behaviour - expected).abs());
+    }
+    assert!(worst < 2e-3, "behaviour log-probs differ from their version's by up to {worst}");
+    // and the versions really differ, so the check could fail
+    let swapped =
+        (switch as usize..out.tokens.len()).map(|i| (lp0[first + i] - out.logprobs[i]).abs()).fold(0f32, f32::max);
+    assert!(swapped > 1e-2, "v0 and v1 give the same log-probs ({swapped}): the test would not see a wrong version");
 }

@@ -33,6 +33,8 @@ pub struct Sample {
     pub epoch: u64,
     pub dataset_row: u64,
     pub session_id: u32,
+    /// `(first response position, version)` of each run of tokens sampled under one weight version
+    pub version_runs: Vec<(u32, u64)>,
 }
 
 /// What a trajectory from the wire may hold before the trainer uses it: the model's vocabulary and context.
@@ -114,6 +116,7 @@ impl Sample {
             epoch: traj.epoch,
             dataset_row: traj.dataset_row,
             session_id: traj.session_id,
+            version_runs: traj.version_runs.iter().map(|r| (r.first_token, r.version)).collect(),
         })
     }
 }

@@ -23,6 +23,12 @@ pub fn rollout_rows(tokenizer: &Tokenizer, step: u64, samples: &[Sample]) -> Vec
                 "step": step,
                 "uid": s.uid,
                 "key": s.key,
+                "prompt_ids": s.prompt,
+                "response_ids": s.response,
+                "rollout_log_probs": s.rollout_logprobs,
+                "version_runs": s.version_runs,
+                "min_version": s.min_version,
+                "max_version": s.max_version,
             })
         })
         .collect()

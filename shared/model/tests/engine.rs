@@ -199,6 +199,7 @@ fn abort_returns_the_prefix_and_resume_continues_it_as_if_never_interrupted() {
             logprobs: p.logprobs.clone(),
             min_version: p.min_version,
             max_version: p.max_version,
+            version_runs: p.version_runs.clone(),
         }),
         first_sample: 1,
     };

@@ -36,6 +36,8 @@ pub struct SessionOutput {
     pub logprobs: Vec<f32>,
     pub min_version: u64,
     pub max_version: u64,
+    /// `(first response position, version)` of each run of generated tokens under one weight version
+    pub version_runs: Vec<(u32, u64)>,
     /// the response budget ran out (else it ended on its own or at a turn limit)
     pub truncated: bool,
     pub aborted: bool,
@@ -57,6 +59,7 @@ impl SessionOutput {
             logprobs: output.logprobs,
             min_version: output.min_version,
             max_version: output.max_version,
+            version_runs: output.version_runs,
             truncated: output.finish == Finish::Length,
             aborted: output.finish == Finish::Aborted,
             stop_reason: stop_reason(&output.finish).into(),
@@ -159,6 +162,7 @@ impl ToolAgent {
             logprobs: Vec::new(),
             min_version: u64::MAX,
             max_version: 0,
+            version_runs: Vec::new(),
             truncated: false,
             aborted: false,
             stop_reason: String::new(),
@@ -195,6 +199,13 @@ impl ToolAgent {
             if !generated.tokens.is_empty() {
                 out.min_version = out.min_version.min(generated.min_version);
                 out.max_version = out.max_version.max(generated.max_version);
+                // this turn's tokens start where the response is now
+                let offset = out.response_ids.len() as u32;
+                for &(first, version) in &generated.version_runs {
+                    if out.version_runs.last().is_none_or(|&(_, v)| v != version) {
+                        out.version_runs.push((offset + first, version));
+                    }
+                }
             }
             turns.assistant += 1;
             context.extend_from_slice(&generated.tokens);

@@ -123,6 +123,8 @@ pub struct Prefix {
     pub logprobs: Vec<f32>,
     pub min_version: u64,
     pub max_version: u64,
+    /// which version sampled which tokens, see [`SequenceOutput::version_runs`]
+    pub version_runs: Vec<(u32, u64)>,
 }
 
 /// One prompt to sample `n` times.
@@ -190,6 +192,9 @@ pub struct SequenceOutput {
     /// none).
     pub min_version: u64,
     pub max_version: u64,
+    /// `(first token index, version)` of each run of tokens sampled under one weight version, in order: a
+    /// sequence that crossed a weight swap has more than one (what partial rollout is checked against).
+    pub version_runs: Vec<(u32, u64)>,
     /// From [`Engine::add_request`] to this sequence's first new token.
     pub time_to_first_token: Option<Duration>,
 }
@@ -285,6 +290,7 @@ struct Row {
     fresh: Option<Tensor>,
     min_version: Option<u64>,
     max_version: u64,
+    version_runs: Vec<(u32, u64)>,
     first_token: Option<Duration>,
 }
 
@@ -607,6 +613,9 @@ impl Engine {
                 .map_err(|_| ModelError::Generation(format!("sampled an invalid token id {token}")))?;
             let version = self.version;
             let row = &mut self.rows[r];
+            if row.version_runs.last().is_none_or(|&(_, v)| v != version) {
+                row.version_runs.push((row.tokens.len() as u32, version));
+            }
             row.tokens.push(token);
             row.logprobs.push(logprob);
             row.min_version = Some(row.min_version.map_or(version, |v| v.min(version)));
@@ -645,15 +654,16 @@ impl Engine {
 
     fn new_row(shared: &Arc<Shared>, index: usize, cached: i64) -> Row {
         let mut rng = ChaCha8Rng::seed_from_u64(mix(shared.seed, index as u64));
-        let (tokens, logprobs, min_version, max_version) = match &shared.prefix {
+        let (tokens, logprobs, min_version, max_version, version_runs) = match &shared.prefix {
             Some(p) => {
                 // One draw per token already generated: a resumed stream continues where it stopped.
                 for _ in 0..p.tokens.len() {
                     let _: f64 = rng.gen();
                 }
-                (p.tokens.clone(), p.logprobs.clone(), Some(p.min_version), p.max_version)
+                let known = (!p.tokens.is_empty()).then_some(p.min_version);
+                (p.tokens.clone(), p.logprobs.clone(), known, p.max_version, p.version_runs.clone())
             }
-            None => (Vec::new(), Vec::new(), None, 0),
+            None => (Vec::new(), Vec::new(), None, 0, Vec::new()),
         };
         Row {
             shared: shared.clone(),
@@ -665,6 +675,7 @@ impl Engine {
             fresh: None,
             min_version,
             max_version,
+            version_runs,
             first_token: None,
         }
     }
@@ -787,6 +798,7 @@ impl Row {
             finish,
             min_version: self.min_version.unwrap_or(version),
             max_version: if self.min_version.is_some() { self.max_version } else { version },
+            version_runs: self.version_runs,
             time_to_first_token: self.first_token,
         }
     }
