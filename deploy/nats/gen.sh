@@ -6,11 +6,14 @@
 #
 #   deploy/nats/gen.sh [--out DIR] [--namespace NS] [--hosts h1,h2,...] [--install-dir DIR] [--store-dir DIR]
 #                      [--listen ADDR] [--monitor ADDR|off] [--days N] [--rotate passwords|certs|all]
+#                      [--owner UID[:GID]]
 #
 # --hosts: the names and addresses clients reach the server by (the server certificate's names; the first one
 # is the host in the generated nats.yaml URLs). Defaults: --out deploy/nats/generated, --namespace jetrl,
 # --hosts 127.0.0.1,localhost,nats, --install-dir /etc/nats (where the server will read its files),
 # --store-dir /data/jetstream, --listen 0.0.0.0:4222, --monitor 127.0.0.1:8222, --days 825.
+# --owner: give clients/ to this owner (root only): docker compose mounts secrets with their host owner and mode,
+# and the image's jetrl user is 10001:10001 (sudo deploy/nats/gen.sh --owner 10001:10001).
 #
 # Idempotent: a second run keeps the CA, keys and passwords it finds under --out and rewrites only the
 # configuration (and the server certificate when --hosts changed). --rotate makes new ones (docs/deploy.md,
@@ -40,6 +43,7 @@ monitor="127.0.0.1:8222"
 days=825
 rotate=""
 url_host=""
+owner=""
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit "${1:-0}"; }
 die() { echo "gen.sh: $*" >&2; exit 1; }
@@ -55,6 +59,7 @@ while [ $# -gt 0 ]; do
     --monitor) monitor="$2"; shift 2 ;;
     --days) days="$2"; shift 2 ;;
     --rotate) rotate="$2"; shift 2 ;;
+    --owner) owner="$2"; shift 2 ;;
     -h|--help) usage 0 ;;
     *) echo "gen.sh: unknown argument $1" >&2; usage 2 ;;
   esac
@@ -270,6 +275,11 @@ EOF
   chmod 644 "$dir/cert.pem" "$dir/nats.env" "$dir/nats.yaml"
 done
 chmod 644 "$ca" "$out/clients/ca.pem" "$out/server/tls/server.pem"
+if [ -n "$owner" ]; then
+  [[ "$owner" =~ ^[0-9]+(:[0-9]+)?$ ]] || die "--owner $owner: expected UID or UID:GID (numbers)"
+  chown -R "$owner" "$out/clients" || die "--owner $owner: chown failed (run as root)"
+  generated+=("owner of clients/: $owner")
+fi
 
 # ---------------------------------------------------------------------------------------------------------------
 # The server configuration.

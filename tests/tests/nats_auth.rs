@@ -12,120 +12,12 @@ use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{Bus, BusError};
 use jetrl_config::NatsConfig;
 use jetrl_tests::bin;
+use jetrl_tests::secure_nats::{gen, SecureNats};
 use jetrl_wire::v1::{PromptTask, WeightAnnounce, WeightAnnounceResponse};
 use jetrl_wire::{subjects, Message};
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
-}
-
-/// Runs deploy/nats/gen.sh with `args`; panics with its output unless it succeeds.
-fn gen(args: &[&str]) -> String {
-    let out = Command::new("bash").arg(repo().join("deploy/nats/gen.sh")).args(args).output().expect("bash");
-    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "gen.sh {args:?} failed:\n{text}");
-    text
-}
-
-/// A nats-server running the generated configuration; killed (and its directory removed) on drop.
-struct SecureNats {
-    dir: tempfile::TempDir,
-    port: u16,
-    child: Child,
-}
-
-impl SecureNats {
-    fn start() -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let port = free_port();
-        let out = dir.path().join("generated");
-        let server_dir = out.join("server");
-        gen(&[
-            "--out",
-            &out.display().to_string(),
-            "--install-dir",
-            &server_dir.display().to_string(),
-            "--store-dir",
-            &dir.path().join("jetstream").display().to_string(),
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--monitor",
-            "off",
-            "--hosts",
-            "127.0.0.1,localhost",
-        ]);
-        let log = dir.path().join("nats.log");
-        let child = Command::new(jetrl_bus::harness::find_binary().expect("nats-server"))
-            .arg("-c")
-            .arg(server_dir.join("nats.conf"))
-            .arg("-l")
-            .arg(&log)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting nats-server");
-        let server = Self { dir, port, child };
-        let started = Instant::now();
-        while !server.log().contains("Server is ready") {
-            assert!(started.elapsed() < Duration::from_secs(20), "nats-server not ready:\n{}", server.log());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        server
-    }
-
-    fn url(&self) -> String {
-        format!("tls://127.0.0.1:{}", self.port)
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("nats.log")).unwrap_or_default()
-    }
-
-    fn client_dir(&self, user: &str) -> PathBuf {
-        self.dir.path().join("generated/clients").join(user)
-    }
-
-    /// The `nats.yaml` gen.sh wrote for `user` (a job-file section, as `jetrl status --config` reads it).
-    fn identity_file(&self, user: &str) -> PathBuf {
-        self.client_dir(user).join("nats.yaml")
-    }
-
-    /// `user`'s NATS settings, loaded through the job configuration as a service loads them.
-    fn identity(&self, user: &str) -> NatsConfig {
-        let job: jetrl_config::JobConfig =
-            jetrl_config::load(Some(&self.identity_file(user)), &[]).expect("generated nats.yaml loads");
-        NatsConfig { connect_timeout_s: 20.0, ..job.nats }
-    }
-
-    /// `user`'s NATS settings as command-line overrides (`nats.user=...`).
-    fn overrides(&self, user: &str) -> Vec<String> {
-        let text = std::fs::read_to_string(self.identity_file(user)).expect("nats.yaml");
-        let doc: serde_yaml::Value = serde_yaml::from_str(&text).expect("yaml");
-        let section = doc["nats"].as_mapping().expect("a nats section");
-        section
-            .iter()
-            .map(|(k, v)| format!("nats.{}={}", k.as_str().unwrap_or_default(), v.as_str().unwrap_or_default()))
-            .collect()
-    }
-
-    async fn connect(&self, user: &str) -> Bus {
-        Bus::connect(&self.identity(user), &format!("test-{user}")).await.unwrap_or_else(|e| panic!("{user}: {e}"))
-    }
-}
-
-impl Drop for SecureNats {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("----- nats-server log -----\n{}", self.log());
-        }
-    }
 }
 
 /// Asserts that `result` is a refusal that came back at once, not after a timeout.
@@ -152,7 +44,7 @@ fn permission_violations_counted() -> f64 {
 #[tokio::test]
 async fn wrong_credentials_fail_at_start_up_with_the_server_and_the_user_and_no_secret() {
     let nats = SecureNats::start();
-    let wrong = nats.dir.path().join("wrong-password");
+    let wrong = nats.dir().join("wrong-password");
     std::fs::write(&wrong, "not-the-password\n").expect("write");
     let cfg = NatsConfig { password_file: Some(wrong.display().to_string()), ..nats.identity("rollout-worker") };
     let started = Instant::now();
@@ -349,8 +241,7 @@ fn a_training_job_runs_with_every_service_under_its_own_identity() {
     let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && text.contains("weights: version 2"), "jetrl status:\n{text}");
 
-    let server_log = nats.log();
-    let refused: Vec<&str> = server_log.lines().filter(|l| l.contains(" Violation")).collect();
+    let refused = nats.violations();
     assert!(refused.is_empty(), "the server refused something a service does:\n{}\n{logs}", refused.join("\n"));
     assert!(!logs.contains("permissions violation"), "{logs}");
 }
