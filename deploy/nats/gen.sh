@@ -6,12 +6,13 @@
 #
 #   deploy/nats/gen.sh [--out DIR] [--namespace NS] [--hosts h1,h2,...] [--install-dir DIR] [--store-dir DIR]
 #                      [--listen ADDR] [--monitor ADDR|off] [--days N] [--rotate passwords|certs|all]
-#                      [--owner UID[:GID]]
+#                      [--owner UID[:GID]] [--client-dir DIR]
 #
 # --hosts: the names and addresses clients reach the server by (the server certificate's names; the first one
 # is the host in the generated nats.yaml URLs). Defaults: --out deploy/nats/generated, --namespace jetrl,
 # --hosts 127.0.0.1,localhost,nats, --install-dir /etc/nats (where the server will read its files),
 # --store-dir /data/jetstream, --listen 0.0.0.0:4222, --monitor 127.0.0.1:8222, --days 825.
+# --client-dir: where clients/ will be installed (default: where it is written), for the paths in nats.yaml.
 # --owner: give clients/ to this owner (root only): docker compose mounts secrets with their host owner and mode,
 # and the image's jetrl user is 10001:10001 (sudo deploy/nats/gen.sh --owner 10001:10001).
 #
@@ -27,7 +28,7 @@
 #   clients/ca.pem             the CA every client trusts
 #   clients/<user>/            password (0600), cert.pem, key.pem (0600),
 #                              nats.env (JETRL__NATS__USER and __INBOX_PREFIX: not secret),
-#                              nats.yaml (a job-file `nats:` section with absolute paths into this directory)
+#                              nats.yaml (a job-file `nats:` section with absolute paths to these files)
 # Users: trainer, rollout-worker, reward-service, replay-buffer, checkpoint-sync, status (read-only, for
 # `jetrl status`) and admin (everything in the job's account: stream maintenance; keep its password offline).
 set -euo pipefail
@@ -44,6 +45,7 @@ days=825
 rotate=""
 url_host=""
 owner=""
+client_dir=""
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit "${1:-0}"; }
 die() { echo "gen.sh: $*" >&2; exit 1; }
@@ -60,6 +62,7 @@ while [ $# -gt 0 ]; do
     --days) days="$2"; shift 2 ;;
     --rotate) rotate="$2"; shift 2 ;;
     --owner) owner="$2"; shift 2 ;;
+    --client-dir) client_dir="$2"; shift 2 ;;
     -h|--help) usage 0 ;;
     *) echo "gen.sh: unknown argument $1" >&2; usage 2 ;;
   esac
@@ -76,6 +79,7 @@ url_host="${host_list[0]}"
 umask 077
 mkdir -p "$out/server/tls" "$out/ca" "$out/clients"
 out="$(cd "$out" && pwd)"
+client_dir="${client_dir:-$out/clients}"
 
 # ---------------------------------------------------------------------------------------------------------------
 # The job's names. Today's services use the un-namespaced names below; the job namespace (issue 14) will put
@@ -261,15 +265,15 @@ JETRL__NATS__USER=$(user "$u")
 $inbox_line
 EOF
   {
-    echo "# $(user "$u"): a job-file nats section using the files generated in $dir"
+    echo "# $(user "$u"): a job-file nats section using this identity's files in $client_dir/$u"
     echo "nats:"
     echo "  url: tls://$url_host:${listen##*:}"
     echo "  user: $(user "$u")"
-    echo "  password_file: $dir/password"
+    echo "  password_file: $client_dir/$u/password"
     [ "$u" = admin ] || echo "  inbox_prefix: $(inbox "$u")"
-    echo "  tls_ca_file: $out/clients/ca.pem"
-    echo "  tls_cert_file: $dir/cert.pem"
-    echo "  tls_key_file: $dir/key.pem"
+    echo "  tls_ca_file: $client_dir/ca.pem"
+    echo "  tls_cert_file: $client_dir/$u/cert.pem"
+    echo "  tls_key_file: $client_dir/$u/key.pem"
   } >"$dir/nats.yaml"
   chmod 600 "$dir/password" "$dir/key.pem"
   chmod 644 "$dir/cert.pem" "$dir/nats.env" "$dir/nats.yaml"
