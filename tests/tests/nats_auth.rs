@@ -157,6 +157,33 @@ async fn the_status_identity_reads_and_cannot_write() {
     assert_refused("a sample request (it would take groups from the trainer)", reply.await, started);
 }
 
+/// Across every identity: only the trainer may publish prompt tasks and weight announcements, only
+/// checkpoint-sync may write the WEIGHTS bucket. A refusal is immediate; an allowed publish may still fail for
+/// another reason (no checkpoint-sync answers the announcement here), but never as a refusal.
+#[tokio::test]
+async fn prompt_tasks_announcements_and_weight_manifests_each_have_one_writer() {
+    let nats = SecureNats::start();
+    nats.connect("trainer").await.declare_topology().await.expect("topology");
+    for user in ["trainer", "rollout-worker", "reward-service", "replay-buffer", "checkpoint-sync", "status"] {
+        let bus = nats.connect(user).await;
+        let task = Outgoing::protobuf(subjects::prompt_subject("train"), Some(format!("p-{user}")), &prompt_task());
+        let manifest =
+            Outgoing::new(format!("$KV.{}.latest", subjects::WEIGHTS_BUCKET), None, Bytes::from_static(b"m"));
+        let announcement = WeightAnnounce::default();
+        let announce =
+            bus.request::<_, WeightAnnounceResponse>(subjects::WEIGHTS_ANNOUNCE, &announcement, Duration::from_secs(3));
+        let outcomes = [
+            ("a prompt task", user == "trainer", bus.publish_durable(task).await.err()),
+            ("a weight announcement", user == "trainer", announce.await.err()),
+            ("a weight manifest", user == "checkpoint-sync", bus.publish_durable(manifest).await.err()),
+        ];
+        for (what, allowed, err) in outcomes {
+            let refused = err.as_ref().is_some_and(|e| e.to_string().contains("permissions violation"));
+            assert_eq!(refused, !allowed, "{user} publishing {what}: {err:?}");
+        }
+    }
+}
+
 /// A child process killed on drop.
 struct Service(Child);
 

@@ -358,7 +358,7 @@ fn connection_events(
             }
             async_nats::Event::Connected => {
                 metrics::counter!("jetrl_bus_connection_events_total", "event" => "connected").increment(1);
-                tracing::info!(%url, "connected to NATS");
+                tracing::info!(%url, "NATS connection (re)established");
             }
             async_nats::Event::ServerError(async_nats::ServerError::AuthorizationViolation) => {
                 metrics::counter!("jetrl_bus_connection_events_total", "event" => "authorization_violation")
