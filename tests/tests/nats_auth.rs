@@ -184,6 +184,50 @@ async fn prompt_tasks_announcements_and_weight_manifests_each_have_one_writer() 
     }
 }
 
+/// Token authentication, the token read from a file (a plain server with `authorization { token }`): the right
+/// token connects, a wrong one fails at once without naming it.
+#[tokio::test]
+async fn a_token_from_a_file_authenticates_and_a_wrong_one_fails_at_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port();
+    let conf = dir.path().join("nats.conf");
+    std::fs::write(&conf, format!("host: 127.0.0.1\nport: {port}\nauthorization {{ token: \"t0ken-1234\" }}\n"))
+        .expect("write");
+    let log = dir.path().join("nats.log");
+    let mut server = Command::new(jetrl_bus::harness::find_binary().expect("nats-server"))
+        .arg("-c")
+        .arg(&conf)
+        .arg("-l")
+        .arg(&log)
+        .spawn()
+        .expect("nats-server");
+    let started = Instant::now();
+    while !std::fs::read_to_string(&log).unwrap_or_default().contains("Server is ready") {
+        assert!(started.elapsed() < Duration::from_secs(20), "nats-server not ready");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let token_file = dir.path().join("token");
+    let url = format!("nats://127.0.0.1:{port}");
+    let cfg = NatsConfig {
+        url: url.clone(),
+        token_file: Some(token_file.display().to_string()),
+        connect_timeout_s: 20.0,
+        ..Default::default()
+    };
+    std::fs::write(&token_file, "t0ken-1234\n").expect("write");
+    let connected = Bus::connect(&cfg, "test").await;
+    std::fs::write(&token_file, "wrong-token\n").expect("write");
+    let started = Instant::now();
+    let refused = Bus::connect(&cfg, "test").await;
+    let _ = server.kill();
+    let _ = server.wait();
+    connected.expect("the right token connects");
+    let text = refused.err().expect("a wrong token must not connect").to_string();
+    assert!(text.contains(&url) && text.contains("a token") && text.contains("not retried"), "{text}");
+    assert!(!text.contains("wrong-token"), "the error leaks the token: {text}");
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+}
+
 /// A child process killed on drop.
 struct Service(Child);
 
