@@ -49,9 +49,17 @@ enum Command {
         dtype: String,
     },
     /// Show a running job: group counts, workers, weight version, and optionally the ledger of prompt groups.
+    /// NATS settings (URL, credentials, TLS) come from the `nats` section of --config, `JETRL__NATS__*`
+    /// environment variables and `nats.key=value` overrides, as for the services.
     Status {
-        #[arg(long, default_value = "nats://127.0.0.1:4222")]
-        nats_url: String,
+        /// a job file, or just a `nats:` section (deploy/nats/gen.sh writes one per identity: clients/status/nats.yaml)
+        #[arg(long, short = 'c')]
+        config: Option<PathBuf>,
+        /// overrides, `nats.key=value`
+        overrides: Vec<String>,
+        /// the server URL (overrides nats.url)
+        #[arg(long)]
+        nats_url: Option<String>,
         /// list what happened to each prompt group (trained at step s, evicted and why, in flight)
         #[arg(long)]
         ledger: bool,
@@ -82,10 +90,12 @@ fn main() -> anyhow::Result<()> {
             jetrl_model::logprobs_jsonl_on(&model, device, dtype, stdin.lock(), stdout.lock())?;
             Ok(())
         }
-        Command::Status { nats_url, ledger, uid } => {
+        Command::Status { config, mut overrides, nats_url, ledger, uid } => {
             jetrl_telemetry::init_tracing("warn", jetrl_config::LogFormat::Text);
+            overrides.extend(nats_url.map(|url| format!("nats.url={url}")));
+            let nats = status::nats_config(config.as_deref(), &overrides)?;
             let runtime = tokio::runtime::Runtime::new()?;
-            runtime.block_on(status::status(&nats_url, ledger, uid))
+            runtime.block_on(status::status(&nats, ledger, uid))
         }
     }
 }

@@ -1,16 +1,28 @@
 //! `jetrl status`: a snapshot of a running job.
 
+use std::path::Path;
 use std::time::Duration;
 
 use futures::StreamExt;
 use jetrl_bus::Bus;
-use jetrl_config::NatsConfig;
+use jetrl_config::{JobConfig, NatsConfig};
 use jetrl_wire::v1::{Heartbeat, LedgerRequest, LedgerResponse};
 use jetrl_wire::{subjects, Message};
 
-pub async fn status(url: &str, ledger: bool, uids: Vec<String>) -> anyhow::Result<()> {
-    let cfg = NatsConfig { url: url.to_string(), connect_timeout_s: 5.0, ..NatsConfig::default() };
-    let bus = Bus::connect(&cfg, "jetrl-status").await?;
+/// NATS settings from the `nats` section of `file` (a job file, or one with only `nats:`; the file is typed as a
+/// job file, so a misspelt key is an error, but not validated as one), `JETRL__NATS__*` and `nats.key=value`
+/// overrides. A status gives up on an unreachable server after 5 s unless the configuration says otherwise.
+pub fn nats_config(file: Option<&Path>, overrides: &[String]) -> anyhow::Result<NatsConfig> {
+    let mut overrides = overrides.to_vec();
+    if jetrl_config::load_value(file, &overrides)?.pointer("/nats/connect_timeout_s").is_none() {
+        overrides.push("nats.connect_timeout_s=5".into());
+    }
+    let job: JobConfig = jetrl_config::load(file, &overrides)?;
+    Ok(job.nats)
+}
+
+pub async fn status(cfg: &NatsConfig, ledger: bool, uids: Vec<String>) -> anyhow::Result<()> {
+    let bus = Bus::connect(cfg, "jetrl-status").await?;
     match bus.latest_manifest().await? {
         Some(m) => println!(
             "weights: version {} (step {}, {} tensors, {} bytes at {})",

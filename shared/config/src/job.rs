@@ -143,8 +143,8 @@ impl JobConfig {
     }
 }
 
-/// How to reach NATS.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// How to reach NATS. Its `Debug` shows no secret (see the impl below).
+#[derive(Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct NatsConfig {
     pub url: String,
@@ -157,6 +157,25 @@ pub struct NatsConfig {
     pub connect_timeout_s: f64,
     /// default timeout of request/reply calls
     pub request_timeout_s: f64,
+    /// a file holding the password of `user` (its first line): how systemd's LoadCredential and compose secrets
+    /// hand secrets over, so the password is in neither the environment nor a command line
+    pub password_file: Option<String>,
+    /// a file holding the token (its first line)
+    pub token_file: Option<String>,
+    /// a file holding an nkey seed (`SU...`): nkey authentication
+    pub nkey_seed_file: Option<String>,
+    /// PEM CA certificate(s) the server's certificate must chain to (instead of the system's roots)
+    pub tls_ca_file: Option<String>,
+    /// PEM client certificate and its private key, for a server that verifies clients (mutual TLS)
+    pub tls_cert_file: Option<String>,
+    pub tls_key_file: Option<String>,
+    /// the name the server's certificate must carry, when it is not the URL's host (e.g. a URL with an IP)
+    pub tls_server_name: Option<String>,
+    /// refuse to talk to the server without TLS (implied by any `tls_*` file and by a `tls://` URL)
+    pub tls_required: bool,
+    /// the prefix of this client's reply subjects (default `_INBOX`): a server that lets each user subscribe only
+    /// to its own replies (`_INBOX_<user>.>`, as deploy/nats/gen.sh writes) needs it
+    pub inbox_prefix: Option<String>,
 }
 
 impl Default for NatsConfig {
@@ -169,7 +188,60 @@ impl Default for NatsConfig {
             token: None,
             connect_timeout_s: 30.0,
             request_timeout_s: 30.0,
+            password_file: None,
+            token_file: None,
+            nkey_seed_file: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+            tls_server_name: None,
+            tls_required: false,
+            inbox_prefix: None,
         }
+    }
+}
+
+/// Secrets (password, token) print as `<redacted>`, so a logged or panicking config leaks none. The exhaustive
+/// destructuring makes a new field a compile error here until someone decides whether it is a secret.
+impl std::fmt::Debug for NatsConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let NatsConfig {
+            url,
+            creds_file,
+            user,
+            password,
+            token,
+            connect_timeout_s,
+            request_timeout_s,
+            password_file,
+            token_file,
+            nkey_seed_file,
+            tls_ca_file,
+            tls_cert_file,
+            tls_key_file,
+            tls_server_name,
+            tls_required,
+            inbox_prefix,
+        } = self;
+        let redacted = |secret: &Option<String>| secret.as_ref().map(|_| "<redacted>");
+        f.debug_struct("NatsConfig")
+            .field("url", url)
+            .field("creds_file", creds_file)
+            .field("user", user)
+            .field("password", &redacted(password))
+            .field("token", &redacted(token))
+            .field("connect_timeout_s", connect_timeout_s)
+            .field("request_timeout_s", request_timeout_s)
+            .field("password_file", password_file)
+            .field("token_file", token_file)
+            .field("nkey_seed_file", nkey_seed_file)
+            .field("tls_ca_file", tls_ca_file)
+            .field("tls_cert_file", tls_cert_file)
+            .field("tls_key_file", tls_key_file)
+            .field("tls_server_name", tls_server_name)
+            .field("tls_required", tls_required)
+            .field("inbox_prefix", inbox_prefix)
+            .finish()
     }
 }
 
