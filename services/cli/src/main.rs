@@ -52,6 +52,9 @@ enum Command {
     Status {
         #[arg(long, default_value = "nats://127.0.0.1:4222")]
         nats_url: String,
+        /// the job's namespace: its `nats.namespace`, else its `run.name`
+        #[arg(long, default_value = "jetrl")]
+        namespace: String,
         /// list what happened to each prompt group (trained at step s, evicted and why, in flight)
         #[arg(long)]
         ledger: bool,
@@ -82,10 +85,10 @@ fn main() -> anyhow::Result<()> {
             jetrl_model::logprobs_jsonl_on(&model, device, dtype, stdin.lock(), stdout.lock())?;
             Ok(())
         }
-        Command::Status { nats_url, ledger, uid } => {
+        Command::Status { nats_url, namespace, ledger, uid } => {
             jetrl_telemetry::init_tracing("warn", "text");
             let runtime = tokio::runtime::Runtime::new()?;
-            runtime.block_on(status::status(&nats_url, ledger, uid))
+            runtime.block_on(status::status(&nats_url, &namespace, ledger, uid))
         }
     }
 }

@@ -5,12 +5,25 @@ use std::time::Duration;
 use futures::StreamExt;
 use jetrl_bus::Bus;
 use jetrl_config::NatsConfig;
+use jetrl_wire::subjects::{self, Names};
 use jetrl_wire::v1::{Heartbeat, LedgerRequest, LedgerResponse};
-use jetrl_wire::{subjects, Message};
+use jetrl_wire::Message;
 
-pub async fn status(url: &str, ledger: bool, uids: Vec<String>) -> anyhow::Result<()> {
+pub async fn status(url: &str, namespace: &str, ledger: bool, uids: Vec<String>) -> anyhow::Result<()> {
     let cfg = NatsConfig { url: url.to_string(), connect_timeout_s: 5.0, ..NatsConfig::default() };
-    let bus = Bus::connect(&cfg, "jetrl-status").await?;
+    let names = Names::new(namespace).map_err(|e| anyhow::anyhow!("--namespace: {e}"))?;
+    let bus = Bus::connect(&cfg, &names, "jetrl-status").await?;
+    // Looking a job up must not declare one: a mistyped namespace would leave empty buckets behind.
+    if bus.jetstream().get_stream(names.prompts_stream()).await.is_err() {
+        let mut jobs = Vec::new();
+        let mut streams = bus.jetstream().stream_names();
+        while let Some(Ok(stream)) = streams.next().await {
+            jobs.extend(subjects::job_of_prompts_stream(&stream).map(str::to_string));
+        }
+        jobs.sort();
+        anyhow::bail!("no job {namespace:?} at {url} (no stream {}); jobs there: {jobs:?}", names.prompts_stream());
+    }
+    println!("job: {namespace}");
     match bus.latest_manifest().await? {
         Some(m) => println!(
             "weights: version {} (step {}, {} tensors, {} bytes at {})",
@@ -22,7 +35,7 @@ pub async fn status(url: &str, ledger: bool, uids: Vec<String>) -> anyhow::Resul
         ),
         None => println!("weights: no version announced yet"),
     }
-    let kv = bus.key_value(subjects::WORKERS_BUCKET).await?;
+    let kv = bus.key_value(names.workers_bucket()).await?;
     let mut keys = kv.keys().await?;
     println!("workers:");
     let now = jetrl_wire::now_unix_ms();
@@ -42,7 +55,7 @@ pub async fn status(url: &str, ledger: bool, uids: Vec<String>) -> anyhow::Resul
         }
     }
     let request = LedgerRequest { partition: String::new(), uids, limit: if ledger { 100_000 } else { 1 } };
-    let response: LedgerResponse = bus.request(subjects::BUFFER_LEDGER, &request, Duration::from_secs(10)).await?;
+    let response: LedgerResponse = bus.request(names.buffer_ledger(), &request, Duration::from_secs(10)).await?;
     if !response.error.is_empty() {
         anyhow::bail!("replay buffer: {}", response.error);
     }

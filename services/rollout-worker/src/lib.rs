@@ -159,7 +159,7 @@ pub async fn run(
     let settings = settings(&cfg)?;
     let shutdown = Shutdown::new(shutdown);
     let instance = cfg.rollout.instance_id.clone().unwrap_or_else(default_instance_id);
-    let bus = Bus::connect(&cfg.nats, &format!("jetrl-rollout-worker-{instance}")).await?;
+    let bus = Bus::connect_job(&cfg, &format!("jetrl-rollout-worker-{instance}")).await?;
     bus.declare_topology().await?;
     let stop = shutdown.clone();
     jetrl_telemetry::serve_metrics(&cfg.rollout.metrics_addr, async move { stop.wait().await }).await?;
@@ -227,9 +227,9 @@ pub async fn run(
 
     let consumer = bus
         .shared_pull_consumer(
-            subjects::PROMPTS_STREAM,
+            bus.names().prompts_stream(),
             subjects::ROLLOUT_CONSUMER,
-            &format!("{}.>", subjects::PROMPTS_SUBJECT),
+            &bus.names().prompts_filter(),
             worker.ack_wait,
             100_000,
         )
@@ -341,7 +341,7 @@ impl Worker {
     async fn handle(self: Arc<Self>, msg: jetstream::Message, mut slots: OwnedSemaphorePermit) {
         let Some(task) = consume::decode_or_term::<PromptTask>(&msg, SERVICE).await else { return };
         if let Err(err) = validate_uid(&task.uid) {
-            consume::count_malformed(SERVICE, subjects::PROMPTS_STREAM);
+            consume::count_malformed(SERVICE, self.bus.names().prompts_stream());
             tracing::error!(subject = %msg.subject, error = %err, "task with an invalid uid terminated");
             consume::settle(&msg, AckKind::Term).await;
             return;
@@ -556,10 +556,11 @@ impl Worker {
             waiting_sequences: load.waiting as u32,
             kv_cache_usage: load.kv_usage,
         };
-        let kv = self.bus.key_value(subjects::WORKERS_BUCKET).await?;
+        let bucket = self.bus.names().workers_bucket();
+        let kv = self.bus.key_value(bucket).await?;
         let key = format!("rollout.{}", self.instance);
         kv.put(&key, beat.encode_to_vec().into()).await.map_err(|e| BusError::Kv {
-            bucket: subjects::WORKERS_BUCKET.into(),
+            bucket: bucket.into(),
             key,
             message: e.to_string(),
         })?;
@@ -666,7 +667,7 @@ impl<'a> GroupPublisher<'a> {
             raw_prompt: task.messages.clone(),
             ..Default::default()
         };
-        let subject = subjects::traj_subject(&task.partition, &task.uid);
+        let subject = self.worker.bus.names().traj_subject(&task.partition, &task.uid);
         self.publisher
             .publish(Outgoing::protobuf(subject, Some(key.clone()), &traj))
             .await
@@ -715,9 +716,10 @@ async fn with_progress<T>(
 async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
     loop {
         let watch = async {
-            let kv = worker.bus.key_value(subjects::WEIGHTS_BUCKET).await?;
+            let bucket = worker.bus.names().weights_bucket();
+            let kv = worker.bus.key_value(bucket).await?;
             kv.watch_with_history("latest").await.map_err(|e| BusError::Kv {
-                bucket: subjects::WEIGHTS_BUCKET.into(),
+                bucket: bucket.into(),
                 key: "latest".into(),
                 message: e.to_string(),
             })
@@ -739,7 +741,7 @@ async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
             let manifest = match WeightManifest::decode(entry.value.as_ref()) {
                 Ok(m) => m,
                 Err(err) => {
-                    consume::count_malformed(SERVICE, subjects::WEIGHTS_BUCKET);
+                    consume::count_malformed(SERVICE, worker.bus.names().weights_bucket());
                     tracing::error!(error = %err, "malformed weight manifest ignored");
                     continue;
                 }

@@ -4,7 +4,7 @@
 //!
 //! 1. submit one batch of `data.train_batch_size` prompt groups: a `pending` record in the GROUPS bucket,
 //!    then a task on the PROMPTS work queue, for each;
-//! 2. ask the replay buffer for the whole batch (`jetrl.buffer.sample`, retried with the same request id);
+//! 2. ask the replay buffer for the whole batch (`jetrl.<ns>.buffer.sample`, retried with the same request id);
 //! 3. fetch the trajectory payloads from the TRAJ stream by sequence;
 //! 4. on the actor thread: old, reference and value passes, advantages, critic and actor updates ([`actor`]);
 //! 5. every `trainer.save_freq` steps, a checkpoint ([`checkpoint`]);
@@ -53,7 +53,7 @@ use jetrl_wire::v1::{
     self, GroupState, GroupStatus, Heartbeat, PromptTask, ReleaseRequest, ReleaseResponse, SampleRequest,
     SampleResponse, Trajectory, WeightAnnounce, WeightAnnounceResponse,
 };
-use jetrl_wire::{packed, subjects, Message};
+use jetrl_wire::{packed, Message};
 
 use crate::actor::{stats, ActorError, ActorHandle, Sample};
 use crate::checkpoint::{CheckpointError, TrainerState};
@@ -112,7 +112,7 @@ pub async fn run(
         return Err(TrainerError::Mode(cfg.trainer.mode.clone()));
     }
     let shutdown = Shutdown::new(shutdown);
-    let bus = Bus::connect(&cfg.nats, "jetrl-trainer").await?;
+    let bus = Bus::connect_job(&cfg, "jetrl-trainer").await?;
     bus.declare_topology().await?;
     let stop = shutdown.clone();
     jetrl_telemetry::serve_metrics(&cfg.trainer.metrics_addr, async move { stop.wait().await }).await?;
@@ -296,7 +296,7 @@ impl Trainer {
         }
         let mut publisher = Publisher::new(&self.bus, 512);
         for r in &reissued {
-            let subject = subjects::prompt_subject(&r.task.partition);
+            let subject = self.bus.names().prompt_subject(&r.task.partition);
             publisher.publish(Outgoing::protobuf(subject, Some(r.task.uid.clone()), &r.task)).await?;
         }
         publisher.drain().await?;
@@ -452,7 +452,7 @@ impl Trainer {
         let mut publisher = Publisher::new(&self.bus, 512);
         for task in &tasks {
             publisher
-                .publish(Outgoing::protobuf(subjects::prompt_subject(partition), Some(task.uid.clone()), task))
+                .publish(Outgoing::protobuf(self.bus.names().prompt_subject(partition), Some(task.uid.clone()), task))
                 .await?;
         }
         publisher.drain().await?;
@@ -499,7 +499,7 @@ impl Trainer {
             }
             let reply = tokio::select! {
                 _ = self.shutdown.wait() => return Err(TrainerError::Shutdown),
-                r = self.bus.request::<_, SampleResponse>(subjects::BUFFER_SAMPLE, &request, wait + Duration::from_secs(5)) => r,
+                r = self.bus.request::<_, SampleResponse>(self.bus.names().buffer_sample(), &request, wait + Duration::from_secs(5)) => r,
             };
             match reply {
                 Ok(resp) if !resp.error.is_empty() => return Err(TrainerError::Buffer(resp.error)),
@@ -529,8 +529,8 @@ impl Trainer {
     async fn fetch_samples(&self, response: &SampleResponse) -> Result<Vec<Sample>, TrainerError> {
         let rewards: Vec<&v1::Reward> = response.groups.iter().flat_map(|g| g.trajectories.iter()).collect();
         let wanted: Vec<(String, u64)> =
-            rewards.iter().map(|r| (subjects::traj_subject(&r.partition, &r.uid), r.traj_seq)).collect();
-        let mut payloads = self.bus.fetch_by_sequence(subjects::TRAJ_STREAM, &wanted).await?;
+            rewards.iter().map(|r| (self.bus.names().traj_subject(&r.partition, &r.uid), r.traj_seq)).collect();
+        let mut payloads = self.bus.fetch_by_sequence(self.bus.names().traj_stream(), &wanted).await?;
         let fetched: Vec<(usize, Result<Trajectory, String>)> = rewards
             .iter()
             .enumerate()
@@ -567,7 +567,10 @@ impl Trainer {
         let bus = self.bus.clone();
         let task = tokio::spawn(async move {
             let request = ReleaseRequest { step, request_ids };
-            match bus.request::<_, ReleaseResponse>(subjects::BUFFER_RELEASE, &request, Duration::from_secs(30)).await {
+            match bus
+                .request::<_, ReleaseResponse>(bus.names().buffer_release(), &request, Duration::from_secs(30))
+                .await
+            {
                 Ok(resp) if resp.error.is_empty() => {}
                 Ok(resp) => tracing::warn!(error = %resp.error, "release failed"),
                 Err(err) => tracing::warn!(error = %err, "release not acknowledged"),
@@ -599,7 +602,11 @@ impl Trainer {
         loop {
             match self
                 .bus
-                .request::<_, WeightAnnounceResponse>(subjects::WEIGHTS_ANNOUNCE, &announce, Duration::from_secs(60))
+                .request::<_, WeightAnnounceResponse>(
+                    self.bus.names().weights_announce(),
+                    &announce,
+                    Duration::from_secs(60),
+                )
                 .await
             {
                 Ok(resp) if resp.error.is_empty() => break,
@@ -623,9 +630,9 @@ impl Trainer {
     /// unless `exact`).
     async fn wait_for_workers(&self, version: u64, exact: bool) -> Result<(), TrainerError> {
         let timeout = Duration::from_secs_f64(self.cfg.trainer.weight_sync_timeout_s.max(1.0));
-        let kv = self.bus.key_value(subjects::WORKERS_BUCKET).await?;
+        let kv = self.bus.key_value(self.bus.names().workers_bucket()).await?;
         let mut watch = kv.watch_with_history("rollout.>").await.map_err(|e| BusError::Kv {
-            bucket: subjects::WORKERS_BUCKET.into(),
+            bucket: kv.name.clone(),
             key: "rollout.>".into(),
             message: e.to_string(),
         })?;

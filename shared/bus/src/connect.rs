@@ -1,25 +1,36 @@
 //! Connecting to NATS: retries with backoff and an error that names the URL.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
-use jetrl_config::NatsConfig;
+use jetrl_config::{JobConfig, NatsConfig};
+use jetrl_wire::subjects::Names;
 
 use crate::BusError;
 
-/// A NATS connection plus its JetStream context. Cheap to clone.
+/// A NATS connection plus its JetStream context, for one job. Cheap to clone.
 #[derive(Clone)]
 pub struct Bus {
     client: async_nats::Client,
     js: jetstream::Context,
     /// default timeout for request/reply calls
     request_timeout: Duration,
+    /// the job's stream, bucket and subject names: every name this connection uses comes from here
+    names: Arc<Names>,
 }
 
 impl Bus {
+    /// Connects for the job `job` describes (its namespace: `nats.namespace`, else `run.name`).
+    pub async fn connect_job(job: &JobConfig, client_name: &str) -> Result<Self, BusError> {
+        let namespace = job.namespace().map_err(|e| BusError::Namespace(e.to_string()))?;
+        let names = Names::new(namespace).map_err(|e| BusError::Namespace(e.to_string()))?;
+        Self::connect(&job.nats, &names, client_name).await
+    }
+
     /// Connects, retrying with exponential backoff (0.2 s doubling to 5 s) until `connect_timeout_s` has
     /// passed; each failed attempt is logged with the URL. Once connected the client reconnects forever.
-    pub async fn connect(cfg: &NatsConfig, client_name: &str) -> Result<Self, BusError> {
+    pub async fn connect(cfg: &NatsConfig, names: &Names, client_name: &str) -> Result<Self, BusError> {
         let started = Instant::now();
         let deadline = Duration::from_secs_f64(cfg.connect_timeout_s.max(0.0));
         let mut delay = Duration::from_millis(200);
@@ -29,8 +40,9 @@ impl Bus {
             let options = Self::options(cfg, client_name).await?;
             match options.connect(cfg.url.as_str()).await {
                 Ok(client) => {
-                    tracing::info!(url = %cfg.url, attempts, "connected to NATS");
-                    return Ok(Self::from_client(client, Duration::from_secs_f64(cfg.request_timeout_s)));
+                    tracing::info!(url = %cfg.url, namespace = names.namespace(), attempts, "connected to NATS");
+                    let request_timeout = Duration::from_secs_f64(cfg.request_timeout_s);
+                    return Ok(Self::from_client(client, request_timeout, names.clone()));
                 }
                 Err(err) => {
                     let waited = started.elapsed();
@@ -77,15 +89,20 @@ impl Bus {
         Ok(options)
     }
 
-    /// Wraps an existing client.
-    pub fn from_client(client: async_nats::Client, request_timeout: Duration) -> Self {
+    /// Wraps an existing client, for the job named by `names`.
+    pub fn from_client(client: async_nats::Client, request_timeout: Duration, names: Names) -> Self {
         let js = jetstream::ContextBuilder::new()
             .timeout(Duration::from_secs(10))
             // stay below the client's own 5000-future cap; Publisher bounds its in-flight acks further
             .max_ack_inflight(4096)
             .backpressure_on_inflight(true)
             .build(client.clone());
-        Self { client, js, request_timeout }
+        Self { client, js, request_timeout, names: Arc::new(names) }
+    }
+
+    /// The job's stream, bucket and subject names.
+    pub fn names(&self) -> &Names {
+        &self.names
     }
 
     pub fn client(&self) -> &async_nats::Client {
@@ -132,7 +149,8 @@ mod tests {
     async fn unreachable_url_fails_with_an_error_naming_it_after_retrying() {
         let cfg = NatsConfig { url: "nats://127.0.0.1:1".into(), connect_timeout_s: 0.9, ..NatsConfig::default() };
         let started = Instant::now();
-        let err = Bus::connect(&cfg, "test").await.err().expect("port 1 has no NATS server");
+        let names = Names::new("test").unwrap();
+        let err = Bus::connect(&cfg, &names, "test").await.err().expect("port 1 has no NATS server");
         let text = err.to_string();
         assert!(text.contains("nats://127.0.0.1:1"), "{text}");
         match err {

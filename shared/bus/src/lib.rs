@@ -1,7 +1,8 @@
 //! NATS JetStream plumbing shared by every jetrl service.
 //!
-//! - [`Bus`] ([`connect`]): a connection with retries and backoff, the JetStream context, and the
-//!   declaration of every stream, consumer, KV bucket and object store the services use ([`topology`]).
+//! - [`Bus`] ([`connect`]): a connection with retries and backoff, the JetStream context, the job's names
+//!   ([`jetrl_wire::subjects::Names`]: every stream, bucket and subject belongs to one job), and the declaration
+//!   of every stream, consumer, KV bucket and object store the services use ([`topology`]).
 //! - [`Publisher`] ([`publish`]): JetStream publishes with `Nats-Msg-Id` de-duplication and pipelined,
 //!   bounded, retried acknowledgements.
 //! - [`consume`]: pull consumption helpers; a message that does not decode is counted, logged with its
@@ -50,6 +51,8 @@ pub enum BusError {
     Decode { what: String, message: String },
     #[error("nats-server: {0}")]
     Server(String),
+    #[error("job namespace: {0}")]
+    Namespace(String),
 }
 
 impl BusError {
@@ -66,6 +69,7 @@ impl BusError {
             BusError::Object { .. } => "object",
             BusError::Decode { .. } => "decode",
             BusError::Server(_) => "server",
+            BusError::Namespace(_) => "namespace",
         }
     }
 }

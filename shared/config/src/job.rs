@@ -39,6 +39,7 @@ impl JobConfig {
         self.critic.validate()?;
         self.reward.validate()?;
         ensure(!self.nats.url.trim().is_empty(), "nats.url", "must not be empty")?;
+        self.namespace()?;
         ensure(self.data.train_batch_size > 0, "data.train_batch_size", "must be > 0")?;
         ensure(self.data.max_response_length > 0, "data.max_response_length", "must be > 0")?;
         ensure(self.rollout.n > 0, "rollout.n", "must be > 0")?;
@@ -110,6 +111,18 @@ impl JobConfig {
         Ok(())
     }
 
+    /// The job's namespace (`nats.namespace`, else `run.name`), checked: an error names the key it came from.
+    pub fn namespace(&self) -> Result<&str, ConfigError> {
+        let (key, namespace) = match &self.nats.namespace {
+            Some(namespace) => ("nats.namespace", namespace.as_str()),
+            None => ("run.name", self.run.name.as_str()),
+        };
+        jetrl_wire::subjects::validate_namespace(namespace).map(|()| namespace).map_err(|err| {
+            let hint = if key == "run.name" { "; or set nats.namespace" } else { "" };
+            ConfigError::Invalid { path: key.into(), message: format!("{err}{hint}") }
+        })
+    }
+
     /// Tokens generated per response at most.
     pub fn max_new_tokens(&self) -> u32 {
         self.rollout.max_new_tokens.unwrap_or(self.data.max_response_length)
@@ -130,6 +143,9 @@ pub struct NatsConfig {
     pub connect_timeout_s: f64,
     /// default timeout of request/reply calls
     pub request_timeout_s: f64,
+    /// the job's namespace: part of every stream, bucket and subject name, so jobs sharing a NATS server never
+    /// see each other's records (default: `run.name`)
+    pub namespace: Option<String>,
 }
 
 impl Default for NatsConfig {
@@ -142,6 +158,7 @@ impl Default for NatsConfig {
             token: None,
             connect_timeout_s: 30.0,
             request_timeout_s: 30.0,
+            namespace: None,
         }
     }
 }
@@ -616,6 +633,26 @@ mod tests {
         cfg.checkpoint.transport = "shared_fs".into();
         assert!(cfg.validate().unwrap_err().to_string().contains("checkpoint.shared_dir"));
         assert!(with_task(JobConfig::default()).validate().is_ok());
+    }
+
+    #[test]
+    fn the_namespace_is_nats_namespace_else_run_name_and_an_invalid_one_names_its_key() {
+        let mut cfg = with_task(JobConfig::default());
+        cfg.run.name = "exp-1".into();
+        assert_eq!(cfg.namespace().unwrap(), "exp-1");
+        cfg.nats.namespace = Some("shared_ns".into());
+        assert_eq!(cfg.namespace().unwrap(), "shared_ns");
+
+        cfg.nats.namespace = Some("team.a".into());
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("nats.namespace") && err.contains("team.a"), "{err}");
+        cfg.nats.namespace = None;
+        cfg.run.name = "my run".into();
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("run.name") && err.contains("my run") && err.contains("nats.namespace"), "{err}");
+        // a run.name that cannot be a namespace is fine when nats.namespace is set
+        cfg.nats.namespace = Some("my-run".into());
+        assert!(cfg.validate().is_ok());
     }
 
     #[test]
