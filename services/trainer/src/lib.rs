@@ -42,7 +42,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use jetrl_bus::publish::Outgoing;
 use jetrl_bus::weights::{manifest_for, WeightTransport};
-use jetrl_bus::{Bus, BusError, GroupStore, Publisher};
+use jetrl_bus::{Bus, BusError, GroupStore, Lease, Publisher};
 use jetrl_config::JobConfig;
 use jetrl_data::prompt::{PromptLimits, PromptTokenizer};
 use jetrl_data::{ChatMessage, DataLoader, Example, Prompt};
@@ -53,7 +53,7 @@ use jetrl_wire::v1::{
     self, GroupState, GroupStatus, Heartbeat, PromptTask, ReleaseRequest, ReleaseResponse, SampleRequest,
     SampleResponse, Trajectory, WeightAnnounce, WeightAnnounceResponse,
 };
-use jetrl_wire::{packed, Message};
+use jetrl_wire::{packed, subjects, Message};
 
 use crate::actor::{stats, ActorError, ActorHandle, Sample};
 use crate::checkpoint::{CheckpointError, TrainerState};
@@ -114,12 +114,17 @@ pub async fn run(
     let shutdown = Shutdown::new(shutdown);
     let bus = Bus::connect_job(&cfg, "jetrl-trainer").await?;
     bus.declare_topology().await?;
+    // One trainer per job: a second one is refused here; a trainer that loses the lease stops.
+    let lease = Lease::acquire(&bus, subjects::TRAINER_LEASE_KEY).await?;
+    let stop = shutdown.clone();
+    let shutdown = Shutdown::new(lease.or_lost(async move { stop.wait().await }));
     let stop = shutdown.clone();
     jetrl_telemetry::serve_metrics(&cfg.trainer.metrics_addr, async move { stop.wait().await }).await?;
     let mut trainer = Trainer::new(cfg, bus, shutdown).await?;
     let result = trainer.train().await;
     trainer.finish_releases().await;
     trainer.sink.write_curve();
+    lease.release().await?;
     match result {
         Err(TrainerError::Shutdown) => {
             tracing::info!("trainer stopped by shutdown");

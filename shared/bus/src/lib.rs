@@ -9,6 +9,7 @@
 //!   subject and terminated, never redelivered forever.
 //! - [`score`]: the score request a group's trajectories hand to the reward service.
 //! - [`groups`]: the prompt-group control records (KV, compare-and-set on revision).
+//! - [`lease`]: one holder per job of a role (the trainer), by a refreshed key in the job's LEASE bucket.
 //! - [`harness`]: starts a real `nats-server -js` on a free port with a temporary store directory (tests,
 //!   and `jetrl run` when no URL is given), killed on drop.
 
@@ -17,6 +18,7 @@ pub mod consume;
 pub mod fetch;
 pub mod groups;
 pub mod harness;
+pub mod lease;
 pub mod publish;
 pub mod score;
 pub mod topology;
@@ -25,6 +27,7 @@ pub mod weights;
 pub use connect::Bus;
 pub use groups::GroupStore;
 pub use harness::NatsServer;
+pub use lease::Lease;
 pub use publish::Publisher;
 pub use score::ScoreRequestBuilder;
 
@@ -53,6 +56,14 @@ pub enum BusError {
     Server(String),
     #[error("job namespace: {0}")]
     Namespace(String),
+    #[error(
+        "job {job}: another {key} is running: the lease {key:?} in {bucket} is held by {holder} since {since}, and \
+         it is alive (refreshed while this one waited); stop that {key} first, or give this job another run.name \
+         or nats.namespace"
+    )]
+    LeaseHeld { job: String, bucket: String, key: String, holder: String, since: String },
+    #[error("job {job}: the lease {key:?} in {bucket} was lost: {message}")]
+    LeaseLost { job: String, bucket: String, key: String, message: String },
 }
 
 impl BusError {
@@ -70,6 +81,8 @@ impl BusError {
             BusError::Decode { .. } => "decode",
             BusError::Server(_) => "server",
             BusError::Namespace(_) => "namespace",
+            BusError::LeaseHeld { .. } => "lease_held",
+            BusError::LeaseLost { .. } => "lease_lost",
         }
     }
 }

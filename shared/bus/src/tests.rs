@@ -428,3 +428,77 @@ async fn a_job_with_an_invalid_namespace_is_refused_before_connecting_and_the_er
     let err = Bus::connect_job(&job, "test").await.err().expect("invalid namespace").to_string();
     assert!(err.contains("nats.namespace") && err.contains("a.b"), "{err}");
 }
+
+/// Declares job `namespace`'s LEASE bucket with a short max age before anything else does, so a dead holder's
+/// lease expires quickly.
+async fn short_lease_bucket(bus: &Bus, max_age: Duration) {
+    bus.jetstream()
+        .create_key_value(async_nats::jetstream::kv::Config {
+            bucket: bus.names().lease_bucket().into(),
+            history: 1,
+            max_age,
+            ..Default::default()
+        })
+        .await
+        .expect("lease bucket");
+}
+
+#[tokio::test]
+async fn a_second_holder_is_refused_while_the_first_is_alive_and_takes_the_lease_once_it_is_released() {
+    let server = NatsServer::start().unwrap();
+    let cfg = NatsConfig { url: server.url(), ..NatsConfig::default() };
+    let bus = Bus::connect(&cfg, &Names::new("exp-1").unwrap(), "bus-test").await.unwrap();
+    short_lease_bucket(&bus, Duration::from_secs(2)).await;
+    let first = Lease::acquire(&bus, "trainer").await.unwrap();
+
+    let started = std::time::Instant::now();
+    let err = Lease::acquire(&bus, "trainer").await.err().expect("the lease is held");
+    let waited = started.elapsed();
+    let text = err.to_string();
+    assert!(matches!(err, BusError::LeaseHeld { .. }), "{text}");
+    assert!(text.contains("job exp-1") && text.contains("JETRL_exp-1_LEASE"), "{text}");
+    assert!(text.contains(&format!("trainer pid {}", std::process::id())) && text.contains(" ago)"), "{text}");
+    // refused as soon as the holder refreshed (every 0.4 s here), not after waiting out the max age
+    assert!(waited < Duration::from_secs(2), "refused after {waited:?}");
+
+    first.release().await.unwrap();
+    let started = std::time::Instant::now();
+    let second = Lease::acquire(&bus, "trainer").await.expect("a released lease is free");
+    assert!(started.elapsed() < Duration::from_millis(500), "took {:?}", started.elapsed());
+    second.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_dead_holders_lease_expires_and_a_newcomer_takes_it() {
+    let server = NatsServer::start().unwrap();
+    let cfg = NatsConfig { url: server.url(), ..NatsConfig::default() };
+    let bus = Bus::connect(&cfg, &Names::new("exp-2").unwrap(), "bus-test").await.unwrap();
+    short_lease_bucket(&bus, Duration::from_secs(1)).await;
+    // dropped without a release: refreshing stops, as when the holder's process dies
+    drop(Lease::acquire(&bus, "trainer").await.unwrap());
+    let started = std::time::Instant::now();
+    let lease = Lease::acquire(&bus, "trainer").await.expect("the dead holder's lease expires");
+    let waited = started.elapsed();
+    assert!(waited > Duration::from_millis(300) && waited < Duration::from_secs(3), "took {waited:?}");
+    lease.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_holder_whose_lease_was_taken_over_learns_it_and_its_release_fails() {
+    let server = NatsServer::start().unwrap();
+    let cfg = NatsConfig { url: server.url(), ..NatsConfig::default() };
+    let bus = Bus::connect(&cfg, &Names::new("exp-3").unwrap(), "bus-test").await.unwrap();
+    short_lease_bucket(&bus, Duration::from_secs(1)).await;
+    let lease = Lease::acquire(&bus, "trainer").await.unwrap();
+    // another holder overwrites the entry (as one would after this holder missed refreshing past the max age)
+    let kv = bus.key_value(bus.names().lease_bucket()).await.unwrap();
+    let other = serde_json::json!({ "holder": "trainer pid 1 on elsewhere", "since_unix_ms": 0 }).to_string();
+    kv.put("trainer", other.into()).await.unwrap();
+    let stopped = tokio::time::timeout(Duration::from_secs(2), lease.or_lost(std::future::pending())).await;
+    assert!(stopped.is_ok(), "the holder did not learn it lost the lease");
+    let err = lease.release().await.expect_err("a lost lease").to_string();
+    assert!(err.contains("exp-3") && err.contains("trainer pid 1 on elsewhere"), "{err}");
+    // the other holder's entry stays
+    let entry = kv.entry("trainer").await.unwrap().expect("entry");
+    assert_eq!(entry.operation, async_nats::jetstream::kv::Operation::Put);
+}

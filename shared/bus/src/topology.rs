@@ -17,6 +17,10 @@ const PAYLOAD_MAX_AGE: Duration = Duration::from_secs(24 * 3600);
 /// Heartbeats older than this disappear from the WORKERS bucket.
 pub const HEARTBEAT_MAX_AGE: Duration = Duration::from_secs(15);
 
+/// A lease not refreshed for this long disappears from the LEASE bucket (its holder died): how long a restarted
+/// trainer may wait for the lease of the one that crashed.
+pub const LEASE_TTL: Duration = Duration::from_secs(10);
+
 fn declare_err(what: &str, err: impl std::fmt::Display) -> BusError {
     BusError::Declare { what: what.to_string(), message: err.to_string() }
 }
@@ -79,6 +83,7 @@ impl Bus {
         self.key_value(names.groups_bucket()).await?;
         self.key_value(names.weights_bucket()).await?;
         self.key_value(names.workers_bucket()).await?;
+        self.key_value(names.lease_bucket()).await?;
         self.object_store(names.blobs_store()).await?;
         Ok(())
     }
@@ -101,6 +106,14 @@ impl Bus {
             b if b == names.weights_bucket() => kv::Config {
                 bucket: bucket.into(),
                 history: 4,
+                storage: stream::StorageType::File,
+                ..Default::default()
+            },
+            // File storage: a lease outlives a restart of the NATS server, as its holder does.
+            b if b == names.lease_bucket() => kv::Config {
+                bucket: bucket.into(),
+                history: 1,
+                max_age: LEASE_TTL,
                 storage: stream::StorageType::File,
                 ..Default::default()
             },
