@@ -57,9 +57,9 @@ pub enum BusError {
     #[error("job namespace: {0}")]
     Namespace(String),
     #[error(
-        "job {job}: another {key} is running: the lease {key:?} in {bucket} is held by {holder} since {since}, and \
-         it is alive (refreshed while this one waited); stop that {key} first, or give this job another run.name \
-         or nats.namespace"
+        "job {job}: another {key} is running: the lease {key:?} in {bucket} is held by {holder} since {since} and \
+         was kept alive while this one waited; stop that {key} first, or give this job another run.name or \
+         nats.namespace"
     )]
     LeaseHeld { job: String, bucket: String, key: String, holder: String, since: String },
     #[error("job {job}: the lease {key:?} in {bucket} was lost: {message}")]
