@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -26,9 +27,10 @@ pub fn bin(name: &str) -> PathBuf {
     path
 }
 
-/// A job directory with a tiny model and a config file, a NATS server, and service processes.
+/// A job directory with a tiny model and a config file, a NATS server (its own, or shared with other jobs), and
+/// service processes.
 pub struct TestJob {
-    pub nats: NatsServer,
+    pub nats: Arc<NatsServer>,
     pub dir: tempfile::TempDir,
     pub config: PathBuf,
     children: Vec<(String, Child)>,
@@ -78,7 +80,11 @@ trainer: {{total_training_steps: 3, weight_sync_timeout_s: 60}}
 impl TestJob {
     /// Starts NATS, writes the tiny model and `job.yaml` (base + `extra`).
     pub fn new(extra: &str) -> Self {
-        let nats = NatsServer::start().expect("nats-server");
+        Self::on(Arc::new(NatsServer::start().expect("nats-server")), extra)
+    }
+
+    /// A job on an existing NATS server (two jobs side by side need different `run.name`s in `extra`).
+    pub fn on(nats: Arc<NatsServer>, extra: &str) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         jetrl_model::init_model("tiny", &dir.path().join("model"), 1).expect("tiny model");
         let config = dir.path().join("job.yaml");
@@ -138,6 +144,11 @@ impl TestJob {
             }
             std::thread::sleep(Duration::from_millis(100));
         }
+    }
+
+    /// The process id of a started process.
+    pub fn pid(&mut self, name: &str) -> u32 {
+        self.child(name).id()
     }
 
     /// SIGKILL: the process dies without settling anything.

@@ -119,7 +119,8 @@ impl SecureNats {
     }
 
     pub async fn connect(&self, user: &str) -> jetrl_bus::Bus {
-        jetrl_bus::Bus::connect(&self.identity(user), &format!("test-{user}"))
+        let names = jetrl_wire::subjects::Names::new("jetrl").expect("the default namespace");
+        jetrl_bus::Bus::connect(&self.identity(user), &names, &format!("test-{user}"))
             .await
             .unwrap_or_else(|e| panic!("{user}: {e}"))
     }

@@ -60,7 +60,9 @@ fn each_async_mode_learns_the_demo_task_as_well_as_sync() {
     let (sync, sync_rows) = demo_in(dir.path(), "sync", steps);
     let (separate, separate_rows) = demo_in(dir.path(), "separate_async", steps);
     let (colocate, colocate_rows) = demo_in(dir.path(), "colocate_async", steps);
-    eprintln!("final reward (last 10 steps): sync {sync:.3}, separate_async {separate:.3}, colocate_async {colocate:.3}");
+    eprintln!(
+        "final reward (last 10 steps): sync {sync:.3}, separate_async {separate:.3}, colocate_async {colocate:.3}"
+    );
     assert!(sync > 0.8, "sync did not learn the demo task: {sync:.3}");
     assert!((separate - sync).abs() <= 0.05, "separate_async {separate:.3} vs sync {sync:.3}");
     assert!((colocate - sync).abs() <= 0.05, "colocate_async {colocate:.3} vs sync {sync:.3}");
@@ -122,7 +124,8 @@ fn colocate_partial_rollout_log_probs_match_each_versions_checkpoint() {
 
     let ckpt = job.run_dir().join("checkpoints");
     let model_at = |version: u64| {
-        let dir = if version == 0 { job.dir.path().join("model") } else { ckpt.join(format!("global_step_{version}/actor")) };
+        let dir =
+            if version == 0 { job.dir.path().join("model") } else { ckpt.join(format!("global_step_{version}/actor")) };
         jetrl_model::CausalLm::load(&dir, tch::Device::Cpu, jetrl_model::DType::F32).unwrap()
     };
     let mut models = std::collections::BTreeMap::new();
@@ -131,9 +134,12 @@ fn colocate_partial_rollout_log_probs_match_each_versions_checkpoint() {
         let text = std::fs::read_to_string(dump.join(format!("{step}.jsonl"))).unwrap();
         for line in text.lines() {
             let row: serde_json::Value = serde_json::from_str(line).unwrap();
-            let ids = |k: &str| -> Vec<u32> { row[k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect() };
+            let ids = |k: &str| -> Vec<u32> {
+                row[k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect()
+            };
             let (prompt, response) = (ids("prompt_ids"), ids("response_ids"));
-            let behaviour: Vec<f32> = row["rollout_log_probs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+            let behaviour: Vec<f32> =
+                row["rollout_log_probs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
             let runs: Vec<(usize, u64)> = row["version_runs"]
                 .as_array()
                 .unwrap()

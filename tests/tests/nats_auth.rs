@@ -14,7 +14,11 @@ use jetrl_config::NatsConfig;
 use jetrl_tests::bin;
 use jetrl_tests::secure_nats::{gen, SecureNats};
 use jetrl_wire::v1::{PromptTask, WeightAnnounce, WeightAnnounceResponse};
-use jetrl_wire::{subjects, Message};
+use jetrl_wire::Message;
+
+/// The job namespace gen.sh generates for by default.
+static NAMES: std::sync::LazyLock<jetrl_wire::subjects::Names> =
+    std::sync::LazyLock::new(|| jetrl_wire::subjects::Names::new("jetrl").expect("the default namespace"));
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -48,7 +52,7 @@ async fn wrong_credentials_fail_at_start_up_with_the_server_and_the_user_and_no_
     std::fs::write(&wrong, "not-the-password\n").expect("write");
     let cfg = NatsConfig { password_file: Some(wrong.display().to_string()), ..nats.identity("rollout-worker") };
     let started = Instant::now();
-    let err = Bus::connect(&cfg, "test").await.err().expect("a wrong password must not connect");
+    let err = Bus::connect(&cfg, &NAMES, "test").await.err().expect("a wrong password must not connect");
     let text = err.to_string();
     assert!(text.contains(&nats.url()), "the error names the server: {text}");
     assert!(text.contains("\"jetrl-rollout-worker\""), "the error names the user: {text}");
@@ -63,7 +67,7 @@ async fn wrong_credentials_fail_at_start_up_with_the_server_and_the_user_and_no_
     // the right password without the client certificate: the server's TLS refuses it, also at once
     let started = Instant::now();
     let cfg = NatsConfig { tls_cert_file: None, tls_key_file: None, ..nats.identity("rollout-worker") };
-    let text = Bus::connect(&cfg, "test").await.err().expect("no client certificate").to_string();
+    let text = Bus::connect(&cfg, &NAMES, "test").await.err().expect("no client certificate").to_string();
     assert!(text.contains(&nats.url()) && text.contains("not retried"), "{text}");
     assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
 }
@@ -79,16 +83,16 @@ async fn tls_checks_the_server_against_the_configured_ca_and_name() {
         ..nats.identity("status")
     };
     let started = Instant::now();
-    let text = Bus::connect(&cfg, "test").await.err().expect("an unknown CA").to_string();
+    let text = Bus::connect(&cfg, &NAMES, "test").await.err().expect("an unknown CA").to_string();
     assert!(text.contains("certificate") && text.contains("not retried"), "{text}");
     assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
 
     // by IP, checked against a name the certificate carries (`localhost`): accepted
     let cfg = NatsConfig { tls_server_name: Some("localhost".into()), ..nats.identity("status") };
-    Bus::connect(&cfg, "test").await.expect("the server's certificate names localhost");
+    Bus::connect(&cfg, &NAMES, "test").await.expect("the server's certificate names localhost");
     // against a name it does not carry: refused
     let cfg = NatsConfig { tls_server_name: Some("elsewhere.example".into()), ..nats.identity("status") };
-    let text = Bus::connect(&cfg, "test").await.err().expect("a name the certificate lacks").to_string();
+    let text = Bus::connect(&cfg, &NAMES, "test").await.err().expect("a name the certificate lacks").to_string();
     assert!(text.contains("certificate") && text.contains("not retried"), "{text}");
 }
 
@@ -100,32 +104,31 @@ async fn a_rollout_worker_cannot_publish_prompt_tasks_announce_weights_or_write_
     worker.declare_topology().await.expect("a worker may declare the job's topology");
 
     // what a worker does is allowed: a trajectory, and its heartbeat under its own service's keys
-    let traj = Outgoing::new(subjects::traj_subject("train", "u1"), Some("u1_0_0".into()), Bytes::from_static(b"x"));
+    let traj = Outgoing::new(NAMES.traj_subject("train", "u1"), Some("u1_0_0".into()), Bytes::from_static(b"x"));
     worker.publish_durable(traj).await.expect("a worker writes trajectories");
-    let beat = Outgoing::new(format!("$KV.{}.rollout.w1", subjects::WORKERS_BUCKET), None, Bytes::from_static(b"b"));
+    let beat = Outgoing::new(format!("$KV.{}.rollout.w1", NAMES.workers_bucket()), None, Bytes::from_static(b"b"));
     worker.publish_durable(beat).await.expect("a worker writes its heartbeat");
 
     let started = Instant::now();
-    let task = Outgoing::protobuf(subjects::prompt_subject("train"), Some("forged".into()), &prompt_task());
+    let task = Outgoing::protobuf(NAMES.prompt_subject("train"), Some("forged".into()), &prompt_task());
     assert_refused("a prompt task from a worker", worker.publish_durable(task).await, started);
 
     let started = Instant::now();
     let announce = WeightAnnounce::default();
-    let reply = worker
-        .request::<_, WeightAnnounceResponse>(subjects::WEIGHTS_ANNOUNCE, &announce, Duration::from_secs(60))
-        .await;
+    let reply =
+        worker.request::<_, WeightAnnounceResponse>(NAMES.weights_announce(), &announce, Duration::from_secs(60)).await;
     assert_refused("a weight announcement from a worker", reply, started);
 
     let started = Instant::now();
-    let manifest = Outgoing::new(format!("$KV.{}.latest", subjects::WEIGHTS_BUCKET), None, Bytes::from_static(b"m"));
+    let manifest = Outgoing::new(format!("$KV.{}.latest", NAMES.weights_bucket()), None, Bytes::from_static(b"m"));
     assert_refused("a weight manifest from a worker", worker.publish_durable(manifest).await, started);
-    let beat = Outgoing::new(format!("$KV.{}.trainer.x", subjects::WORKERS_BUCKET), None, Bytes::from_static(b"b"));
+    let beat = Outgoing::new(format!("$KV.{}.trainer.x", NAMES.workers_bucket()), None, Bytes::from_static(b"b"));
     assert_refused("another service's heartbeat", worker.publish_durable(beat).await, Instant::now());
 
     // nothing got through: the weights bucket is empty and PROMPTS holds nothing
     let checkpoint = nats.connect("checkpoint-sync").await;
     assert!(checkpoint.latest_manifest().await.expect("read").is_none());
-    let mut prompts = nats.connect("trainer").await.stream(subjects::PROMPTS_STREAM).await.expect("PROMPTS");
+    let mut prompts = nats.connect("trainer").await.stream(NAMES.prompts_stream()).await.expect("PROMPTS");
     assert_eq!(prompts.info().await.expect("info").state.messages, 0);
     assert!(permission_violations_counted() >= before + 4.0, "the refusals are counted");
 }
@@ -136,16 +139,16 @@ async fn the_status_identity_reads_and_cannot_write() {
     nats.connect("trainer").await.declare_topology().await.expect("the trainer declares the topology");
     let status = nats.connect("status").await;
     assert!(status.latest_manifest().await.expect("status reads the weights bucket").is_none());
-    let workers = status.key_value(subjects::WORKERS_BUCKET).await.expect("status opens WORKERS");
+    let workers = status.key_value(NAMES.workers_bucket()).await.expect("status opens WORKERS");
     use futures::StreamExt;
     assert_eq!(workers.keys().await.expect("status lists heartbeats").count().await, 0);
 
     for (what, subject) in [
-        ("a prompt task", subjects::prompt_subject("train")),
-        ("a heartbeat", format!("$KV.{}.rollout.fake", subjects::WORKERS_BUCKET)),
-        ("a weight manifest", format!("$KV.{}.latest", subjects::WEIGHTS_BUCKET)),
-        ("a group record", format!("$KV.{}.train.u1", subjects::GROUPS_BUCKET)),
-        ("a trajectory", subjects::traj_subject("train", "u1")),
+        ("a prompt task", NAMES.prompt_subject("train")),
+        ("a heartbeat", format!("$KV.{}.rollout.fake", NAMES.workers_bucket())),
+        ("a weight manifest", format!("$KV.{}.latest", NAMES.weights_bucket())),
+        ("a group record", format!("$KV.{}.train.u1", NAMES.groups_bucket())),
+        ("a trajectory", NAMES.traj_subject("train", "u1")),
     ] {
         let message = Outgoing::new(subject, None, Bytes::from(prompt_task().encode_to_vec()));
         assert_refused(what, status.publish_durable(message).await, Instant::now());
@@ -153,7 +156,7 @@ async fn the_status_identity_reads_and_cannot_write() {
     let started = Instant::now();
     let sample = jetrl_wire::v1::SampleRequest::default();
     let reply =
-        status.request::<_, jetrl_wire::v1::SampleResponse>(subjects::BUFFER_SAMPLE, &sample, Duration::from_secs(30));
+        status.request::<_, jetrl_wire::v1::SampleResponse>(NAMES.buffer_sample(), &sample, Duration::from_secs(30));
     assert_refused("a sample request (it would take groups from the trainer)", reply.await, started);
 }
 
@@ -166,12 +169,11 @@ async fn prompt_tasks_announcements_and_weight_manifests_each_have_one_writer() 
     nats.connect("trainer").await.declare_topology().await.expect("topology");
     for user in ["trainer", "rollout-worker", "reward-service", "replay-buffer", "checkpoint-sync", "status"] {
         let bus = nats.connect(user).await;
-        let task = Outgoing::protobuf(subjects::prompt_subject("train"), Some(format!("p-{user}")), &prompt_task());
-        let manifest =
-            Outgoing::new(format!("$KV.{}.latest", subjects::WEIGHTS_BUCKET), None, Bytes::from_static(b"m"));
+        let task = Outgoing::protobuf(NAMES.prompt_subject("train"), Some(format!("p-{user}")), &prompt_task());
+        let manifest = Outgoing::new(format!("$KV.{}.latest", NAMES.weights_bucket()), None, Bytes::from_static(b"m"));
         let announcement = WeightAnnounce::default();
         let announce =
-            bus.request::<_, WeightAnnounceResponse>(subjects::WEIGHTS_ANNOUNCE, &announcement, Duration::from_secs(3));
+            bus.request::<_, WeightAnnounceResponse>(NAMES.weights_announce(), &announcement, Duration::from_secs(3));
         let outcomes = [
             ("a prompt task", user == "trainer", bus.publish_durable(task).await.err()),
             ("a weight announcement", user == "trainer", announce.await.err()),
@@ -215,10 +217,10 @@ async fn a_token_from_a_file_authenticates_and_a_wrong_one_fails_at_once() {
         ..Default::default()
     };
     std::fs::write(&token_file, "t0ken-1234\n").expect("write");
-    let connected = Bus::connect(&cfg, "test").await;
+    let connected = Bus::connect(&cfg, &NAMES, "test").await;
     std::fs::write(&token_file, "wrong-token\n").expect("write");
     let started = Instant::now();
-    let refused = Bus::connect(&cfg, "test").await;
+    let refused = Bus::connect(&cfg, &NAMES, "test").await;
     let _ = server.kill();
     let _ = server.wait();
     connected.expect("the right token connects");

@@ -1,7 +1,7 @@
 //! jetrl-checkpoint-sync: the weight-version registry.
 //!
 //! The trainer writes a weight blob (object store or shared filesystem) and announces it on
-//! `jetrl.weights.announce`. This service checks the blob is where the manifest says and of the announced
+//! `jetrl.<ns>.weights.announce`. This service checks the blob is where the manifest says and of the announced
 //! size, writes the manifest to the WEIGHTS bucket (`v.<version>`, then `latest`, which rollout workers
 //! watch), optionally writes a durable HF-format checkpoint directory, and deletes blobs older than
 //! `checkpoint.keep_versions`.
@@ -15,7 +15,7 @@ use jetrl_bus::{consume, weights, Bus, BusError};
 use jetrl_config::JobConfig;
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::v1::{WeightAnnounce, WeightAnnounceResponse, WeightManifest};
-use jetrl_wire::{subjects, Message};
+use jetrl_wire::Message;
 
 const SERVICE: &str = "checkpoint";
 
@@ -37,16 +37,16 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), CheckpointError> {
     let shutdown = Shutdown::new(shutdown);
-    let bus = Bus::connect(&cfg.nats, "jetrl-checkpoint-sync").await?;
+    let bus = Bus::connect_job(&cfg, "jetrl-checkpoint-sync").await?;
     bus.declare_topology().await?;
     let stop = shutdown.clone();
     jetrl_telemetry::serve_metrics(&cfg.checkpoint.metrics_addr, async move { stop.wait().await }).await?;
     let mut registry = Registry::load(&bus, &cfg).await?;
     let mut announcements = bus
         .client()
-        .queue_subscribe(subjects::WEIGHTS_ANNOUNCE, "checkpoint-sync".into())
+        .queue_subscribe(bus.names().weights_announce().to_string(), "checkpoint-sync".into())
         .await
-        .map_err(|e| BusError::Consume { what: subjects::WEIGHTS_ANNOUNCE.into(), message: e.to_string() })?;
+        .map_err(|e| BusError::Consume { what: bus.names().weights_announce().into(), message: e.to_string() })?;
     tracing::info!(versions = registry.versions.len(), "checkpoint-sync serving");
     loop {
         tokio::select! {
@@ -64,7 +64,7 @@ pub async fn run(
                         }
                     },
                     Err(err) => {
-                        consume::count_malformed(SERVICE, subjects::WEIGHTS_ANNOUNCE);
+                        consume::count_malformed(SERVICE, bus.names().weights_announce());
                         tracing::error!(subject = %msg.subject, error = %err, "malformed weight announcement");
                         WeightAnnounceResponse { version: 0, error: format!("malformed WeightAnnounce: {err}") }
                     }
@@ -95,10 +95,10 @@ struct Registry {
 impl Registry {
     /// Rebuilds the list of stored versions from the WEIGHTS bucket (so GC survives a restart).
     async fn load(bus: &Bus, cfg: &JobConfig) -> Result<Self, CheckpointError> {
-        let kv = bus.key_value(subjects::WEIGHTS_BUCKET).await?;
+        let kv = bus.key_value(bus.names().weights_bucket()).await?;
         let mut versions = BTreeMap::new();
         let kv_err = |e: &dyn std::fmt::Display| BusError::Kv {
-            bucket: subjects::WEIGHTS_BUCKET.into(),
+            bucket: kv.name.clone(),
             key: "v.*".into(),
             message: e.to_string(),
         };
@@ -152,7 +152,7 @@ impl Registry {
             let kv = self.kv.clone();
             async move {
                 kv.put(&key, value).await.map_err(|e| BusError::Kv {
-                    bucket: subjects::WEIGHTS_BUCKET.into(),
+                    bucket: kv.name.clone(),
                     key,
                     message: e.to_string(),
                 })

@@ -60,6 +60,9 @@ enum Command {
         /// the server URL (overrides nats.url)
         #[arg(long)]
         nats_url: Option<String>,
+        /// the job's namespace (default: the config's `nats.namespace`, else its `run.name`, else `jetrl`)
+        #[arg(long)]
+        namespace: Option<String>,
         /// list what happened to each prompt group (trained at step s, evicted and why, in flight)
         #[arg(long)]
         ledger: bool,
@@ -90,12 +93,12 @@ fn main() -> anyhow::Result<()> {
             jetrl_model::logprobs_jsonl_on(&model, device, dtype, stdin.lock(), stdout.lock())?;
             Ok(())
         }
-        Command::Status { config, mut overrides, nats_url, ledger, uid } => {
+        Command::Status { config, mut overrides, nats_url, namespace, ledger, uid } => {
             jetrl_telemetry::init_tracing("warn", jetrl_config::LogFormat::Text);
             overrides.extend(nats_url.map(|url| format!("nats.url={url}")));
-            let nats = status::nats_config(config.as_deref(), &overrides)?;
+            let (nats, namespace) = status::nats_config(config.as_deref(), &overrides, namespace)?;
             let runtime = tokio::runtime::Runtime::new()?;
-            runtime.block_on(status::status(&nats, ledger, uid))
+            runtime.block_on(status::status(&nats, &namespace, ledger, uid))
         }
     }
 }

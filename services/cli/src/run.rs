@@ -8,7 +8,6 @@ use anyhow::Context;
 use futures::StreamExt;
 use jetrl_bus::NatsServer;
 use jetrl_config::JobConfig;
-use jetrl_wire::subjects;
 use tokio::process::{Child, Command};
 
 /// A started service process.
@@ -74,9 +73,9 @@ pub async fn run(
     std::fs::write(&job_file, serde_yaml::to_string(&cfg)?)
         .with_context(|| format!("writing {}", job_file.display()))?;
 
-    let bus = jetrl_bus::Bus::connect(&cfg.nats, "jetrl-run").await?;
+    let bus = jetrl_bus::Bus::connect_job(&cfg, "jetrl-run").await?;
     bus.declare_topology().await?;
-    let mut progress_sub = bus.client().subscribe(subjects::TRAINER_METRICS).await?;
+    let mut progress_sub = bus.client().subscribe(bus.names().trainer_metrics().to_string()).await?;
 
     let bin_dir = std::env::current_exe()?.parent().map(Path::to_path_buf).context("locating jetrl's directory")?;
     let mut services = Vec::new();
@@ -117,7 +116,11 @@ pub async fn run(
         spawn(format!("rollout-{i}"), "jetrl-rollout-worker", vec![format!("rollout.instance_id=rollout-{i}")])?;
     }
     spawn("trainer".into(), "jetrl-trainer", vec![])?;
-    eprintln!("run directory: {} (service logs in logs/), NATS at {url}", run_dir.display());
+    eprintln!(
+        "run directory: {} (service logs in logs/), NATS at {url}, job namespace {}",
+        run_dir.display(),
+        bus.names().namespace()
+    );
 
     let bar = if quiet {
         indicatif::ProgressBar::hidden()

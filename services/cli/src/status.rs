@@ -6,23 +6,49 @@ use std::time::Duration;
 use futures::StreamExt;
 use jetrl_bus::Bus;
 use jetrl_config::{JobConfig, NatsConfig};
+use jetrl_wire::subjects::{self, Names};
 use jetrl_wire::v1::{Heartbeat, LedgerRequest, LedgerResponse};
-use jetrl_wire::{subjects, Message};
+use jetrl_wire::Message;
 
-/// NATS settings from the `nats` section of `file` (a job file, or one with only `nats:`; the file is typed as a
-/// job file, so a misspelt key is an error, but not validated as one), `JETRL__NATS__*` and `nats.key=value`
-/// overrides. A status gives up on an unreachable server after 5 s unless the configuration says otherwise.
-pub fn nats_config(file: Option<&Path>, overrides: &[String]) -> anyhow::Result<NatsConfig> {
+/// NATS settings and the job's namespace from `file` (a job file, or one with only `nats:`; the file is typed as
+/// a job file, so a misspelt key is an error, but not validated as one), `JETRL__NATS__*` and `key=value`
+/// overrides; `--namespace` wins over the file's `nats.namespace` / `run.name`. A status gives up on an
+/// unreachable server after 5 s unless the configuration says otherwise.
+pub fn nats_config(
+    file: Option<&Path>,
+    overrides: &[String],
+    namespace: Option<String>,
+) -> anyhow::Result<(NatsConfig, String)> {
     let mut overrides = overrides.to_vec();
     if jetrl_config::load_value(file, &overrides)?.pointer("/nats/connect_timeout_s").is_none() {
         overrides.push("nats.connect_timeout_s=5".into());
     }
     let job: JobConfig = jetrl_config::load(file, &overrides)?;
-    Ok(job.nats)
+    let namespace = match namespace {
+        Some(ns) => ns,
+        None => job.namespace()?.to_string(),
+    };
+    Ok((job.nats, namespace))
 }
 
-pub async fn status(cfg: &NatsConfig, ledger: bool, uids: Vec<String>) -> anyhow::Result<()> {
-    let bus = Bus::connect(cfg, "jetrl-status").await?;
+pub async fn status(cfg: &NatsConfig, namespace: &str, ledger: bool, uids: Vec<String>) -> anyhow::Result<()> {
+    let names = Names::new(namespace).map_err(|e| anyhow::anyhow!("--namespace: {e}"))?;
+    let bus = Bus::connect(cfg, &names, "jetrl-status").await?;
+    // Looking a job up must not declare one: a mistyped namespace would leave empty buckets behind.
+    if bus.jetstream().get_stream(names.prompts_stream()).await.is_err() {
+        let mut jobs = Vec::new();
+        let mut streams = bus.jetstream().stream_names();
+        while let Some(Ok(stream)) = streams.next().await {
+            jobs.extend(subjects::job_of_prompts_stream(&stream).map(str::to_string));
+        }
+        jobs.sort();
+        anyhow::bail!(
+            "no job {namespace:?} at {} (no stream {}); jobs there: {jobs:?}",
+            cfg.url,
+            names.prompts_stream()
+        );
+    }
+    println!("job: {namespace}");
     match bus.latest_manifest().await? {
         Some(m) => println!(
             "weights: version {} (step {}, {} tensors, {} bytes at {})",
@@ -34,7 +60,7 @@ pub async fn status(cfg: &NatsConfig, ledger: bool, uids: Vec<String>) -> anyhow
         ),
         None => println!("weights: no version announced yet"),
     }
-    let kv = bus.key_value(subjects::WORKERS_BUCKET).await?;
+    let kv = bus.key_value(names.workers_bucket()).await?;
     let mut keys = kv.keys().await?;
     println!("workers:");
     let now = jetrl_wire::now_unix_ms();
@@ -42,19 +68,20 @@ pub async fn status(cfg: &NatsConfig, ledger: bool, uids: Vec<String>) -> anyhow
         if let Ok(Some(value)) = kv.get(&key).await {
             if let Ok(beat) = Heartbeat::decode(value.as_ref()) {
                 println!(
-                    "  {:<10} {:<28} v{:<6} {:<8} inflight {:<4} seen {:.1}s ago",
+                    "  {:<10} {:<28} v{:<6} {:<11} inflight {:<4} seen {:.1}s ago {}",
                     beat.service,
                     beat.instance_id,
                     beat.policy_version,
                     beat.state().label(),
                     beat.inflight,
-                    (now - beat.unix_ms) as f64 / 1000.0
+                    (now - beat.unix_ms) as f64 / 1000.0,
+                    beat.message
                 );
             }
         }
     }
     let request = LedgerRequest { partition: String::new(), uids, limit: if ledger { 100_000 } else { 1 } };
-    let response: LedgerResponse = bus.request(subjects::BUFFER_LEDGER, &request, Duration::from_secs(10)).await?;
+    let response: LedgerResponse = bus.request(names.buffer_ledger(), &request, Duration::from_secs(10)).await?;
     if !response.error.is_empty() {
         anyhow::bail!("replay buffer: {}", response.error);
     }

@@ -36,13 +36,14 @@ async fn redelivered_request_whose_rewards_are_stored_is_acknowledged_without_sc
     };
     let batch =
         RewardBatch { rewards: vec![earlier, Reward { key: "done_1_0".into(), score: 0.5, ..Reward::default() }] };
-    let stored = jetrl_bus::score::reward_message("train", &batch, &[ids["done"].clone()]);
+    let stored = jetrl_bus::score::reward_message(harness.bus.names(), "train", &batch, &[ids["done"].clone()]);
     harness.bus.publish_durable(stored).await.expect("rewards");
     // That instance had received both requests: delivered once, never acknowledged.
     let ack_wait = Duration::from_secs(1);
+    let names = harness.bus.names();
     let consumer = harness
         .bus
-        .shared_pull_consumer(subjects::SCORE_STREAM, subjects::REWARD_CONSUMER, "jetrl.score.>", ack_wait, 100_000)
+        .shared_pull_consumer(names.score_stream(), subjects::REWARD_CONSUMER, &names.score_filter(), ack_wait, 100_000)
         .await
         .expect("consumer");
     let first_delivery = consume::pull_collect(&consumer, 2, Duration::from_secs(2)).await.expect("pull");
@@ -59,7 +60,7 @@ async fn redelivered_request_whose_rewards_are_stored_is_acknowledged_without_sc
         let _ = stopped.await;
     }));
     harness.wait_for_rewards(4, Duration::from_secs(30)).await;
-    let stream = harness.bus.stream(subjects::SCORE_STREAM).await.expect("SCORE");
+    let stream = harness.bus.stream(names.score_stream()).await.expect("SCORE");
     let started = Instant::now();
     loop {
         let mut consumer = stream
@@ -76,7 +77,7 @@ async fn redelivered_request_whose_rewards_are_stored_is_acknowledged_without_sc
     // acknowledged requests are purged from SCORE (in bulk, below the consumer's ack floor)
     let started = Instant::now();
     loop {
-        let info = harness.bus.stream(subjects::SCORE_STREAM).await.expect("SCORE").get_info().await.expect("info");
+        let info = harness.bus.stream(names.score_stream()).await.expect("SCORE").get_info().await.expect("info");
         if info.state.messages == 0 {
             break;
         }

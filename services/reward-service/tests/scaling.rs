@@ -14,7 +14,7 @@ use jetrl_wire::subjects;
 /// Waits until `count` pull requests of the reward consumer are waiting at the server, i.e. that many instances
 /// are up and asking for work.
 async fn wait_for_waiting_pulls(harness: &Harness, count: usize) {
-    let stream = harness.bus.stream(subjects::SCORE_STREAM).await.expect("SCORE");
+    let stream = harness.bus.stream(harness.bus.names().score_stream()).await.expect("SCORE");
     let started = Instant::now();
     loop {
         if let Ok(mut consumer) =

@@ -12,7 +12,7 @@ use futures::StreamExt;
 use jetrl_bus::consume;
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::v1::{PauseRequest, PauseResponse, ResumeRequest, ResumeResponse, WorkerState};
-use jetrl_wire::{subjects, Message};
+use jetrl_wire::Message;
 
 use crate::{Worker, SERVICE};
 
@@ -21,7 +21,7 @@ pub(crate) async fn serve(worker: Arc<Worker>, handshake_timeout: Duration, shut
     let client = worker.bus.client().clone();
     let subscribe = |verb: &'static str| {
         let client = client.clone();
-        let subject = subjects::control_subject(&worker.instance, verb);
+        let subject = worker.bus.names().control_subject(&worker.instance, verb);
         async move { client.subscribe(subject).await }
     };
     let (mut pauses, mut resumes) = match (subscribe("pause").await, subscribe("resume").await) {

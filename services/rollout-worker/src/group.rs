@@ -16,8 +16,8 @@ use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{consume, Publisher, ScoreRequestBuilder};
 use jetrl_model::{Request, Sampling};
 use jetrl_wire::keys::{validate_uid, TrajectoryKey};
+use jetrl_wire::packed;
 use jetrl_wire::v1::{self, GroupState, PromptTask, Trajectory};
-use jetrl_wire::{packed, subjects};
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::agent::{self, AgentKind, AgentPrompt, SessionOutput};
@@ -82,7 +82,7 @@ impl Worker {
     pub(crate) async fn handle(self: Arc<Self>, msg: jetstream::Message, mut slots: OwnedSemaphorePermit) {
         let Some(task) = consume::decode_or_term::<PromptTask>(&msg, SERVICE).await else { return };
         if let Err(err) = validate_uid(&task.uid) {
-            consume::count_malformed(SERVICE, subjects::PROMPTS_STREAM);
+            consume::count_malformed(SERVICE, self.bus.names().prompts_stream());
             tracing::error!(subject = %msg.subject, error = %err, "task with an invalid uid terminated");
             consume::settle(&msg, AckKind::Term).await;
             return;
@@ -380,7 +380,7 @@ impl<'a> GroupPublisher<'a> {
             raw_prompt: task.messages.clone(),
             ..Default::default()
         };
-        let subject = subjects::traj_subject(&task.partition, &task.uid);
+        let subject = self.worker.bus.names().traj_subject(&task.partition, &task.uid);
         self.publisher
             .publish(Outgoing::protobuf(subject, Some(key.clone()), &traj))
             .await

@@ -151,7 +151,7 @@ pub async fn run(
     let settings = settings(&cfg)?;
     let shutdown = Shutdown::new(shutdown);
     let instance = cfg.rollout.instance_id.clone().unwrap_or_else(default_instance_id);
-    let bus = Bus::connect(&cfg.nats, &format!("jetrl-rollout-worker-{instance}")).await?;
+    let bus = Bus::connect_job(&cfg, &format!("jetrl-rollout-worker-{instance}")).await?;
     bus.declare_topology().await?;
     let stop = shutdown.clone();
     jetrl_telemetry::serve_metrics(&cfg.rollout.metrics_addr, async move { stop.wait().await }).await?;
@@ -230,9 +230,9 @@ pub async fn run(
 
     let consumer = bus
         .shared_pull_consumer(
-            subjects::PROMPTS_STREAM,
+            bus.names().prompts_stream(),
             subjects::ROLLOUT_CONSUMER,
-            &format!("{}.>", subjects::PROMPTS_SUBJECT),
+            &bus.names().prompts_filter(),
             worker.ack_wait,
             100_000,
         )

@@ -14,7 +14,7 @@ use futures::StreamExt;
 use jetrl_bus::{consume, weights, BusError};
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::v1::{Heartbeat, WeightManifest, WorkerState};
-use jetrl_wire::{subjects, Message};
+use jetrl_wire::Message;
 use tokio::sync::Notify;
 
 use crate::{Worker, SERVICE};
@@ -80,10 +80,11 @@ impl Worker {
             waiting_sequences: load.waiting as u32,
             kv_cache_usage: load.kv_usage,
         };
-        let kv = self.bus.key_value(subjects::WORKERS_BUCKET).await?;
+        let bucket = self.bus.names().workers_bucket();
+        let kv = self.bus.key_value(bucket).await?;
         let key = format!("rollout.{}", self.instance);
         kv.put(&key, beat.encode_to_vec().into()).await.map_err(|e| BusError::Kv {
-            bucket: subjects::WORKERS_BUCKET.into(),
+            bucket: bucket.into(),
             key,
             message: e.to_string(),
         })?;
@@ -118,9 +119,10 @@ pub(crate) async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
     let mut attempt = 0u32;
     loop {
         let watch = async {
-            let kv = worker.bus.key_value(subjects::WEIGHTS_BUCKET).await?;
+            let bucket = worker.bus.names().weights_bucket();
+            let kv = worker.bus.key_value(bucket).await?;
             kv.watch_with_history("latest").await.map_err(|e| BusError::Kv {
-                bucket: subjects::WEIGHTS_BUCKET.into(),
+                bucket: bucket.into(),
                 key: "latest".into(),
                 message: e.to_string(),
             })
@@ -160,7 +162,7 @@ pub(crate) async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
                         }
                     }
                     Err(err) => {
-                        consume::count_malformed(SERVICE, subjects::WEIGHTS_BUCKET);
+                        consume::count_malformed(SERVICE, worker.bus.names().weights_bucket());
                         tracing::error!(error = %err, "malformed weight manifest ignored");
                         continue;
                     }

@@ -10,7 +10,7 @@ use async_nats::jetstream::kv;
 use futures::StreamExt;
 use jetrl_bus::{Bus, BusError};
 use jetrl_wire::v1::{Heartbeat, WorkerState};
-use jetrl_wire::{subjects, Message};
+use jetrl_wire::Message;
 use tokio::sync::Notify;
 
 /// What the watch task shares with the trainer.
@@ -64,7 +64,8 @@ impl Fleet {
     /// after a broker hiccup).
     pub async fn watch(bus: &Bus, liveness: Duration) -> Result<Self, BusError> {
         let shared = Arc::new(Shared::default());
-        let kv = bus.key_value(subjects::WORKERS_BUCKET).await?;
+        let kv = bus.key_value(bus.names().workers_bucket()).await?;
+        let malformed_source = bus.names().workers_bucket().to_string();
         let task_shared = shared.clone();
         let task = tokio::spawn(async move {
             loop {
@@ -90,7 +91,7 @@ impl Fleet {
                             task_shared.beats.lock().unwrap_or_else(PoisonError::into_inner).insert(entry.key, beat);
                         }
                         Err(err) => {
-                            jetrl_bus::consume::count_malformed("trainer", subjects::WORKERS_BUCKET);
+                            jetrl_bus::consume::count_malformed("trainer", &malformed_source);
                             tracing::warn!(key = %entry.key, error = %err, "malformed heartbeat ignored");
                         }
                     }

@@ -41,12 +41,13 @@ pub mod weight_sync;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use jetrl_bus::Bus;
+use jetrl_bus::{Bus, Lease};
 use jetrl_config::{JobConfig, TrainerMode};
 use jetrl_data::prompt::PromptLimits;
 use jetrl_data::{DataLoader, Example};
 use jetrl_model::{ModelConfig, Tokenizer};
 use jetrl_telemetry::Shutdown;
+use jetrl_wire::subjects;
 
 use crate::actor::ActorHandle;
 use crate::batch::SampleLimits;
@@ -79,22 +80,32 @@ pub async fn run(
     cfg: JobConfig,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), TrainerError> {
-    let shutdown = Shutdown::new(shutdown);
-    let bus = Bus::connect(&cfg.nats, "jetrl-trainer").await?;
+    let bus = Bus::connect_job(&cfg, "jetrl-trainer").await?;
     bus.declare_topology().await?;
-    let stop = shutdown.clone();
-    jetrl_telemetry::serve_metrics(&cfg.trainer.metrics_addr, async move { stop.wait().await }).await?;
-    let mut trainer = Trainer::new(cfg, bus, shutdown).await?;
-    let result = trainer.train().await;
-    trainer.client.finish_releases().await;
-    trainer.sink.write_curve();
-    match result {
+    // One trainer per job: a second one is refused here; a trainer that loses the lease stops.
+    let lease = Lease::acquire(&bus, subjects::TRAINER_LEASE_KEY).await?;
+    let shutdown = Shutdown::new(lease.or_lost(shutdown));
+    let result = train(cfg, bus, shutdown).await;
+    // released whatever happened, so a restarted trainer need not wait for the lease to expire
+    let released = lease.release().await;
+    match result.and(released.map_err(TrainerError::from)) {
         Err(TrainerError::Shutdown) => {
             tracing::info!("trainer stopped by shutdown");
             Ok(())
         }
         other => other,
     }
+}
+
+/// Builds the trainer and trains; the run directory's curve is written however training ended.
+async fn train(cfg: JobConfig, bus: Bus, shutdown: Shutdown) -> Result<(), TrainerError> {
+    let stop = shutdown.clone();
+    jetrl_telemetry::serve_metrics(&cfg.trainer.metrics_addr, async move { stop.wait().await }).await?;
+    let mut trainer = Trainer::new(cfg, bus, shutdown).await?;
+    let result = trainer.train().await;
+    trainer.client.finish_releases().await;
+    trainer.sink.write_curve();
+    result
 }
 
 /// What every schedule shares.

@@ -1,5 +1,5 @@
 //! Where step metrics go (verl's `trainer.logger`): `metrics.jsonl` in the run directory (one JSON object per
-//! step, verl's names; always written, `jetrl run` and the tests read it), `jetrl.trainer.metrics` on NATS (for
+//! step, verl's names; always written, `jetrl run` and the tests read it), `jetrl.<ns>.trainer.metrics` on NATS (for
 //! `jetrl run`'s progress display), Prometheus gauges, TensorBoard event files (`tensorboard`), a log line per
 //! step (`console`), and the reward-curve picture.
 
@@ -9,7 +9,6 @@ use std::path::{Path, PathBuf};
 
 use jetrl_bus::Bus;
 use jetrl_config::{Logger, TrainerConfig};
-use jetrl_wire::subjects;
 
 use crate::tensorboard::EventWriter;
 
@@ -88,7 +87,8 @@ impl MetricsSink {
         if let Err(err) = writeln!(self.jsonl, "{line}").and_then(|_| self.jsonl.flush()) {
             tracing::error!(error = %err, "cannot append to metrics.jsonl");
         }
-        if let Err(err) = self.bus.client().publish(subjects::TRAINER_METRICS, line.into_bytes().into()).await {
+        let subject = self.bus.names().trainer_metrics().to_string();
+        if let Err(err) = self.bus.client().publish(subject, line.into_bytes().into()).await {
             tracing::debug!(error = %err, "metrics not published");
         }
         for (name, value) in metrics {

@@ -214,7 +214,7 @@ impl RolloutClient {
         let mut publisher = Publisher::new(&self.bus, 512);
         for task in &tasks {
             publisher
-                .publish(Outgoing::protobuf(subjects::prompt_subject(partition), Some(task.uid.clone()), task))
+                .publish(Outgoing::protobuf(self.bus.names().prompt_subject(partition), Some(task.uid.clone()), task))
                 .await?;
         }
         publisher.drain().await?;
@@ -253,7 +253,7 @@ impl RolloutClient {
             let timeout = self.sample_wait + Duration::from_secs(5);
             let reply = tokio::select! {
                 _ = self.shutdown.wait() => return Err(TrainerError::Shutdown),
-                r = self.bus.request::<_, SampleResponse>(subjects::BUFFER_SAMPLE, &request, timeout) => r,
+                r = self.bus.request::<_, SampleResponse>(self.bus.names().buffer_sample(), &request, timeout) => r,
             };
             match reply {
                 Ok(resp) if !resp.error.is_empty() => {
@@ -291,8 +291,8 @@ impl RolloutClient {
         let started = Instant::now();
         let rewards: Vec<&v1::Reward> = response.groups.iter().flat_map(|g| g.trajectories.iter()).collect();
         let wanted: Vec<(String, u64)> =
-            rewards.iter().map(|r| (subjects::traj_subject(&r.partition, &r.uid), r.traj_seq)).collect();
-        let mut payloads = self.bus.fetch_by_sequence(subjects::TRAJ_STREAM, &wanted).await?;
+            rewards.iter().map(|r| (self.bus.names().traj_subject(&r.partition, &r.uid), r.traj_seq)).collect();
+        let mut payloads = self.bus.fetch_by_sequence(self.bus.names().traj_stream(), &wanted).await?;
         let mut out = Fetched::default();
         for reward in rewards {
             if out.rejected.contains_key(&reward.uid) {
@@ -340,7 +340,10 @@ impl RolloutClient {
         let bus = self.bus.clone();
         let task = tokio::spawn(async move {
             let request = ReleaseRequest { step, request_ids };
-            match bus.request::<_, ReleaseResponse>(subjects::BUFFER_RELEASE, &request, Duration::from_secs(30)).await {
+            match bus
+                .request::<_, ReleaseResponse>(bus.names().buffer_release(), &request, Duration::from_secs(30))
+                .await
+            {
                 Ok(resp) if resp.error.is_empty() => {}
                 Ok(resp) => tracing::warn!(error = %resp.error, "release failed"),
                 Err(err) => tracing::warn!(error = %err, "release not acknowledged"),
@@ -369,7 +372,7 @@ impl RolloutClient {
         }
         let mut publisher = Publisher::new(&self.bus, 512);
         for r in &reissued {
-            let subject = subjects::prompt_subject(&r.task.partition);
+            let subject = self.bus.names().prompt_subject(&r.task.partition);
             publisher.publish(Outgoing::protobuf(subject, Some(r.task.uid.clone()), &r.task)).await?;
         }
         publisher.drain().await?;

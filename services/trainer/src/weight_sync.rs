@@ -18,7 +18,6 @@ use jetrl_bus::weights::{manifest_for, WeightTransport};
 use jetrl_bus::Bus;
 use jetrl_config::{JobConfig, TrainerMode, WeightTransportKind};
 use jetrl_telemetry::Shutdown;
-use jetrl_wire::subjects;
 use jetrl_wire::v1::{
     PauseRequest, PauseResponse, ResumeRequest, ResumeResponse, WeightAnnounce, WeightAnnounceResponse, WeightManifest,
 };
@@ -118,7 +117,11 @@ impl WeightSync {
         loop {
             let reply = self
                 .bus
-                .request::<_, WeightAnnounceResponse>(subjects::WEIGHTS_ANNOUNCE, &announce, Duration::from_secs(30))
+                .request::<_, WeightAnnounceResponse>(
+                    self.bus.names().weights_announce(),
+                    &announce,
+                    Duration::from_secs(30),
+                )
                 .await;
             let last = match reply {
                 Ok(resp) if resp.error.is_empty() => return Ok(manifest),
@@ -192,7 +195,7 @@ impl WeightSync {
     pub async fn pause_colocated(&self, step: u64) -> Result<PauseResponse, HandshakeMissed> {
         let (instance, timeout) = self.colocated.clone().unwrap_or_default();
         let request = PauseRequest { step, free_cache: true };
-        let subject = subjects::control_subject(&instance, "pause");
+        let subject = self.bus.names().control_subject(&instance, "pause");
         self.handshake::<_, PauseResponse>(&subject, &request, &instance, "pause", timeout, |r| &r.error).await
     }
 
@@ -204,7 +207,7 @@ impl WeightSync {
     ) -> Result<ResumeResponse, HandshakeMissed> {
         let (instance, timeout) = self.colocated.clone().unwrap_or_default();
         let request = ResumeRequest { step, manifest };
-        let subject = subjects::control_subject(&instance, "resume");
+        let subject = self.bus.names().control_subject(&instance, "resume");
         self.handshake::<_, ResumeResponse>(&subject, &request, &instance, "resume", timeout, |r| &r.error).await
     }
 

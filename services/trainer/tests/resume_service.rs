@@ -48,7 +48,7 @@ async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
     job.spawn("replay-buffer", "jetrl-replay-buffer", &[]);
     job.spawn("reward-0", "jetrl-reward-service", &[]);
     job.spawn("rollout-0", "jetrl-rollout-worker", &["rollout.instance_id=rollout-0"]);
-    let bus = Bus::connect(&cfg.nats, "resume-check").await.unwrap();
+    let bus = Bus::connect_job(&cfg, "resume-check").await.unwrap();
     let groups = GroupStore::open(&bus).await.unwrap();
 
     // first incarnation: once step 2 is checkpointed and logged, the only rollout worker is killed; the

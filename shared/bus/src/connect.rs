@@ -9,11 +9,12 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use async_nats::rustls;
-use jetrl_config::NatsConfig;
+use jetrl_config::{JobConfig, NatsConfig};
+use jetrl_wire::subjects::Names;
 
 use crate::BusError;
 
-/// A NATS connection plus its JetStream context. Cheap to clone.
+/// A NATS connection plus its JetStream context, for one job. Cheap to clone.
 #[derive(Clone)]
 pub struct Bus {
     client: async_nats::Client,
@@ -22,13 +23,22 @@ pub struct Bus {
     request_timeout: Duration,
     /// subjects the server refused this connection (empty for a client not made by [`Bus::connect`])
     refusals: Refusals,
+    /// the job's stream, bucket and subject names: every name this connection uses comes from here
+    names: Arc<Names>,
 }
 
 impl Bus {
+    /// Connects for the job `job` describes (its namespace: `nats.namespace`, else `run.name`).
+    pub async fn connect_job(job: &JobConfig, client_name: &str) -> Result<Self, BusError> {
+        let namespace = job.namespace().map_err(|e| BusError::Namespace(e.to_string()))?;
+        let names = Names::new(namespace).map_err(|e| BusError::Namespace(e.to_string()))?;
+        Self::connect(&job.nats, &names, client_name).await
+    }
+
     /// Connects, retrying with exponential backoff (0.2 s doubling to 5 s) until `connect_timeout_s` has
     /// passed; each failed attempt is logged with the URL. Refused credentials and TLS failures are permanent
     /// and fail at once. Once connected the client reconnects forever.
-    pub async fn connect(cfg: &NatsConfig, client_name: &str) -> Result<Self, BusError> {
+    pub async fn connect(cfg: &NatsConfig, names: &Names, client_name: &str) -> Result<Self, BusError> {
         let started = Instant::now();
         let deadline = Duration::from_secs_f64(cfg.connect_timeout_s.max(0.0));
         let mut delay = Duration::from_millis(200);
@@ -39,8 +49,9 @@ impl Bus {
             let options = Self::options(cfg, client_name, &refusals).await?;
             match options.connect(cfg.url.as_str()).await {
                 Ok(client) => {
-                    tracing::info!(url = %cfg.url, attempts, "connected to NATS");
-                    let mut bus = Self::from_client(client, Duration::from_secs_f64(cfg.request_timeout_s));
+                    tracing::info!(url = %cfg.url, namespace = names.namespace(), attempts, "connected to NATS");
+                    let request_timeout = Duration::from_secs_f64(cfg.request_timeout_s);
+                    let mut bus = Self::from_client(client, request_timeout, names.clone());
                     bus.refusals = refusals;
                     return Ok(bus);
                 }
@@ -157,15 +168,20 @@ impl Bus {
         Ok(options)
     }
 
-    /// Wraps an existing client.
-    pub fn from_client(client: async_nats::Client, request_timeout: Duration) -> Self {
+    /// Wraps an existing client, for the job named by `names`.
+    pub fn from_client(client: async_nats::Client, request_timeout: Duration, names: Names) -> Self {
         let js = jetstream::ContextBuilder::new()
             .timeout(Duration::from_secs(10))
             // stay below the client's own 5000-future cap; Publisher bounds its in-flight acks further
             .max_ack_inflight(4096)
             .backpressure_on_inflight(true)
             .build(client.clone());
-        Self { client, js, request_timeout, refusals: Refusals::default() }
+        Self { client, js, request_timeout, refusals: Refusals::default(), names: Arc::new(names) }
+    }
+
+    /// The job's stream, bucket and subject names.
+    pub fn names(&self) -> &Names {
+        &self.names
     }
 
     pub fn client(&self) -> &async_nats::Client {
@@ -456,7 +472,8 @@ mod tests {
     async fn unreachable_url_fails_with_an_error_naming_it_after_retrying() {
         let cfg = NatsConfig { url: "nats://127.0.0.1:1".into(), connect_timeout_s: 0.9, ..NatsConfig::default() };
         let started = Instant::now();
-        let err = Bus::connect(&cfg, "test").await.err().expect("port 1 has no NATS server");
+        let names = Names::new("test").unwrap();
+        let err = Bus::connect(&cfg, &names, "test").await.err().expect("port 1 has no NATS server");
         let text = err.to_string();
         assert!(text.contains("nats://127.0.0.1:1"), "{text}");
         match err {
@@ -469,6 +486,7 @@ mod tests {
     #[tokio::test]
     async fn settings_that_cannot_work_fail_before_connecting_naming_the_key() {
         let base = NatsConfig { url: "nats://127.0.0.1:1".into(), connect_timeout_s: 30.0, ..NatsConfig::default() };
+        let names = Names::new("jetrl").unwrap();
         let user = || Some("svc".to_string());
         let cases = [
             (NatsConfig { user: user(), ..base.clone() }, "nats.password_file is set"),
@@ -495,7 +513,7 @@ mod tests {
         ];
         for (cfg, expected) in cases {
             let started = Instant::now();
-            let text = Bus::connect(&cfg, "test").await.err().map(|e| e.to_string()).unwrap_or_default();
+            let text = Bus::connect(&cfg, &names, "test").await.err().map(|e| e.to_string()).unwrap_or_default();
             assert!(text.contains(expected) && text.contains("nats://127.0.0.1:1"), "{cfg:?}: {text}");
             assert!(started.elapsed() < Duration::from_secs(1), "{cfg:?} was retried");
         }

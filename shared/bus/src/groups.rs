@@ -32,8 +32,8 @@ pub struct GroupStore {
     kv: kv::Store,
 }
 
-fn kv_err(key: &str, err: impl std::fmt::Display) -> BusError {
-    BusError::Kv { bucket: subjects::GROUPS_BUCKET.into(), key: key.into(), message: err.to_string() }
+fn kv_err(kv: &kv::Store, key: &str, err: impl std::fmt::Display) -> BusError {
+    BusError::Kv { bucket: kv.name.clone(), key: key.into(), message: err.to_string() }
 }
 
 /// Whether `from → to` is a legal group transition.
@@ -52,7 +52,7 @@ pub fn transition_allowed(from: GroupState, to: GroupState) -> bool {
 
 impl GroupStore {
     pub async fn open(bus: &Bus) -> Result<Self, BusError> {
-        Ok(Self { kv: bus.key_value(subjects::GROUPS_BUCKET).await? })
+        Ok(Self { kv: bus.key_value(bus.names().groups_bucket()).await? })
     }
 
     pub fn kv(&self) -> &kv::Store {
@@ -62,7 +62,7 @@ impl GroupStore {
     /// Creates a new group record; fails if the key exists.
     pub async fn create(&self, status: &GroupStatus) -> Result<u64, BusError> {
         let key = subjects::group_key(&status.partition, &status.uid);
-        self.kv.create(&key, status.encode_to_vec().into()).await.map_err(|e| kv_err(&key, e))
+        self.kv.create(&key, status.encode_to_vec().into()).await.map_err(|e| kv_err(&self.kv, &key, e))
     }
 
     /// Creates many records with all requests in flight at once.
@@ -74,7 +74,7 @@ impl GroupStore {
     /// Current record and revision.
     pub async fn get(&self, partition: &str, uid: &str) -> Result<Option<(GroupStatus, u64)>, BusError> {
         let key = subjects::group_key(partition, uid);
-        let Some(entry) = self.kv.entry(&key).await.map_err(|e| kv_err(&key, e))? else { return Ok(None) };
+        let Some(entry) = self.kv.entry(&key).await.map_err(|e| kv_err(&self.kv, &key, e))? else { return Ok(None) };
         if entry.operation != kv::Operation::Put {
             return Ok(None);
         }
@@ -131,15 +131,15 @@ impl GroupStore {
                         tokio::time::sleep(Duration::from_millis(1 << attempt.min(6))).await;
                     }
                 }
-                Err(err) => return Err(kv_err(&key, err).into()),
+                Err(err) => return Err(kv_err(&self.kv, &key, err).into()),
             }
         }
-        Err(kv_err(&key, "too much contention").into())
+        Err(kv_err(&self.kv, &key, "too much contention").into())
     }
 
     /// Watches every record: first the current value of each key, then every change.
     pub async fn watch(&self) -> Result<kv::Watch, BusError> {
-        self.kv.watch_with_history(">").await.map_err(|e| kv_err(">", e))
+        self.kv.watch_with_history(">").await.map_err(|e| kv_err(&self.kv, ">", e))
     }
 }
 
@@ -166,10 +166,10 @@ impl GroupStore {
     /// All records of `partition` (current values).
     pub async fn list(&self, partition: &str) -> Result<Vec<GroupStatus>, BusError> {
         use futures::StreamExt;
-        let mut keys = self.kv.keys().await.map_err(|e| kv_err("*", e))?;
+        let mut keys = self.kv.keys().await.map_err(|e| kv_err(&self.kv, "*", e))?;
         let mut names = Vec::new();
         while let Some(key) = keys.next().await {
-            let key = key.map_err(|e| kv_err("*", e))?;
+            let key = key.map_err(|e| kv_err(&self.kv, "*", e))?;
             if subjects::parse_group_key(&key).is_some_and(|(p, _)| p == partition) {
                 names.push(key);
             }
@@ -177,7 +177,7 @@ impl GroupStore {
         let fetched = futures::future::join_all(names.iter().map(|k| self.kv.entry(k))).await;
         let mut out = Vec::new();
         for (key, entry) in names.iter().zip(fetched) {
-            if let Some(entry) = entry.map_err(|e| kv_err(key, e))? {
+            if let Some(entry) = entry.map_err(|e| kv_err(&self.kv, key, e))? {
                 if let Some(Ok(status)) = decode_entry(&entry) {
                     out.push(status);
                 }

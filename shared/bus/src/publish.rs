@@ -143,6 +143,11 @@ impl Publisher {
     pub fn inflight(&self) -> usize {
         self.inflight.len()
     }
+
+    /// The connection (and job) this publisher writes to.
+    pub fn bus(&self) -> &Bus {
+        &self.bus
+    }
 }
 
 /// Puts one message on the wire; the returned future resolves with its ack. A free function (not a

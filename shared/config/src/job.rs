@@ -43,6 +43,7 @@ impl JobConfig {
         self.critic.validate()?;
         self.reward.validate()?;
         ensure(!self.nats.url.trim().is_empty(), "nats.url", "must not be empty")?;
+        self.namespace()?;
         ensure(self.data.train_batch_size > 0, "data.train_batch_size", "must be > 0")?;
         ensure(self.data.max_response_length > 0, "data.max_response_length", "must be > 0")?;
         ensure(self.rollout.n > 0, "rollout.n", "must be > 0")?;
@@ -137,6 +138,18 @@ impl JobConfig {
         )
     }
 
+    /// The job's namespace (`nats.namespace`, else `run.name`), checked: an error names the key it came from.
+    pub fn namespace(&self) -> Result<&str, ConfigError> {
+        let (key, namespace) = match &self.nats.namespace {
+            Some(namespace) => ("nats.namespace", namespace.as_str()),
+            None => ("run.name", self.run.name.as_str()),
+        };
+        jetrl_wire::subjects::validate_namespace(namespace).map(|()| namespace).map_err(|err| {
+            let hint = if key == "run.name" { "; or set nats.namespace" } else { "" };
+            ConfigError::Invalid { path: key.into(), message: format!("{err}{hint}") }
+        })
+    }
+
     /// Tokens generated per response at most.
     pub fn max_new_tokens(&self) -> u32 {
         self.rollout.max_new_tokens.unwrap_or(self.data.max_response_length)
@@ -176,6 +189,9 @@ pub struct NatsConfig {
     /// the prefix of this client's reply subjects (default `_INBOX`): a server that lets each user subscribe only
     /// to its own replies (`_INBOX_<user>.>`, as deploy/nats/gen.sh writes) needs it
     pub inbox_prefix: Option<String>,
+    /// the job's namespace: part of every stream, bucket and subject name, so jobs sharing a NATS server never
+    /// see each other's records (default: `run.name`)
+    pub namespace: Option<String>,
 }
 
 impl Default for NatsConfig {
@@ -197,6 +213,7 @@ impl Default for NatsConfig {
             tls_server_name: None,
             tls_required: false,
             inbox_prefix: None,
+            namespace: None,
         }
     }
 }
@@ -222,6 +239,7 @@ impl std::fmt::Debug for NatsConfig {
             tls_server_name,
             tls_required,
             inbox_prefix,
+            namespace,
         } = self;
         let redacted = |secret: &Option<String>| secret.as_ref().map(|_| "<redacted>");
         f.debug_struct("NatsConfig")
@@ -241,6 +259,7 @@ impl std::fmt::Debug for NatsConfig {
             .field("tls_server_name", tls_server_name)
             .field("tls_required", tls_required)
             .field("inbox_prefix", inbox_prefix)
+            .field("namespace", namespace)
             .finish()
     }
 }
@@ -843,6 +862,26 @@ mod tests {
         assert!(err.contains("trainer.weight_sync_timeout_s"), "{err}");
         let err = load(&["rollout.heartbeat_interval_s=0"]).unwrap_err().to_string();
         assert!(err.contains("rollout.heartbeat_interval_s"), "{err}");
+    }
+
+    #[test]
+    fn the_namespace_is_nats_namespace_else_run_name_and_an_invalid_one_names_its_key() {
+        let mut cfg = with_task(JobConfig::default());
+        cfg.run.name = "exp-1".into();
+        assert_eq!(cfg.namespace().unwrap(), "exp-1");
+        cfg.nats.namespace = Some("shared_ns".into());
+        assert_eq!(cfg.namespace().unwrap(), "shared_ns");
+
+        cfg.nats.namespace = Some("team.a".into());
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("nats.namespace") && err.contains("team.a"), "{err}");
+        cfg.nats.namespace = None;
+        cfg.run.name = "my run".into();
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("run.name") && err.contains("my run") && err.contains("nats.namespace"), "{err}");
+        // a run.name that cannot be a namespace is fine when nats.namespace is set
+        cfg.nats.namespace = Some("my-run".into());
+        assert!(cfg.validate().is_ok());
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! - [`v1`]: the protobuf messages of `proto/jetrl/v1/jetrl.proto` (prost, `bytes::Bytes` fields).
 //! - [`packed`]: token ids, masks and log-probs as packed little-endian bytes.
 //! - [`keys`]: the verl key format: a group is `{uid}`, a trajectory `{uid}_{session_id}_{index}`.
-//! - [`subjects`]: stream, subject and bucket names shared by every service.
+//! - [`subjects`]: the stream, subject and bucket names of a job ([`subjects::Names`], one namespace per job).
 
 pub mod keys;
 pub mod packed;

@@ -110,7 +110,7 @@ async fn main() -> anyhow::Result<()> {
     for pass in 1..=PASSES {
         let server = NatsServer::start().context("starting nats-server")?;
         cfg.nats.url = server.url();
-        let bus = Bus::connect(&cfg.nats, "jetrl-reward-bench").await?;
+        let bus = Bus::connect_job(&cfg, "jetrl-reward-bench").await?;
         bus.declare_topology().await?;
         let request_bytes = publish_groups(&bus, &trajectories).await?;
         let rate = service_pass(&cfg, &bus, &server, trajectories.len(), request_bytes.len()).await?;
@@ -173,7 +173,7 @@ async fn service_pass(
     let service = tokio::spawn(jetrl_reward_service::run(cfg.clone(), async move {
         let _ = stopped.await;
     }));
-    let score_stream = bus.stream(subjects::SCORE_STREAM).await?;
+    let score_stream = bus.stream(bus.names().score_stream()).await?;
     let consuming = loop {
         if score_stream.consumer_info(subjects::REWARD_CONSUMER).await.is_ok() {
             break Instant::now();
@@ -283,7 +283,7 @@ async fn broker_ceiling(
 
 /// Reads every reward and compares it with the in-process score of its key.
 async fn check_rewards(bus: &Bus, expected: &HashMap<String, f64>) -> anyhow::Result<usize> {
-    let stream = bus.stream(subjects::REWARDS_STREAM).await?;
+    let stream = bus.stream(bus.names().rewards_stream()).await?;
     let consumer = stream
         .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig::default())
         .await
