@@ -8,6 +8,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use jetrl_tests::{run_binary, TestJob};
+use jetrl_wire::Message;
 
 fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(run_dir.join("metrics.jsonl"))
@@ -165,4 +166,126 @@ fn colocate_partial_rollout_log_probs_match_each_versions_checkpoint() {
     assert!(mixed > 0, "no trained trajectory crossed a pause: partial rollout was not exercised");
     assert!(checked > 0);
     assert!(worst < 2e-3, "a behaviour log-prob differs from its version's by {worst}");
+}
+
+fn signal(pid: u32, sig: libc::c_int) {
+    // SAFETY: kill(2) on a pid this test spawned, with a valid signal number.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::kill(pid as libc::pid_t, sig);
+    }
+}
+
+fn wait_for_step(job: &TestJob, step: usize, timeout: Duration) {
+    let deadline = std::time::Instant::now() + timeout;
+    while metrics(&job.run_dir()).len() < step {
+        assert!(std::time::Instant::now() < deadline, "step {step} not reached; trainer log:\n{}", job.log("trainer"));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A rollout worker SIGSTOPped during training: the trainer's weight syncs go on past it (it is reported silent),
+/// its groups are redelivered to the other worker, and after SIGCONT it loads the newest version and takes work
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_worker_is_left_out_of_weight_syncs_and_rejoins_after_sigcont() {
+    let mut job = TestJob::new(
+        "run: {name: sigstop}\n\
+         rollout: {n: 4, ack_wait_s: 3, heartbeat_interval_s: 0.5, heartbeat_timeout_s: 2}\n\
+         trainer: {total_training_steps: 14, weight_sync_timeout_s: 5}",
+    );
+    job.spawn_services(2, 1);
+    job.spawn("trainer", "jetrl-trainer", &[]);
+    tokio::task::block_in_place(|| wait_for_step(&job, 2, Duration::from_secs(120)));
+    let pid = job.pid("rollout-1");
+    signal(pid, libc::SIGSTOP);
+    tokio::task::block_in_place(|| wait_for_step(&job, 7, Duration::from_secs(120)));
+    signal(pid, libc::SIGCONT);
+    let status = tokio::task::block_in_place(|| job.wait("trainer", Duration::from_secs(240)));
+    assert!(status.success(), "trainer failed:\n{}", job.log("trainer"));
+
+    let rows = metrics(&job.run_dir());
+    assert_eq!(rows.len(), 14, "every step trained");
+    let silent = series(&rows, "weight_sync/silent_workers");
+    assert!(silent.iter().any(|&n| n > 0.0), "the stopped worker was never reported: {silent:?}");
+    assert_eq!(silent.last(), Some(&0.0), "the worker is back by the last step: {silent:?}");
+    assert!(
+        series(&rows, "training/off_policy/trajectory_staleness/max").iter().all(|&s| s == 0.0),
+        "sync stayed on-policy"
+    );
+    // it loaded the newest weights and took groups again after SIGCONT
+    let cfg = job.config();
+    let bus = jetrl_bus::Bus::connect_job(&cfg, "sigstop-check").await.unwrap();
+    let store = jetrl_bus::GroupStore::open(&bus).await.unwrap();
+    let late: Vec<_> = jetrl_tests::group_records(&store)
+        .await
+        .into_iter()
+        .filter(|g| g.partition == "train" && g.submit_step >= 11 && g.worker_id == "rollout-1")
+        .collect();
+    assert!(!late.is_empty(), "rollout-1 took no group after SIGCONT");
+    let beats = bus.key_value(bus.names().workers_bucket()).await.unwrap();
+    let beat =
+        jetrl_wire::v1::Heartbeat::decode(beats.get("rollout.rollout-1").await.unwrap().unwrap().as_ref()).unwrap();
+    assert!(beat.policy_version >= 13, "rollout-1 holds v{}", beat.policy_version);
+    assert!(job.log("trainer").contains("silent"), "the trainer log does not report the silent worker");
+}
+
+/// kill -9 of a rollout worker mid-run in separate_async: the run completes, and the buffer's ledger shows every
+/// group trained once or evicted with a reason (none lost in the dead worker's hands).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn separate_async_survives_a_killed_worker_and_every_group_is_accounted_for() {
+    let mut job = TestJob::new(
+        "run: {name: killworker}\n\
+         rollout: {n: 4, ack_wait_s: 3, heartbeat_interval_s: 0.5, heartbeat_timeout_s: 2}\n\
+         actor: {ppo_mini_batch_size: 4}\n\
+         trainer: {mode: separate_async, total_training_steps: 10, weight_sync_timeout_s: 5, separate_async: {parameter_sync_step: 2}}",
+    );
+    job.spawn_services(2, 1);
+    job.spawn("trainer", "jetrl-trainer", &[]);
+    tokio::task::block_in_place(|| wait_for_step(&job, 3, Duration::from_secs(120)));
+    let cfg = job.config();
+    let bus = jetrl_bus::Bus::connect_job(&cfg, "kill-check").await.unwrap();
+    let store = jetrl_bus::GroupStore::open(&bus).await.unwrap();
+    job.kill("rollout-1");
+    let held: Vec<String> = jetrl_tests::group_records(&store)
+        .await
+        .into_iter()
+        .filter(|g| g.worker_id == "rollout-1" && g.state() == jetrl_wire::v1::GroupState::Running)
+        .map(|g| g.uid)
+        .collect();
+    assert!(!held.is_empty(), "the killed worker held no group: the test would check nothing");
+    let status = tokio::task::block_in_place(|| job.wait("trainer", Duration::from_secs(240)));
+    assert!(status.success(), "trainer failed:\n{}", job.log("trainer"));
+    assert_eq!(metrics(&job.run_dir()).len(), 10);
+
+    let request = jetrl_wire::v1::LedgerRequest { partition: "train".into(), uids: vec![], limit: 100_000 };
+    let ledger: jetrl_wire::v1::LedgerResponse =
+        bus.request(bus.names().buffer_ledger(), &request, Duration::from_secs(10)).await.unwrap();
+    assert!(ledger.error.is_empty(), "{}", ledger.error);
+    let mut trained = std::collections::HashMap::new();
+    for entry in &ledger.entries {
+        let state = jetrl_wire::v1::GroupState::try_from(entry.state).unwrap();
+        match state {
+            jetrl_wire::v1::GroupState::Sampled => {
+                assert!(entry.sampled_step >= 1, "{} sampled without a step", entry.uid);
+                *trained.entry(entry.uid.clone()).or_insert(0) += 1;
+            }
+            jetrl_wire::v1::GroupState::Evicted => {
+                assert!(!entry.evicted_reason.is_empty(), "{} evicted silently", entry.uid)
+            }
+            _ => {}
+        }
+    }
+    assert!(trained.values().all(|&n| n == 1), "a group was trained twice");
+    assert_eq!(trained.len(), 10 * 8, "10 steps of 8 groups trained");
+    // the dead worker's groups were redelivered and trained (or evicted with a reason), not lost
+    for uid in &held {
+        let entry = ledger.entries.iter().find(|e| &e.uid == uid).expect("a held group is in the ledger");
+        let state = jetrl_wire::v1::GroupState::try_from(entry.state).unwrap();
+        assert!(
+            matches!(state, jetrl_wire::v1::GroupState::Sampled | jetrl_wire::v1::GroupState::Evicted)
+                || entry.submit_step >= 10,
+            "group {uid} held by the killed worker ended {state:?}"
+        );
+    }
 }

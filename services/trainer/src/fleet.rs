@@ -117,6 +117,26 @@ impl Fleet {
         live
     }
 
+    /// Workers that sent a heartbeat within this run but whose newest one is now older than the liveness window
+    /// (stopped, hung, partitioned or dead without a goodbye): left out of every wait, reported.
+    pub fn silent(&self) -> Vec<WorkerView> {
+        let now = jetrl_wire::now_unix_ms();
+        let window = self.liveness.as_millis() as i64;
+        let beats = self.shared.beats.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut silent: Vec<WorkerView> = beats
+            .values()
+            .filter(|b| b.state() != WorkerState::Stopped && now - b.unix_ms > window)
+            .map(|b| WorkerView {
+                instance: b.instance_id.clone(),
+                version: b.policy_version,
+                state: b.state(),
+                message: format!("silent for {:.1}s", (now - b.unix_ms) as f64 / 1000.0),
+            })
+            .collect();
+        silent.sort_by(|a, b| a.instance.cmp(&b.instance));
+        silent
+    }
+
     /// The live workers as a weight sync reports them.
     pub fn views(&self) -> Vec<WorkerView> {
         self.live()

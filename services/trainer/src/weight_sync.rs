@@ -33,6 +33,8 @@ pub struct SyncReport {
     pub loaded: usize,
     /// live workers that did not (left out of the wait, reported)
     pub lagging: Vec<WorkerView>,
+    /// workers that went silent (no heartbeat within the liveness window): left out, reported
+    pub silent: Vec<WorkerView>,
     pub seconds: f64,
 }
 
@@ -166,9 +168,15 @@ impl WeightSync {
             version,
             loaded: views.len() - lagging.len(),
             lagging,
+            silent: self.fleet.silent(),
             seconds: started.elapsed().as_secs_f64(),
         };
         metrics::gauge!("jetrl_trainer_lagging_workers").set(report.lagging.len() as f64);
+        metrics::gauge!("jetrl_trainer_silent_workers").set(report.silent.len() as f64);
+        if !report.silent.is_empty() {
+            let silent: Vec<String> = report.silent.iter().map(ToString::to_string).collect();
+            tracing::warn!(version, ?silent, "rollout workers silent: left out of the weight sync; their groups are redelivered after rollout.ack_wait_s");
+        }
         if !waited {
             metrics::counter!("jetrl_trainer_weight_sync_timeouts_total").increment(1);
             let lagging: Vec<String> = report.lagging.iter().map(ToString::to_string).collect();

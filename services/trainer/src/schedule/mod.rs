@@ -163,5 +163,6 @@ pub(crate) fn sample_metrics(batch: &SampledBatch, out: &mut Metrics) {
 pub(crate) fn sync_metrics(report: &SyncReport, out: &mut Metrics) {
     out.insert("weight_sync/loaded_workers".into(), report.loaded as f64);
     out.insert("weight_sync/lagging_workers".into(), report.lagging.len() as f64);
+    out.insert("weight_sync/silent_workers".into(), report.silent.len() as f64);
     out.insert("weight_sync/seconds".into(), report.seconds);
 }

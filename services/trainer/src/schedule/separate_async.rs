@@ -65,6 +65,7 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     // rollout does not wait for the trainer, nor the trainer for rollout: report who is behind
     let behind = t.weights.fleet().views().into_iter().filter(|w| w.version + 1 < step).count();
     metrics.insert("weight_sync/lagging_workers".into(), behind as f64);
+    metrics.insert("weight_sync/silent_workers".into(), t.weights.fleet().silent().len() as f64);
     metrics.insert("training/local_updates".into(), f64::from(local_updates));
 
     timing_metrics(&timings, &trained, started.elapsed().as_secs_f64(), &mut metrics);
