@@ -1,5 +1,6 @@
 //! `jetrl`: launches and inspects jetrl jobs. It owns nothing: the services do the work.
 
+mod ledger;
 mod run;
 mod status;
 
@@ -63,10 +64,13 @@ enum Command {
         /// the job's namespace (default: the config's `nats.namespace`, else its `run.name`, else `jetrl`)
         #[arg(long)]
         namespace: Option<String>,
-        /// list what happened to each prompt group (trained at step s, evicted and why, in flight)
+        /// what became of every dataset row drawn: trained (at which step), evicted or failed (why), in flight
         #[arg(long)]
         ledger: bool,
-        /// only these uids
+        /// with --ledger: only the ledger, one JSON object per row (what the trainer writes to ledger.jsonl)
+        #[arg(long, requires = "ledger")]
+        json: bool,
+        /// list these groups' entries in the replay buffer (state, submit and trained step, trajectories)
         #[arg(long)]
         uid: Vec<String>,
     },
@@ -93,12 +97,12 @@ fn main() -> anyhow::Result<()> {
             jetrl_model::logprobs_jsonl_on(&model, device, dtype, stdin.lock(), stdout.lock())?;
             Ok(())
         }
-        Command::Status { config, mut overrides, nats_url, namespace, ledger, uid } => {
+        Command::Status { config, mut overrides, nats_url, namespace, ledger, json, uid } => {
             jetrl_telemetry::init_tracing("warn", jetrl_config::LogFormat::Text);
             overrides.extend(nats_url.map(|url| format!("nats.url={url}")));
             let (nats, namespace) = status::nats_config(config.as_deref(), &overrides, namespace)?;
             let runtime = tokio::runtime::Runtime::new()?;
-            runtime.block_on(status::status(&nats, &namespace, ledger, uid))
+            runtime.block_on(status::status(&nats, &namespace, status::Show { ledger, json, uids: uid }))
         }
     }
 }

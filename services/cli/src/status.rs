@@ -31,7 +31,17 @@ pub fn nats_config(
     Ok((job.nats, namespace))
 }
 
-pub async fn status(cfg: &NatsConfig, namespace: &str, ledger: bool, uids: Vec<String>) -> anyhow::Result<()> {
+/// What `jetrl status` prints besides the summary.
+pub struct Show {
+    /// the row ledger (`--ledger`): a table, or only JSON lines with `json`
+    pub ledger: bool,
+    pub json: bool,
+    /// these groups' buffer entries (`--uid`)
+    pub uids: Vec<String>,
+}
+
+pub async fn status(cfg: &NatsConfig, namespace: &str, show: Show) -> anyhow::Result<()> {
+    let Show { ledger, json, uids } = show;
     let names = Names::new(namespace).map_err(|e| anyhow::anyhow!("--namespace: {e}"))?;
     let bus = Bus::connect(cfg, &names, "jetrl-status").await?;
     // Looking a job up must not declare one: a mistyped namespace would leave empty buckets behind.
@@ -47,6 +57,9 @@ pub async fn status(cfg: &NatsConfig, namespace: &str, ledger: bool, uids: Vec<S
             cfg.url,
             names.prompts_stream()
         );
+    }
+    if ledger && json {
+        return crate::ledger::print(&bus, true).await;
     }
     println!("job: {namespace}");
     match bus.latest_manifest().await? {
@@ -80,13 +93,17 @@ pub async fn status(cfg: &NatsConfig, namespace: &str, ledger: bool, uids: Vec<S
             }
         }
     }
-    let request = LedgerRequest { partition: String::new(), uids, limit: if ledger { 100_000 } else { 1 } };
+    let listed = !uids.is_empty();
+    let request = LedgerRequest { partition: String::new(), uids, limit: if listed { 100_000 } else { 1 } };
     let response: LedgerResponse = bus.request(names.buffer_ledger(), &request, Duration::from_secs(10)).await?;
     if !response.error.is_empty() {
         anyhow::bail!("replay buffer: {}", response.error);
     }
     println!("groups: {:?}", response.counts);
     if ledger {
+        crate::ledger::print(&bus, false).await?;
+    }
+    if listed {
         println!("{:<38} {:<6} {:<9} {:>6} {:>8} {:>5}  reason", "uid", "part", "state", "submit", "trained", "trajs");
         for e in response.entries {
             let state = jetrl_wire::v1::GroupState::try_from(e.state).map(|s| s.label()).unwrap_or("?");

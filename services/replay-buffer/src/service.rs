@@ -406,7 +406,7 @@ impl Buffer {
             }
             match next_action(&self.state, &self.sampler, request, progress) {
                 Action::Evict(evicted) => {
-                    let done = self.evict(&request.partition, &evicted).await;
+                    let done = self.evict(&request.partition, request.step, &evicted).await;
                     progress.record_eviction(&done);
                 }
                 Action::Refill(n) => {
@@ -423,7 +423,7 @@ impl Buffer {
                 Action::Answer { selected, discard } => {
                     let surplus: Vec<(String, EvictReason)> =
                         discard.into_iter().map(|uid| (uid, EvictReason::DiscardedSurplus)).collect();
-                    let done = self.evict(&request.partition, &surplus).await;
+                    let done = self.evict(&request.partition, request.step, &surplus).await;
                     progress.record_eviction(&done);
                     match self.consume(request, &selected).await {
                         Some(uids) => {
@@ -456,7 +456,12 @@ impl Buffer {
     }
 
     /// Marks groups evicted (CAS), locally too; returns those actually evicted.
-    async fn evict(&mut self, partition: &str, groups: &[(String, EvictReason)]) -> Vec<(String, EvictReason)> {
+    async fn evict(
+        &mut self,
+        partition: &str,
+        step: u64,
+        groups: &[(String, EvictReason)],
+    ) -> Vec<(String, EvictReason)> {
         // Owned inputs (no borrowed closure arguments) keep this future `Send` for every lifetime.
         let jobs: Vec<(GroupStore, String, String, &'static str)> = groups
             .iter()
@@ -464,7 +469,7 @@ impl Buffer {
             .collect();
         let results = futures::future::join_all(
             jobs.into_iter()
-                .map(|(store, partition, uid, label)| async move { store.evict(&partition, &uid, label).await }),
+                .map(|(store, partition, uid, label)| async move { store.evict(&partition, &uid, label, step).await }),
         )
         .await;
         let mut done = Vec::new();

@@ -22,8 +22,8 @@ pub enum TrainerError {
     Data(#[from] jetrl_data::DataError),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
-    #[error("re-issuing in-flight groups: {0}")]
-    Reissue(#[source] GroupUpdateError),
+    #[error("updating group records: {0}")]
+    GroupRecord(#[source] GroupUpdateError),
     #[error("tokenizer of {path}: {source}")]
     Tokenizer {
         path: PathBuf,
@@ -72,7 +72,7 @@ impl TrainerError {
             TrainerError::Actor(_) => "actor",
             TrainerError::Data(_) => "data",
             TrainerError::Checkpoint(_) => "checkpoint",
-            TrainerError::Reissue(_) => "reissue",
+            TrainerError::GroupRecord(_) => "group_record",
             TrainerError::Tokenizer { .. } => "tokenizer",
             TrainerError::ModelConfig { .. } => "model_config",
             TrainerError::RunDir { .. } => "run_dir",

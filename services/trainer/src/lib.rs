@@ -105,6 +105,7 @@ async fn train(cfg: JobConfig, bus: Bus, shutdown: Shutdown) -> Result<(), Train
     let result = trainer.train().await;
     trainer.client.finish_releases().await;
     trainer.sink.write_curve();
+    trainer.write_ledger().await;
     result
 }
 
@@ -215,8 +216,10 @@ impl Trainer {
         let blob = self.weights_blob().await?;
         self.weights.publish(self.start_step, blob).await?;
         self.weights.wait_for_workers(self.start_step, self.resumed).await?;
+        // sync mode: tasks need the weights of the step before theirs
+        self.client.min_policy_version = if self.cfg.trainer.mode.is_async() { 0 } else { self.start_step };
         if self.resumed {
-            self.client.reissue_inflight(self.start_step + 1).await?;
+            self.client.resume(self.start_step).await?;
         }
         if self.cfg.trainer.val_before_train || self.cfg.trainer.val_only {
             if self.val.is_empty() {
@@ -255,6 +258,32 @@ impl Trainer {
         }
         self.write_summary(started.elapsed().as_secs_f64());
         Ok(())
+    }
+
+    /// `<run.dir>/ledger.jsonl`: one JSON object per dataset row drawn (its fate), however the run ended. A row
+    /// decided by more than one group (trained twice) is logged as an error and counted in the summary line.
+    async fn write_ledger(&self) {
+        let records = match self.client.train_records().await {
+            Ok(records) => records,
+            Err(err) => {
+                tracing::warn!(error = %err, "ledger not written: the group records could not be read");
+                return;
+            }
+        };
+        let (rows, duplicates) = jetrl_bus::ledger::ledger(&records);
+        let mut out = String::new();
+        for row in &rows {
+            out.push_str(&serde_json::to_string(row).unwrap_or_default());
+            out.push('\n');
+        }
+        let path = Path::new(&self.cfg.run.dir).join("ledger.jsonl");
+        if let Err(err) = std::fs::write(&path, out) {
+            tracing::warn!(error = %err, path = %path.display(), "ledger not written");
+        }
+        for dup in &duplicates {
+            tracing::error!(?dup, "a dataset row was decided by more than one group");
+        }
+        tracing::info!(rows = rows.len(), duplicates = duplicates.len(), path = %path.display(), "ledger written");
     }
 
     fn write_summary(&self, wall_s: f64) {

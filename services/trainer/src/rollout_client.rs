@@ -201,6 +201,8 @@ impl RolloutClient {
                     partition: t.partition.clone(),
                     submit_step: step,
                     n: t.n,
+                    epoch: t.epoch,
+                    dataset_row: t.dataset_row,
                     task: Some(t.clone()),
                     updated_unix_ms: jetrl_wire::now_unix_ms(),
                     ..Default::default()
@@ -362,22 +364,115 @@ impl RolloutClient {
         }
     }
 
-    /// verl's `_reissue_inflight_prompts`: prompt groups the previous incarnation left pending or running are
-    /// re-created under fresh uids at `step` and published again, before any new work.
-    pub async fn reissue_inflight(&self, step: u64) -> Result<usize, TrainerError> {
-        let reissued =
-            self.groups.reissue_inflight(subjects::TRAIN_PARTITION, step).await.map_err(TrainerError::Reissue)?;
-        if reissued.is_empty() {
-            return Ok(0);
+    /// After a resume from the checkpoint of step `k` (the dataloader restored to that checkpoint's cursor):
+    /// makes the group records agree with the restored timeline, so that every row ends trained, evicted or
+    /// failed once. For each dataset row:
+    ///
+    /// - decided at or before step `k` (trained at a step ≤ k, or evicted then): kept; any later group of it is
+    ///   superseded;
+    /// - otherwise every group of it is retired: an in-flight one (pending, running, or generated but not
+    ///   trained) is evicted as `superseded_by_resume` — it was generated for weights that no longer exist, so
+    ///   sync mode is on-policy again from the first step —, a training after step k is rolled back
+    ///   (`rolled_back: …`: the weights it produced are gone), an eviction after step k likewise; and the row is
+    ///   submitted again at step k + 1 when the checkpointed run had drawn it (rows drawn after the checkpoint
+    ///   are drawn again by the dataloader).
+    ///
+    /// Returns how many rows were submitted again.
+    pub async fn resume(&mut self, k: u64) -> Result<usize, TrainerError> {
+        use std::collections::{BTreeMap, HashMap};
+        let drawn = self.loader.drawn(self.loader.state());
+        let records = self.groups.list(subjects::TRAIN_PARTITION).await?;
+        let mut by_row: BTreeMap<(u64, u64), Vec<GroupStatus>> = BTreeMap::new();
+        for g in records {
+            by_row.entry((g.epoch, g.dataset_row)).or_default().push(g);
         }
-        let mut publisher = Publisher::new(&self.bus, 512);
-        for r in &reissued {
-            let subject = self.bus.names().prompt_subject(&r.task.partition);
-            publisher.publish(Outgoing::protobuf(subject, Some(r.task.uid.clone()), &r.task)).await?;
+        let bookkeeping = |g: &GroupStatus| {
+            g.state() == GroupState::Evicted
+                && (jetrl_bus::ledger::SUPERSEDED.contains(&g.evicted_reason.as_str())
+                    || g.evicted_reason.starts_with(jetrl_bus::ledger::ROLLED_BACK))
+        };
+        let mut positions: HashMap<u64, Vec<u64>> = HashMap::new();
+        let mut again: Vec<Drawn> = Vec::new();
+        let (mut superseded, mut rolled_back) = (0usize, 0usize);
+        for ((epoch, row), groups) in by_row {
+            let decided = groups.iter().any(|g| {
+                (g.state() == GroupState::Sampled && g.sampled_step <= k)
+                    || (g.state() == GroupState::Evicted && g.evicted_step <= k && !bookkeeping(g))
+            });
+            for g in &groups {
+                let keep = (g.state() == GroupState::Sampled && g.sampled_step <= k)
+                    || (g.state() == GroupState::Evicted && (g.evicted_step <= k || bookkeeping(g)));
+                if keep {
+                    continue;
+                }
+                let reason = match g.state() {
+                    GroupState::Sampled => {
+                        rolled_back += 1;
+                        format!(
+                            "{}: trained at step {} after the checkpoint of step {k}",
+                            jetrl_bus::ledger::ROLLED_BACK,
+                            g.sampled_step
+                        )
+                    }
+                    GroupState::Evicted => {
+                        rolled_back += 1;
+                        format!(
+                            "{}: evicted at step {} ({}) after the checkpoint of step {k}",
+                            jetrl_bus::ledger::ROLLED_BACK,
+                            g.evicted_step,
+                            g.evicted_reason
+                        )
+                    }
+                    _ => {
+                        superseded += 1;
+                        "superseded_by_resume".to_string()
+                    }
+                };
+                self.groups.retract(&g.partition, &g.uid, &reason, k).await.map_err(TrainerError::GroupRecord)?;
+            }
+            if decided {
+                continue;
+            }
+            let drawn_before = self.loader.position_of(epoch, row, &mut positions).is_some_and(|p| p < drawn);
+            if let (true, Some(example)) = (drawn_before, self.loader.examples().get(row as usize)) {
+                again.push(Drawn { epoch, row, example: example.clone() });
+            }
         }
-        publisher.drain().await?;
-        tracing::info!(groups = reissued.len(), "in-flight prompt groups re-issued");
-        Ok(reissued.len())
+        // validation groups of the old incarnation are never trained: retire them
+        for g in self.groups.list(subjects::VAL_PARTITION).await? {
+            if g.state().is_inflight() || g.state().is_terminal() {
+                self.groups
+                    .retract(&g.partition, &g.uid, "superseded_by_resume", k)
+                    .await
+                    .map_err(TrainerError::GroupRecord)?;
+            }
+        }
+        let submitted = self.submit(subjects::TRAIN_PARTITION, k + 1, &again, false).await?;
+        tracing::info!(
+            checkpoint_step = k,
+            superseded,
+            rolled_back,
+            submitted_again = submitted,
+            "group records brought back to the checkpoint's timeline"
+        );
+        Ok(submitted)
+    }
+
+    /// Groups of the train partition in flight (pending, running, or terminal and not yet sampled).
+    pub async fn inflight_groups(&self) -> Result<usize, TrainerError> {
+        let records = self.groups.list(subjects::TRAIN_PARTITION).await?;
+        Ok(records.iter().filter(|g| g.state().is_inflight() || g.state().is_terminal()).count())
+    }
+
+    /// Records that the sampled group `uid` could not be trained on (fate `failed`, with the reason).
+    pub async fn reject(&self, uid: &str, reason: &str, step: u64) -> Result<(), TrainerError> {
+        let reason = format!("rejected: {reason}");
+        self.groups.retract(subjects::TRAIN_PARTITION, uid, &reason, step).await.map_err(TrainerError::GroupRecord)
+    }
+
+    /// Every train group record, for the ledger.
+    pub async fn train_records(&self) -> Result<Vec<GroupStatus>, TrainerError> {
+        Ok(self.groups.list(subjects::TRAIN_PARTITION).await?)
     }
 }
 

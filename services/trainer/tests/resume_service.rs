@@ -93,11 +93,11 @@ async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             let all = groups.list("train").await.unwrap();
-            let reissued = all.iter().filter(|g| g.evicted_reason == "reissued").count();
-            if reissued == stranded.len() {
+            let superseded = all.iter().filter(|g| g.evicted_reason == "superseded_by_resume").count();
+            if superseded == stranded.len() {
                 break;
             }
-            assert!(Instant::now() < deadline, "stranded groups never re-issued ({reissued})");
+            assert!(Instant::now() < deadline, "stranded groups never superseded ({superseded})");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         job.spawn("rollout-1", "jetrl-rollout-worker", &["rollout.instance_id=rollout-1"]);
@@ -122,12 +122,21 @@ async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
         assert!(m["actor/pg_loss"].as_f64().is_some_and(f64::is_finite), "{m}");
     }
 
-    // the stranded groups were evicted under their old uids (their replacements were trained on instead)
+    // the stranded groups were generated after the checkpoint: superseded under their old uids, their rows drawn
+    // again by the restored dataloader and trained on once
     let all = groups.list("train").await.unwrap();
     for uid in &stranded {
         let g = all.iter().find(|g| &g.uid == uid).expect("stranded group record");
-        assert_eq!((g.state(), g.evicted_reason.as_str()), (GroupState::Evicted, "reissued"));
+        assert_eq!((g.state(), g.evicted_reason.as_str()), (GroupState::Evicted, "superseded_by_resume"));
     }
     let sampled = all.iter().filter(|g| g.state() == GroupState::Sampled).count();
     assert_eq!(sampled, 16, "4 steps of 4 groups were trained on");
+    // the ledger by dataset row: the 16 rows the 4 steps drew, each trained exactly once, none twice
+    let (rows, duplicates) = jetrl_bus::ledger::ledger(&all);
+    assert!(duplicates.is_empty(), "rows decided twice: {duplicates:?}");
+    let trained: Vec<_> = rows.iter().filter(|r| r.fate == jetrl_bus::ledger::Fate::Trained).collect();
+    assert_eq!(trained.len(), 16, "{rows:?}");
+    assert_eq!(rows.len(), 16, "no row drawn beyond the 16 trained: {rows:?}");
+    let ledger = std::fs::read_to_string(run_dir.join("ledger.jsonl")).expect("the trainer wrote ledger.jsonl");
+    assert_eq!(ledger.lines().count(), 16);
 }

@@ -46,6 +46,11 @@ pub fn transition_allowed(from: GroupState, to: GroupState) -> bool {
             | (Pending | Running, Finished | Failure)
             | (Finished | Failure, Sampled | Evicted)
             | (Pending | Running, Evicted)
+            // a resumed trainer rolls back what was trained after its checkpoint; a trainer rejects a sampled group
+            // it cannot train on (a payload missing or invalid): both are recorded as evictions with a reason
+            | (Sampled, Evicted)
+            // an eviction's reason amended: a resume rolls back an eviction made after its checkpoint
+            | (Evicted, Evicted)
             | (Pending | Running, Pending) // re-issue on resume
     )
 }
@@ -154,14 +159,6 @@ pub fn decode_entry(entry: &kv::Entry) -> Option<Result<GroupStatus, BusError>> 
     )
 }
 
-/// A group re-issued after a trainer restart: the old record is evicted (`reissued`), the task gets a
-/// fresh uid and the resume step, and a new `pending` record exists for it. The caller publishes `task`.
-#[derive(Debug, Clone)]
-pub struct Reissued {
-    pub old_uid: String,
-    pub task: jetrl_wire::v1::PromptTask,
-}
-
 impl GroupStore {
     /// All records of `partition` (current values).
     pub async fn list(&self, partition: &str) -> Result<Vec<GroupStatus>, BusError> {
@@ -186,49 +183,31 @@ impl GroupStore {
         Ok(out)
     }
 
-    /// Re-issues every `pending` or `running` group of `partition` with submit step `step` (verl's
-    /// `_reissue_inflight_prompts`). Their partial trajectories are discarded: the old uid is evicted with
-    /// reason `reissued` (so the buffer never samples it, and the ledger says why), and the task is
-    /// re-created under a fresh uid — new trajectory keys, so stream de-duplication cannot confuse the new
-    /// generation with the partial old one. Finished and failed groups are kept as they are.
-    pub async fn reissue_inflight(&self, partition: &str, step: u64) -> Result<Vec<Reissued>, GroupUpdateError> {
-        let mut out = Vec::new();
-        for status in self.list(partition).await? {
-            if !status.state().is_inflight() {
-                continue;
-            }
-            let Some(mut task) = status.task.clone() else {
-                tracing::warn!(uid = %status.uid, "in-flight group without a stored task cannot be re-issued; evicting it");
-                self.evict(partition, &status.uid, "reissue_without_task").await?;
-                continue;
-            };
-            self.evict(partition, &status.uid, "reissued").await?;
-            task.uid = jetrl_wire::keys::new_uid();
-            task.submit_step = step;
-            let mut fresh = GroupStatus {
-                uid: task.uid.clone(),
-                partition: partition.to_string(),
-                submit_step: step,
-                n: task.n,
-                task: Some(task.clone()),
-                updated_unix_ms: jetrl_wire::now_unix_ms(),
-                ..Default::default()
-            };
-            fresh.set_state(GroupState::Pending);
-            self.create(&fresh).await?;
-            out.push(Reissued { old_uid: status.uid.clone(), task });
-        }
-        Ok(out)
-    }
-
-    /// Marks a group evicted with `reason` (ledger), whatever its non-final state.
-    pub async fn evict(&self, partition: &str, uid: &str, reason: &str) -> Result<(), GroupUpdateError> {
+    /// Marks a group evicted at trainer step `step` with `reason` (ledger), whatever its non-final state.
+    pub async fn evict(&self, partition: &str, uid: &str, reason: &str, step: u64) -> Result<(), GroupUpdateError> {
         let reason = reason.to_string();
         self.update(partition, uid, |s| {
             if matches!(s.state(), GroupState::Sampled | GroupState::Evicted) {
                 return None;
             }
             s.evicted_reason = reason.clone();
+            s.evicted_step = step;
+            Some(GroupState::Evicted)
+        })
+        .await
+        .map(|_| ())
+    }
+
+    /// Marks a group evicted at `step` with `reason` whatever state it is in: a sampled one (a rollback after a
+    /// resume, a group the trainer rejected) or an evicted one (its reason amended by a rollback).
+    pub async fn retract(&self, partition: &str, uid: &str, reason: &str, step: u64) -> Result<(), GroupUpdateError> {
+        let reason = reason.to_string();
+        self.update(partition, uid, |s| {
+            if s.state() == GroupState::Evicted && s.evicted_reason == reason {
+                return None;
+            }
+            s.evicted_reason = reason.clone();
+            s.evicted_step = step;
             Some(GroupState::Evicted)
         })
         .await

@@ -251,51 +251,6 @@ async fn weight_blob_round_trips_through_both_transports_and_is_verified() {
 }
 
 #[tokio::test]
-async fn reissue_evicts_inflight_groups_and_recreates_them_with_the_resume_step() {
-    let server = NatsServer::start().unwrap();
-    let bus = bus(&server).await;
-    let groups = GroupStore::open(&bus).await.unwrap();
-    for (uid, state) in [("p", GroupState::Pending), ("r", GroupState::Running), ("f", GroupState::Finished)] {
-        let task = jetrl_wire::v1::PromptTask {
-            uid: uid.into(),
-            partition: "train".into(),
-            n: 2,
-            submit_step: 3,
-            ..Default::default()
-        };
-        let mut s = GroupStatus {
-            uid: uid.into(),
-            partition: "train".into(),
-            submit_step: 3,
-            task: Some(task),
-            ..Default::default()
-        };
-        s.set_state(GroupState::Pending);
-        groups.create(&s).await.unwrap();
-        if state != GroupState::Pending {
-            groups.update("train", uid, |_| Some(GroupState::Running)).await.unwrap();
-        }
-        if state == GroupState::Finished {
-            groups.update("train", uid, |_| Some(GroupState::Finished)).await.unwrap();
-        }
-    }
-    let reissued = groups.reissue_inflight("train", 7).await.unwrap();
-    let old: std::collections::HashSet<String> = reissued.iter().map(|r| r.old_uid.clone()).collect();
-    assert_eq!(old, ["p".to_string(), "r".to_string()].into_iter().collect());
-    for r in &reissued {
-        assert_eq!(r.task.submit_step, 7);
-        assert_ne!(r.task.uid, r.old_uid);
-        let (fresh, _) = groups.get("train", &r.task.uid).await.unwrap().unwrap();
-        assert_eq!(fresh.state(), GroupState::Pending);
-        let (old, _) = groups.get("train", &r.old_uid).await.unwrap().unwrap();
-        assert_eq!(old.state(), GroupState::Evicted);
-        assert_eq!(old.evicted_reason, "reissued");
-    }
-    let (kept, _) = groups.get("train", "f").await.unwrap().unwrap();
-    assert_eq!(kept.state(), GroupState::Finished, "finished groups are kept");
-}
-
-#[tokio::test]
 async fn payloads_are_fetched_by_sequence_one_batch_per_subject() {
     let server = NatsServer::start().unwrap();
     let bus = bus(&server).await;

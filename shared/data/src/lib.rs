@@ -197,11 +197,41 @@ impl DataLoader {
     }
 
     fn reorder(&mut self) {
-        self.order = (0..self.examples.len()).collect();
+        self.order = self.order_of(self.state.epoch);
+    }
+
+    /// The order rows are drawn in during `epoch` (reshuffled with `seed + epoch`).
+    fn order_of(&self, epoch: u64) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.examples.len()).collect();
         if self.shuffle {
-            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(self.seed.wrapping_add(self.state.epoch));
-            self.order.shuffle(&mut rng);
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(self.seed.wrapping_add(epoch));
+            order.shuffle(&mut rng);
         }
+        order
+    }
+
+    /// Where `(epoch, row)` comes in the sequence of draws (0 = the first row of epoch 0), or `None` for a row
+    /// outside the dataset. A loader at state `s` has drawn exactly the positions below [`DataLoader::drawn`].
+    pub fn position_of(
+        &self,
+        epoch: u64,
+        row: u64,
+        cache: &mut std::collections::HashMap<u64, Vec<u64>>,
+    ) -> Option<u64> {
+        let len = self.examples.len() as u64;
+        let positions = cache.entry(epoch).or_insert_with(|| {
+            let mut at = vec![0u64; self.examples.len()];
+            for (i, &r) in self.order_of(epoch).iter().enumerate() {
+                at[r] = i as u64;
+            }
+            at
+        });
+        positions.get(row as usize).map(|&i| epoch * len + i)
+    }
+
+    /// How many rows a loader at `state` has drawn: positions below this were drawn.
+    pub fn drawn(&self, state: LoaderState) -> u64 {
+        state.epoch * self.examples.len() as u64 + state.cursor as u64
     }
 
     pub fn len(&self) -> usize {

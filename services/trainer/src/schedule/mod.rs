@@ -58,11 +58,13 @@ pub(crate) async fn warm_up(t: &mut Trainer) -> Result<(), TrainerError> {
         TrainerMode::SeparateAsync => t.cfg.trainer.separate_async.num_warmup_batches,
     };
     let step = t.start_step + 1;
-    for _ in 0..batches {
-        t.client.submit_train(step, t.cfg.data.train_batch_size as usize).await?;
-    }
-    if batches > 0 {
-        tracing::info!(batches, groups = batches * t.cfg.data.train_batch_size, "warm-up batches submitted");
+    // after a resume the rows submitted again count towards the warm-up: the backlog stays what it was
+    let wanted = batches as usize * t.cfg.data.train_batch_size as usize;
+    let inflight = if batches > 0 { t.client.inflight_groups().await? } else { 0 };
+    let missing = wanted.saturating_sub(inflight);
+    if missing > 0 {
+        t.client.submit_train(step, missing).await?;
+        tracing::info!(batches, groups = missing, already_in_flight = inflight, "warm-up submitted");
     }
     Ok(())
 }
@@ -89,6 +91,9 @@ impl Trainer {
         let wait_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
         let fetched = self.client.fetch(&response).await?;
+        for (uid, reason) in &fetched.rejected {
+            self.client.reject(uid, reason, step).await?;
+        }
         let fetch_s = t.elapsed().as_secs_f64();
         if let Some(dir) = &self.cfg.trainer.rollout_data_dir {
             let rows = crate::dump::rollout_rows(self.client.tokenizer(), step, &fetched.samples);
