@@ -1,7 +1,10 @@
 //! `jetrl`: launches and inspects jetrl jobs. It owns nothing: the services do the work.
 
+mod broker;
 mod run;
 mod status;
+mod supervisor;
+mod threads;
 
 use std::path::PathBuf;
 
