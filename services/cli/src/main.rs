@@ -1,8 +1,11 @@
 //! `jetrl`: launches and inspects jetrl jobs. It owns nothing: the services do the work.
 
+mod broker;
 mod ledger;
 mod run;
 mod status;
+mod supervisor;
+mod threads;
 
 use std::path::PathBuf;
 

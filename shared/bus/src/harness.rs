@@ -125,6 +125,17 @@ impl NatsServer {
         &self.root
     }
 
+    /// How the server ended, once it has died on its own (a crash, an OOM kill); `None` while it runs and
+    /// after `kill` or `stop`. A supervisor polls this and calls `restart`.
+    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.as_mut().and_then(|child| child.try_wait().ok().flatten())
+    }
+
+    /// The server's log file (rewritten at each start).
+    pub fn log_path(&self) -> PathBuf {
+        self.root.join("nats.log")
+    }
+
     /// Kills the server (SIGKILL, as a crash would) and starts it again on the same port and store.
     pub fn restart(&mut self) -> Result<(), BusError> {
         self.kill();

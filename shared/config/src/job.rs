@@ -66,6 +66,8 @@ impl JobConfig {
         ensure(self.data.max_prompt_length > 0, "data.max_prompt_length", "must be > 0")?;
         self.validate_mode()?;
         self.validate_liveness()?;
+        self.validate_threads()?;
+        self.run.supervisor.validate()?;
         ensure(
             self.trainer.resume_mode != ResumeMode::ResumePath
                 || self.trainer.resume_from_path.as_deref().is_some_and(|p| p.contains("global_step_")),
@@ -108,6 +110,19 @@ impl JobConfig {
                 )
             }
         }
+    }
+
+    /// Every `*_threads` key.
+    fn validate_threads(&self) -> Result<(), ConfigError> {
+        ensure_threads(self.trainer.torch_threads, "trainer.torch_threads")?;
+        ensure_threads(self.trainer.torch_interop_threads, "trainer.torch_interop_threads")?;
+        ensure_threads(self.trainer.tokio_threads, "trainer.tokio_threads")?;
+        ensure_threads(self.rollout.torch_threads, "rollout.torch_threads")?;
+        ensure_threads(self.rollout.torch_interop_threads, "rollout.torch_interop_threads")?;
+        ensure_threads(self.rollout.tokio_threads, "rollout.tokio_threads")?;
+        ensure_threads(self.reward.tokio_threads, "reward.tokio_threads")?;
+        ensure_threads(self.buffer.tokio_threads, "buffer.tokio_threads")?;
+        ensure_threads(self.checkpoint.tokio_threads, "checkpoint.tokio_threads")
     }
 
     /// The heartbeat interval, the liveness window and the weight-sync deadline, which only work together.
@@ -272,12 +287,68 @@ pub struct RunConfig {
     /// run directory: metrics.jsonl, reward curve, checkpoints, logs
     pub dir: String,
     pub seed: u64,
+    /// how `jetrl run` restarts a service that exits abnormally
+    pub supervisor: SupervisorConfig,
 }
 
 impl Default for RunConfig {
     fn default() -> Self {
-        Self { name: "jetrl".into(), dir: "runs/jetrl".into(), seed: 42 }
+        Self { name: "jetrl".into(), dir: "runs/jetrl".into(), seed: 42, supervisor: SupervisorConfig::default() }
     }
+}
+
+/// `jetrl run`'s restart policy, after systemd's `Restart=on-failure` with `StartLimitBurst`: a service that
+/// exits non-zero or is killed by a signal is started again after a delay that doubles per consecutive failure;
+/// a service that needs more than `max_restarts` restarts within `restart_window_s` is crash-looping and ends
+/// the job.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SupervisorConfig {
+    /// delay before the first restart after a failure
+    pub restart_delay_s: f64,
+    /// the doubling delay stops growing here
+    pub max_restart_delay_s: f64,
+    /// a service that ran at least this long before failing starts again from `restart_delay_s`
+    pub healthy_after_s: f64,
+    /// restarts allowed within `restart_window_s`; one more failure in the window ends the job (0 = any
+    /// abnormal exit ends it)
+    pub max_restarts: u32,
+    pub restart_window_s: f64,
+}
+
+impl Default for SupervisorConfig {
+    fn default() -> Self {
+        Self {
+            restart_delay_s: 1.0,
+            max_restart_delay_s: 30.0,
+            healthy_after_s: 60.0,
+            max_restarts: 5,
+            restart_window_s: 120.0,
+        }
+    }
+}
+
+impl SupervisorConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let positive = |v: f64| v > 0.0 && v.is_finite();
+        ensure(positive(self.restart_delay_s), "run.supervisor.restart_delay_s", "must be > 0")?;
+        ensure(
+            positive(self.max_restart_delay_s) && self.max_restart_delay_s >= self.restart_delay_s,
+            "run.supervisor.max_restart_delay_s",
+            format!("must be >= run.supervisor.restart_delay_s ({})", self.restart_delay_s),
+        )?;
+        ensure(
+            self.healthy_after_s >= 0.0 && self.healthy_after_s.is_finite(),
+            "run.supervisor.healthy_after_s",
+            "must be >= 0",
+        )?;
+        ensure(positive(self.restart_window_s), "run.supervisor.restart_window_s", "must be > 0")
+    }
+}
+
+/// A thread count key: null picks a default, an explicit value must be at least 1.
+fn ensure_threads(value: Option<u32>, path: &str) -> Result<(), ConfigError> {
+    ensure(value != Some(0), path, "must be >= 1 (null = the default)")
 }
 
 /// The policy model (an HF model directory).
@@ -437,6 +508,13 @@ pub struct RolloutConfig {
     pub logprobs_mode: LogprobsMode,
     pub multi_turn: MultiTurnConfig,
     pub agent: AgentConfig,
+    /// torch intra-op threads; null = `OMP_NUM_THREADS` if set, else every core this process may use
+    /// (`jetrl run` passes an even share of the host's cores between the trainer and its rollout workers)
+    pub torch_threads: Option<u32>,
+    /// torch inter-op threads; null = 1 on the CPU (jetrl runs no parallel graph), torch's default on CUDA
+    pub torch_interop_threads: Option<u32>,
+    /// tokio worker threads; null = one per core (`jetrl run` passes 2)
+    pub tokio_threads: Option<u32>,
 }
 
 impl Default for RolloutConfig {
@@ -464,6 +542,9 @@ impl Default for RolloutConfig {
             logprobs_mode: LogprobsMode::Processed,
             multi_turn: MultiTurnConfig::default(),
             agent: AgentConfig::default(),
+            torch_threads: None,
+            torch_interop_threads: None,
+            tokio_threads: None,
         }
     }
 }
@@ -535,6 +616,8 @@ pub struct BufferConfig {
     pub max_off_policy_threshold: u64,
     pub max_off_policy_strategy: OffPolicyStrategy,
     pub sync_refill_failed_groups: bool,
+    /// tokio worker threads; null = one per core (`jetrl run` passes 2)
+    pub tokio_threads: Option<u32>,
 }
 
 impl Default for BufferConfig {
@@ -544,6 +627,7 @@ impl Default for BufferConfig {
             max_off_policy_threshold: 8,
             max_off_policy_strategy: OffPolicyStrategy::Drop,
             sync_refill_failed_groups: false,
+            tokio_threads: None,
         }
     }
 }
@@ -561,6 +645,8 @@ pub struct CheckpointConfig {
     pub chunk_bytes: u32,
     /// where announced checkpoint versions are written as HF model directories; default `<run.dir>/checkpoints`
     pub dir: Option<String>,
+    /// tokio worker threads; null = one per core (`jetrl run` passes 2)
+    pub tokio_threads: Option<u32>,
 }
 
 impl Default for CheckpointConfig {
@@ -572,6 +658,7 @@ impl Default for CheckpointConfig {
             keep_versions: 2,
             chunk_bytes: 8 << 20,
             dir: None,
+            tokio_threads: None,
         }
     }
 }
@@ -622,6 +709,13 @@ pub struct TrainerConfig {
     pub rollout_data_dir: Option<String>,
     /// verl `trainer.validation_data_dir`: a JSONL file of the validation generations per validation
     pub validation_data_dir: Option<String>,
+    /// torch intra-op threads; null = `OMP_NUM_THREADS` if set, else every core this process may use
+    /// (`jetrl run` passes an even share of the host's cores between the trainer and its rollout workers)
+    pub torch_threads: Option<u32>,
+    /// torch inter-op threads; null = 1 on the CPU (jetrl runs no parallel graph), torch's default on CUDA
+    pub torch_interop_threads: Option<u32>,
+    /// tokio worker threads; null = one per core (`jetrl run` passes 2)
+    pub tokio_threads: Option<u32>,
 }
 
 impl Default for TrainerConfig {
@@ -651,6 +745,9 @@ impl Default for TrainerConfig {
             sample_wait_s: 10.0,
             rollout_data_dir: None,
             validation_data_dir: None,
+            torch_threads: None,
+            torch_interop_threads: None,
+            tokio_threads: None,
         }
     }
 }
@@ -862,6 +959,39 @@ mod tests {
         assert!(err.contains("trainer.weight_sync_timeout_s"), "{err}");
         let err = load(&["rollout.heartbeat_interval_s=0"]).unwrap_err().to_string();
         assert!(err.contains("rollout.heartbeat_interval_s"), "{err}");
+    }
+
+    /// Thread counts are optional, but an explicit 0 is a mistake that names its key; so are supervisor delays
+    /// that cannot work.
+    #[test]
+    fn thread_keys_and_supervisor_settings_are_validated_by_name() {
+        let load = |o: &[&str]| {
+            let mut all = vec!["data.task={name: copy}".to_string()];
+            all.extend(o.iter().map(|s| s.to_string()));
+            JobConfig::load(None, &all)
+        };
+        let cfg = load(&["trainer.torch_threads=3", "rollout.tokio_threads=2", "reward.tokio_threads=1"]).unwrap();
+        assert_eq!((cfg.trainer.torch_threads, cfg.trainer.torch_interop_threads), (Some(3), None));
+        assert_eq!((cfg.rollout.tokio_threads, cfg.reward.tokio_threads), (Some(2), Some(1)));
+        for key in [
+            "trainer.torch_threads",
+            "trainer.torch_interop_threads",
+            "trainer.tokio_threads",
+            "rollout.torch_threads",
+            "rollout.torch_interop_threads",
+            "rollout.tokio_threads",
+            "reward.tokio_threads",
+            "buffer.tokio_threads",
+            "checkpoint.tokio_threads",
+        ] {
+            let err = load(&[&format!("{key}=0")]).unwrap_err().to_string();
+            assert!(err.contains(key) && err.contains(">= 1"), "{key}: {err}");
+        }
+        let err = load(&["run.supervisor.restart_delay_s=5", "run.supervisor.max_restart_delay_s=2"]).unwrap_err();
+        assert!(err.to_string().contains("run.supervisor.max_restart_delay_s"), "{err}");
+        let err = load(&["run.supervisor.restart_window_s=0"]).unwrap_err();
+        assert!(err.to_string().contains("run.supervisor.restart_window_s"), "{err}");
+        assert_eq!(load(&["run.supervisor.max_restarts=0"]).unwrap().run.supervisor.max_restarts, 0);
     }
 
     #[test]
