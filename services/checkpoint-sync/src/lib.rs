@@ -159,6 +159,8 @@ impl Registry {
             }
         };
         put(format!("v.{version}"), encoded.clone()).await?;
+        // fault injection (inert unless JETRL_CRASH_AT names it): v.<n> written, `latest` and the reply not yet
+        jetrl_telemetry::crash::crash_point("checkpoint.mid_announce", version);
         // `latest` last: a reader that sees it can always find the versioned entry.
         put("latest".into(), encoded).await?;
         self.versions.insert(version, manifest.location.clone());

@@ -520,6 +520,8 @@ impl Buffer {
         for uid in &confirmed {
             self.state.mark_sampled(&request.partition, uid, request.step, &request.request_id);
         }
+        // fault injection (inert unless JETRL_CRASH_AT names it): groups marked sampled, the trainer not answered
+        jetrl_telemetry::crash::crash_point("buffer.mid_sample", request.step);
         (confirmed.len() == selected.len()).then_some(confirmed)
     }
 

@@ -334,6 +334,8 @@ async fn publish(bus: &Bus, items: &mut [Item], outcomes: Vec<ScoreOutcome>) -> 
         }
     }
     let outgoing = messages.finish();
+    // fault injection (inert unless JETRL_CRASH_AT names it): scored, nothing published or acknowledged yet
+    jetrl_telemetry::crash::crash_point("reward.mid_batch", 0);
     let mut publisher = Publisher::new(bus, outgoing.len().max(1));
     for message in outgoing {
         publisher.publish(message).await?;

@@ -387,6 +387,8 @@ impl<'a> GroupPublisher<'a> {
             .map_err(|e| TaskError::Retry(e.to_string()))?;
         self.scoring.add(&traj);
         self.keys.push(key);
+        // fault injection (inert unless JETRL_CRASH_AT names it): part of the group published, not its status
+        jetrl_telemetry::crash::crash_point("rollout.mid_group", task.submit_step);
         Ok(())
     }
 

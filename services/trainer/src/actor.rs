@@ -517,6 +517,8 @@ impl Actor {
                     *sums.entry(k).or_insert(0.0) += v;
                 }
                 updates += 1.0;
+                // fault injection (inert unless JETRL_CRASH_AT names it): weights changed, step not finished
+                jetrl_telemetry::crash::crash_point("trainer.mid_update", step);
             }
         }
         self.actor_updates += 1;

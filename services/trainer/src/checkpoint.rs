@@ -66,6 +66,9 @@ pub struct ActorState {
 /// verl's tracker file: the newest complete checkpoint's step.
 pub const LATEST_FILE: &str = "latest_checkpointed_iteration.txt";
 pub const TRAINER_STATE_FILE: &str = "trainer_state.json";
+/// The metrics of the checkpoint's step as known when it was saved (a resumed run writes its line from them
+/// when the first incarnation died before writing it).
+pub const STEP_METRICS_FILE: &str = "step_metrics.json";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const OPTIMIZER_META_FILE: &str = "optimizer.json";
 const STEP_PREFIX: &str = "global_step_";

@@ -123,6 +123,9 @@ pub(crate) struct Trainer {
     start_step: u64,
     resumed: bool,
     ckpt_root: PathBuf,
+    /// names this trainer process in its sample request ids (`train-<incarnation>-<step>`): a request id is
+    /// idempotent at the buffer, so a restarted trainer redoing a step must not reuse the dead one's ids
+    incarnation: String,
 }
 
 impl Trainer {
@@ -175,8 +178,17 @@ impl Trainer {
         let pad_id = tokenizer.pad_token_id().or_else(|| tokenizer.eos_token_ids().first().copied()).unwrap_or(0);
         actor.call(move |a| a.set_pad_id(pad_id)).await?;
         let run_dir = PathBuf::from(&cfg.run.dir);
-        let sink = MetricsSink::open(&bus, &run_dir, &cfg.trainer, resume.as_ref().map(|_| start_step))
+        let mut sink = MetricsSink::open(&bus, &run_dir, &cfg.trainer, resume.as_ref().map(|_| start_step))
             .map_err(|source| TrainerError::RunDir { path: run_dir.clone(), source })?;
+        // The previous incarnation committed this checkpoint and died before writing the step's metrics line.
+        if let Some((dir, _)) = &resume {
+            let saved = dir.join(checkpoint::STEP_METRICS_FILE);
+            if sink.last_step() < Some(start_step) && saved.exists() {
+                let metrics: std::collections::BTreeMap<String, f64> = checkpoint::read_json(&saved)?;
+                sink.record(start_step, &metrics).await;
+                tracing::info!(step = start_step, "metrics line of the checkpoint's step written from the checkpoint");
+            }
+        }
         let fleet = Fleet::watch(&bus, Duration::from_secs_f64(cfg.rollout.heartbeat_timeout_s)).await?;
         let sample_limits = SampleLimits {
             vocab_size: model_config.vocab_size.max(0) as u64,
@@ -206,6 +218,7 @@ impl Trainer {
             start_step,
             resumed: resume.is_some(),
             ckpt_root,
+            incarnation: format!("{:x}", jetrl_wire::now_unix_ms()),
         })
     }
 
@@ -226,7 +239,9 @@ impl Trainer {
                 tracing::warn!("trainer.val_before_train / val_only: the validation set is empty; nothing to validate");
             } else {
                 let t = Instant::now();
-                let mut val = validation::validate(&mut self.client, &self.cfg, &self.val, self.start_step).await?;
+                let mut val =
+                    validation::validate(&mut self.client, &self.cfg, &self.val, self.start_step, &self.incarnation)
+                        .await?;
                 val.insert("timing_s/testing".into(), t.elapsed().as_secs_f64());
                 val.insert("training/global_step".into(), self.start_step as f64);
                 tracing::info!(?val, "validation before training");
@@ -247,7 +262,9 @@ impl Trainer {
                 let t = Instant::now();
                 // sync mode validates on-policy, with the weights just published
                 self.client.min_policy_version = if self.cfg.trainer.mode.is_async() { 0 } else { step };
-                metrics.extend(validation::validate(&mut self.client, &self.cfg, &self.val, step).await?);
+                metrics.extend(
+                    validation::validate(&mut self.client, &self.cfg, &self.val, step, &self.incarnation).await?,
+                );
                 metrics.insert("timing_s/testing".into(), t.elapsed().as_secs_f64());
             }
             metrics.insert("training/global_step".into(), step as f64);

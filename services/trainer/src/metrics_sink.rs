@@ -20,6 +20,8 @@ pub struct MetricsSink {
     curve: Vec<(u64, f64)>,
     tensorboard: Option<EventWriter>,
     console: bool,
+    /// the step of the last line in the file
+    last_step: Option<u64>,
 }
 
 /// The step a metrics line belongs to.
@@ -41,6 +43,7 @@ impl MetricsSink {
         let path = run_dir.join("metrics.jsonl");
         let mut curve = Vec::new();
         let mut kept = String::new();
+        let mut last_step = None;
         if let Some(resumed) = resumed_from {
             if let Ok(text) = std::fs::read_to_string(&path) {
                 for line in text.lines() {
@@ -51,6 +54,7 @@ impl MetricsSink {
                     if let (Some(s), Some(r)) = (line_step(&v), v["critic/score/mean"].as_f64()) {
                         curve.push((s, r));
                     }
+                    last_step = line_step(&v).max(last_step);
                     kept.push_str(line);
                     kept.push('\n');
                 }
@@ -76,7 +80,13 @@ impl MetricsSink {
             curve,
             tensorboard,
             console: trainer.logger.contains(&Logger::Console),
+            last_step,
         })
+    }
+
+    /// The step of the last line kept or written.
+    pub fn last_step(&self) -> Option<u64> {
+        self.last_step
     }
 
     pub async fn record(&mut self, step: u64, metrics: &BTreeMap<String, f64>) {
@@ -114,6 +124,7 @@ impl MetricsSink {
         if let Some(score) = metrics.get("critic/score/mean") {
             self.curve.push((step, *score));
         }
+        self.last_step = Some(step).max(self.last_step);
         if step % 10 == 0 {
             self.write_curve();
         }

@@ -34,13 +34,14 @@ pub async fn validate(
     cfg: &JobConfig,
     val: &[Example],
     step: u64,
+    incarnation: &str,
 ) -> Result<BTreeMap<String, f64>, TrainerError> {
     let chunk = cfg.data.val_batch_size.map(|b| b as usize).unwrap_or(val.len()).max(1);
     let mut request_ids = Vec::new();
     let mut responses = Vec::new();
     for (i, examples) in val.chunks(chunk).enumerate() {
         let submitted = client.submit_val(step, (i * chunk) as u64, examples).await?;
-        let request_id = format!("val-{step}-{i}");
+        let request_id = format!("val-{incarnation}-{step}-{i}");
         let (response, _) = client.sample(&request_id, step, subjects::VAL_PARTITION, submitted as u32).await?;
         responses.push(response);
         request_ids.push(request_id);

@@ -116,14 +116,12 @@ impl WeightSync {
         let started = Instant::now();
         let mut backoff = Duration::from_millis(200);
         let mut attempt = 0u32;
+        // an attempt sent to a checkpoint-sync that dies with it must not use up the whole deadline
+        let attempt_timeout = (self.deadline / 4).clamp(Duration::from_secs(1), Duration::from_secs(30));
         loop {
             let reply = self
                 .bus
-                .request::<_, WeightAnnounceResponse>(
-                    self.bus.names().weights_announce(),
-                    &announce,
-                    Duration::from_secs(30),
-                )
+                .request::<_, WeightAnnounceResponse>(self.bus.names().weights_announce(), &announce, attempt_timeout)
                 .await;
             let last = match reply {
                 Ok(resp) if resp.error.is_empty() => return Ok(manifest),

@@ -40,8 +40,9 @@ pub struct LedgerRow {
     pub reason: String,
 }
 
-/// The ledger of one partition's records, ordered by (epoch, row), and the rows that more than one group
-/// decides (duplicates: a row trained twice, or trained and evicted).
+/// The ledger of one partition's records, ordered by (epoch, row): one entry per row, except that a row decided
+/// by more than one group (trained twice, or trained and evicted) appears once per deciding group, so a reader
+/// of `ledger.jsonl` sees it; those rows are also returned apart.
 pub fn ledger(records: &[GroupStatus]) -> (Vec<LedgerRow>, Vec<Vec<LedgerRow>>) {
     let mut by_row: BTreeMap<(u64, u64), Vec<&GroupStatus>> = BTreeMap::new();
     for g in records {
@@ -58,13 +59,11 @@ pub fn ledger(records: &[GroupStatus]) -> (Vec<LedgerRow>, Vec<Vec<LedgerRow>>) 
             deciding
         };
         let mut entries: Vec<LedgerRow> = chosen.iter().map(|g| row_of(epoch, row, g)).collect();
+        entries.sort_by_key(|e| (e.fate != Fate::Trained, e.step));
         if entries.len() > 1 {
             duplicates.push(entries.clone());
         }
-        entries.sort_by_key(|e| (e.fate != Fate::Trained, e.step));
-        if let Some(first) = entries.into_iter().next() {
-            rows.push(first);
-        }
+        rows.extend(entries);
     }
     (rows, duplicates)
 }
@@ -137,7 +136,7 @@ mod tests {
     fn a_row_trained_twice_is_reported_as_a_duplicate() {
         let records = vec![group("a", 7, GroupState::Sampled, 3, "", 1), group("b", 7, GroupState::Sampled, 5, "", 2)];
         let (rows, duplicates) = ledger(&records);
-        assert_eq!(rows.len(), 1);
+        assert_eq!(rows.len(), 2, "the row appears once per group that decided it");
         assert_eq!(duplicates.len(), 1);
         assert_eq!(duplicates[0].len(), 2);
     }

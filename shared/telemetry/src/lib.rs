@@ -20,6 +20,8 @@ pub enum TelemetryError {
     Bind { addr: String, source: std::io::Error },
 }
 
+pub mod crash;
+
 /// Installs the global tracing subscriber once; later calls are no-ops (tests start many services).
 pub fn init_tracing(level: &str, format: jetrl_config::LogFormat) {
     use tracing_subscriber::EnvFilter;

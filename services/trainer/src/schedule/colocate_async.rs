@@ -21,9 +21,11 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     let mut timings = BTreeMap::new();
     let batch_size = t.cfg.data.train_batch_size;
     t.client.min_policy_version = 0;
+    jetrl_telemetry::crash::crash_point("trainer.before_submit", step);
     t.client.submit_train(step, batch_size as usize).await?;
+    jetrl_telemetry::crash::crash_point("trainer.after_submit", step);
 
-    let request_id = format!("train-{step}");
+    let request_id = format!("train-{}-{step}", t.incarnation);
     let batch = t.sample_batch(&request_id, step, batch_size).await?;
     timings.insert("gen".to_string(), batch.wait_s);
     timings.insert("fetch".to_string(), batch.fetch_s);
@@ -48,7 +50,8 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     let out = t.train_on(batch.samples, step, OldPolicy::Current).await?;
     metrics.extend(out.metrics);
     timings.extend(out.timings);
-    t.maybe_checkpoint(step, &mut timings).await?;
+    t.maybe_checkpoint(step, &metrics, &mut timings).await?;
+    jetrl_telemetry::crash::crash_point("trainer.between_checkpoint_and_publish", step);
     t.client.release(step, vec![request_id]);
 
     let t0 = Instant::now();

@@ -124,10 +124,13 @@ impl Trainer {
     }
 
     /// Every `trainer.save_freq` steps (and at the last): `global_step_<step>/` (models and optimizers on the
-    /// actor thread, then the trainer state), committed, old ones pruned. Timed as `save_checkpoint`.
+    /// actor thread, then the trainer state, and the step's metrics so far: a trainer that dies after the commit
+    /// resumes after this step and writes its metrics line from them), committed, old ones pruned. Timed as
+    /// `save_checkpoint`.
     pub(crate) async fn maybe_checkpoint(
         &self,
         step: u64,
+        metrics: &Metrics,
         timings: &mut BTreeMap<String, f64>,
     ) -> Result<(), TrainerError> {
         let save_freq = self.cfg.trainer.save_freq;
@@ -150,6 +153,14 @@ impl Trainer {
             seeds: checkpoint::Seeds::of(&self.cfg),
         };
         checkpoint::write_json(&staging.join(checkpoint::TRAINER_STATE_FILE), &state)?;
+        let mut known = metrics.clone();
+        for (phase, seconds) in timings.iter() {
+            known.insert(format!("timing_s/{phase}"), *seconds);
+        }
+        known.insert("training/global_step".into(), step as f64);
+        known.insert("training/epoch".into(), state.dataloader.epoch as f64);
+        known.insert("training/total_steps".into(), self.total_steps as f64);
+        checkpoint::write_json(&staging.join(checkpoint::STEP_METRICS_FILE), &known)?;
         let dir = checkpoint::commit(&self.ckpt_root, step, checkpoint::keep_count(&self.cfg))?;
         tracing::info!(dir = %dir.display(), step, "checkpoint saved");
         timings.insert("save_checkpoint".into(), t.elapsed().as_secs_f64());

@@ -22,7 +22,9 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     let batch_size = t.cfg.data.train_batch_size;
     let mini = t.cfg.actor.ppo_mini_batch_size.unwrap_or(batch_size / local_updates).max(1);
     t.client.min_policy_version = 0;
+    jetrl_telemetry::crash::crash_point("trainer.before_submit", step);
     t.client.submit_train(step, batch_size as usize).await?;
+    jetrl_telemetry::crash::crash_point("trainer.after_submit", step);
     t.actor.call(|actor| actor.snapshot()).await??;
 
     let mut local = Aggregator::default();
@@ -30,7 +32,7 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     let mut trained = Vec::new();
     let mut waited = 0.0;
     for i in 0..local_updates {
-        let request_id = format!("train-{step}-{i}");
+        let request_id = format!("train-{}-{step}-{i}", t.incarnation);
         let batch = t.sample_batch(&request_id, step, mini).await?;
         waited += batch.wait_s;
         let mut metrics = Metrics::new();
@@ -55,7 +57,8 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     for (key, value) in metrics.iter().filter(|(k, _)| k.starts_with("timing_s/")) {
         timings.insert(key.trim_start_matches("timing_s/").to_string(), *value);
     }
-    t.maybe_checkpoint(step, &mut timings).await?;
+    t.maybe_checkpoint(step, &metrics, &mut timings).await?;
+    jetrl_telemetry::crash::crash_point("trainer.between_checkpoint_and_publish", step);
     t.client.release(step, request_ids);
 
     let t0 = Instant::now();
