@@ -151,10 +151,7 @@ impl Actor {
         let params: Vec<(String, Tensor)> = model.parameters().into_iter().collect();
         let mut optim = AdamW::new(params, &cfg.actor.optim)?;
         if let Some((dir, _)) = resume {
-            let actor_dir = dir.join("actor");
-            let meta: serde_json::Value = checkpoint::read_json(&actor_dir.join(checkpoint::OPTIMIZER_META_FILE))?;
-            let tensors = checkpoint::read_tensors(&actor_dir.join(checkpoint::OPTIMIZER_FILE))?;
-            optim.load_state_tensors(tensors, meta["step"].as_u64().unwrap_or(0))?;
+            checkpoint::load_optimizer(&dir.join("actor"), &mut optim)?;
         }
         let use_kl_in_reward = cfg.algorithm.use_kl_in_reward;
         let reference = if cfg.actor.use_kl_loss || use_kl_in_reward {
@@ -262,11 +259,7 @@ impl Actor {
         let actor_dir = dir.join("actor");
         self.model.save(&actor_dir)?;
         checkpoint::copy_model_side_files(&self.model_dir, &actor_dir)?;
-        checkpoint::write_tensors(&actor_dir.join(checkpoint::OPTIMIZER_FILE), &self.optim.state_tensors())?;
-        checkpoint::write_json(
-            &actor_dir.join(checkpoint::OPTIMIZER_META_FILE),
-            &serde_json::json!({"step": self.optim.step}),
-        )?;
+        checkpoint::save_optimizer(&actor_dir, &self.optim)?;
         if let Some(critic) = &self.critic {
             critic.save(&dir.join("critic"), &self.model_dir)?;
         }

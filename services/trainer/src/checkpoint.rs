@@ -23,6 +23,9 @@ use jetrl_config::{JobConfig, ResumeMode};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
+use crate::error::ActorError;
+use crate::optim::AdamW;
+
 /// What a checkpoint holds besides tensors: enough to continue exactly where the run stopped.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainerState {
@@ -192,6 +195,29 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, bytes).map_err(|e| CheckpointError::io(&tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| CheckpointError::io(path, e))
+}
+
+/// `optimizer.json`: what AdamW's state needs besides its tensors. The step count drives the bias correction, so
+/// a file that does not say it is an error, never a silent restart from step 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OptimizerMeta {
+    /// AdamW steps taken
+    pub step: u64,
+}
+
+/// Writes an optimizer's state into a model directory of a checkpoint (`actor/`, `critic/`).
+pub fn save_optimizer(dir: &Path, optim: &AdamW) -> Result<(), CheckpointError> {
+    write_tensors(&dir.join(OPTIMIZER_FILE), &optim.state_tensors())?;
+    write_json(&dir.join(OPTIMIZER_META_FILE), &OptimizerMeta { step: optim.step })
+}
+
+/// Restores an optimizer's state from a model directory of a checkpoint; a missing or malformed file fails with
+/// its path.
+pub fn load_optimizer(dir: &Path, optim: &mut AdamW) -> Result<(), ActorError> {
+    let meta: OptimizerMeta = read_json(&dir.join(OPTIMIZER_META_FILE))?;
+    let tensors = read_tensors(&dir.join(OPTIMIZER_FILE))?;
+    optim.load_state_tensors(tensors, meta.step)?;
+    Ok(())
 }
 
 pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), CheckpointError> {

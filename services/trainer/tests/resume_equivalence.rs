@@ -184,3 +184,30 @@ fn checkpoint_holds_hf_model_directories_and_optimizer_state() {
     // the actor directory is a model the trainer (and transformers) can load as is
     jetrl_model::CausalLm::load(&ckpt.join("actor"), tch::Device::Cpu, jetrl_model::DType::F32).unwrap();
 }
+
+/// AdamW's bias correction depends on its step count: a checkpoint whose `optimizer.json` does not say it (a
+/// missing key, a wrong type, not JSON) must fail the resume naming the file, never restart the count at 0.
+#[test]
+fn resume_with_a_malformed_optimizer_json_fails_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    jetrl_model::init_model("tiny", &model, 3).unwrap();
+    let cfg = config(&model, true);
+    let mut actor = Actor::new(&cfg, STEPS, None).unwrap();
+    actor.train(&batch(1), 1, OldPolicy::Current).unwrap();
+    let ckpt = dir.path().join("global_step_1");
+    let state = actor.save_checkpoint(&ckpt).unwrap();
+    drop(actor);
+    Actor::new(&cfg, STEPS, Some((&ckpt, &state))).expect("the checkpoint as written resumes");
+    for role in ["actor", "critic"] {
+        let file = ckpt.join(role).join(checkpoint::OPTIMIZER_META_FILE);
+        let written = std::fs::read_to_string(&file).unwrap();
+        for bad in [r#"{"steps": 1}"#, r#"{"step": "1"}"#, r#"{"step": -1}"#, "step: 1"] {
+            std::fs::write(&file, bad).unwrap();
+            let err =
+                Actor::new(&cfg, STEPS, Some((&ckpt, &state))).err().unwrap_or_else(|| panic!("{role}: {bad} resumed"));
+            assert!(err.to_string().contains(&file.display().to_string()), "{role}: {bad}: {err}");
+        }
+        std::fs::write(&file, written).unwrap();
+    }
+}
