@@ -2,8 +2,9 @@
 //!
 //! Every transition is a compare-and-set on the entry's revision (verl's TransferQueue does a
 //! read-merge-write that two writers can interleave). The legal transitions are checked here, once:
-//! `pending → running → finished | failure`, and `finished | failure → sampled | evicted` (plus
-//! `pending | running → evicted` when a resumed trainer discards in-flight work).
+//! `pending → running → finished | failure` (a redelivered task sets `running` again), and
+//! `finished | failure → sampled | evicted` (plus `pending | running → evicted` when a resumed trainer discards
+//! in-flight work: the re-issued task gets a new record under a new uid, so no record ever returns to `pending`).
 
 use std::time::Duration;
 
@@ -43,10 +44,9 @@ pub fn transition_allowed(from: GroupState, to: GroupState) -> bool {
         (from, to),
         (Pending, Running)
             | (Running, Running) // a redelivered task restarts the group
-            | (Pending | Running, Finished | Failure)
+            | (Running, Finished | Failure)
             | (Finished | Failure, Sampled | Evicted)
             | (Pending | Running, Evicted)
-            | (Pending | Running, Pending) // re-issue on resume
     )
 }
 
@@ -233,5 +233,41 @@ impl GroupStore {
         })
         .await
         .map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Exactly the lifecycle of the module doc: a re-issued group gets a new record under a new uid (its old one is
+    /// evicted), so nothing ever moves back to `pending`.
+    #[test]
+    fn only_the_documented_transitions_are_allowed() {
+        use GroupState::*;
+        let all = [Unspecified, Pending, Running, Finished, Failure, Sampled, Evicted];
+        let documented = [
+            (Pending, Running),
+            (Running, Running),
+            (Running, Finished),
+            (Running, Failure),
+            (Finished, Sampled),
+            (Finished, Evicted),
+            (Failure, Sampled),
+            (Failure, Evicted),
+            (Pending, Evicted),
+            (Running, Evicted),
+        ];
+        for from in all {
+            for to in all {
+                assert_eq!(
+                    transition_allowed(from, to),
+                    documented.contains(&(from, to)),
+                    "{} -> {}",
+                    from.label(),
+                    to.label()
+                );
+            }
+        }
     }
 }
