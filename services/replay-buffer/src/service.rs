@@ -368,15 +368,6 @@ impl Buffer {
     /// incarnation already consumed for it (retry after a restart), or the sampling policy's verdict
     /// (which may first evict groups and ask the trainer for refills).
     async fn try_answer(&mut self, request: &SampleRequest) -> Option<SampleResponse> {
-        if request.peek {
-            // peeks consume nothing, so they are neither remembered nor found by request id
-            let mut progress = self.progress.remove(&request.request_id).unwrap_or_default();
-            let response = self.run_policy(request, &mut progress).await;
-            if response.as_ref().is_none_or(|r| r.not_ready) {
-                self.progress.insert(request.request_id.clone(), progress);
-            }
-            return response;
-        }
         if let Some(previous) = self.answers.get(&request.request_id) {
             return Some(previous.clone());
         }
@@ -432,13 +423,6 @@ impl Buffer {
                         }
                         None => return None,
                     }
-                }
-                Action::Count(n) => {
-                    return Some(SampleResponse {
-                        request_id: request.request_id.clone(),
-                        sampleable: n,
-                        ..Default::default()
-                    })
                 }
                 Action::Wait => return None,
                 Action::Fail(error) => {
