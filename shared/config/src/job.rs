@@ -529,7 +529,8 @@ impl Default for BufferConfig {
     }
 }
 
-/// Weight distribution and durable checkpoints.
+/// Weight distribution (checkpoint-sync). Durable checkpoints are the trainer's (`trainer.save_freq`,
+/// `trainer.default_local_dir`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CheckpointConfig {
@@ -540,8 +541,6 @@ pub struct CheckpointConfig {
     pub keep_versions: u32,
     /// object-store chunk size
     pub chunk_bytes: u32,
-    /// where announced checkpoint versions are written as HF model directories; default `<run.dir>/checkpoints`
-    pub dir: Option<String>,
 }
 
 impl Default for CheckpointConfig {
@@ -552,7 +551,6 @@ impl Default for CheckpointConfig {
             shared_dir: None,
             keep_versions: 2,
             chunk_bytes: 8 << 20,
-            dir: None,
         }
     }
 }
