@@ -43,7 +43,6 @@ pub const WORKERS_BUCKET: &str = "JETRL_WORKERS";
 pub const BUFFER_SAMPLE: &str = "jetrl.buffer.sample";
 pub const BUFFER_RELEASE: &str = "jetrl.buffer.release";
 pub const BUFFER_LEDGER: &str = "jetrl.buffer.ledger";
-pub const BUFFER_STATS: &str = "jetrl.buffer.stats";
 /// Trainer -> checkpoint-sync.
 pub const WEIGHTS_ANNOUNCE: &str = "jetrl.weights.announce";
 /// Trainer step metrics (JSON), for `jetrl run`'s progress display.
