@@ -265,7 +265,7 @@ impl Actor {
         checkpoint::copy_model_side_files(&self.model_dir, &actor_dir)?;
         checkpoint::save_optimizer(&actor_dir, &self.optim)?;
         if let Some(critic) = &self.critic {
-            critic.save(&dir.join("critic"), &self.model_dir)?;
+            critic.save(&dir.join(checkpoint::CRITIC_DIR), &self.model_dir)?;
         }
         Ok(self.state())
     }

@@ -116,7 +116,7 @@ impl Critic {
             pad_id: 0,
         };
         if let Some(dir) = resume {
-            out.load(&dir.join("critic"))?;
+            out.load(&dir.join(checkpoint::CRITIC_DIR))?;
         }
         Ok(out)
     }

@@ -65,6 +65,7 @@ impl JobConfig {
         ensure(self.data.max_prompt_length > 0, "data.max_prompt_length", "must be > 0")?;
         self.validate_mode()?;
         self.validate_liveness()?;
+        self.validate_retention()?;
         ensure(
             self.trainer.resume_mode != ResumeMode::ResumePath
                 || self.trainer.resume_from_path.as_deref().is_some_and(|p| p.contains("global_step_")),
@@ -135,6 +136,24 @@ impl JobConfig {
                 r.heartbeat_timeout_s, self.trainer.weight_sync_timeout_s
             ),
         )
+    }
+
+    /// Checkpoint retention: a checkpoint directory is deleted whole by the actor's retention (a checkpoint without
+    /// its policy cannot be resumed), so the critic's can only keep fewer.
+    fn validate_retention(&self) -> Result<(), ConfigError> {
+        let t = &self.trainer;
+        match (t.max_critic_ckpt_to_keep, t.max_actor_ckpt_to_keep.or(t.max_ckpt_to_keep)) {
+            (Some(critics), Some(checkpoints)) => ensure(
+                critics <= checkpoints,
+                "trainer.max_critic_ckpt_to_keep",
+                format!(
+                    "{critics} critics cannot outlive the {checkpoints} checkpoints kept \
+                     (trainer.max_actor_ckpt_to_keep, else trainer.max_ckpt_to_keep): older checkpoints are deleted \
+                     whole; set it to at most {checkpoints}"
+                ),
+            ),
+            _ => Ok(()),
+        }
     }
 
     /// Tokens generated per response at most.
@@ -573,6 +592,8 @@ pub struct TrainerConfig {
     pub default_local_dir: Option<String>,
     /// checkpoints kept (oldest deleted first); null = all. `max_ckpt_to_keep` is the older spelling.
     pub max_actor_ckpt_to_keep: Option<u32>,
+    /// of the checkpoints kept, how many keep their `critic/` (older ones keep the policy); null = all; at most
+    /// the checkpoints kept
     pub max_critic_ckpt_to_keep: Option<u32>,
     pub max_ckpt_to_keep: Option<u32>,
     pub resume_mode: ResumeMode,
@@ -841,6 +862,22 @@ mod tests {
         assert!(err.contains("trainer.weight_sync_timeout_s"), "{err}");
         let err = load(&["rollout.heartbeat_interval_s=0"]).unwrap_err().to_string();
         assert!(err.contains("rollout.heartbeat_interval_s"), "{err}");
+    }
+
+    /// Old checkpoints are deleted whole, so the critic's retention can only be the same or shorter.
+    #[test]
+    fn critic_retention_longer_than_the_checkpoints_kept_is_refused() {
+        let load = |o: &[&str]| {
+            let mut all = vec!["data.task={name: copy}".to_string()];
+            all.extend(o.iter().map(|s| s.to_string()));
+            JobConfig::load(None, &all)
+        };
+        let err = load(&["trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=3"]).unwrap_err();
+        assert!(err.to_string().contains("trainer.max_critic_ckpt_to_keep"), "{err}");
+        let err = load(&["trainer.max_ckpt_to_keep=1", "trainer.max_critic_ckpt_to_keep=2"]).unwrap_err();
+        assert!(err.to_string().contains("at most 1"), "{err}");
+        assert!(load(&["trainer.max_actor_ckpt_to_keep=3", "trainer.max_critic_ckpt_to_keep=1"]).is_ok());
+        assert!(load(&["trainer.max_critic_ckpt_to_keep=1"]).is_ok(), "every checkpoint kept: any critic retention");
     }
 
     #[test]
