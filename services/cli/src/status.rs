@@ -1,7 +1,6 @@
 //! `jetrl status`: a snapshot of a running job.
 
 use std::path::Path;
-use std::time::Duration;
 
 use futures::StreamExt;
 use jetrl_bus::Bus;
@@ -11,11 +10,15 @@ use jetrl_wire::{subjects, Message};
 
 /// NATS settings from the `nats` section of `file` (a job file, or one with only `nats:`; the file is typed as a
 /// job file, so a misspelt key is an error, but not validated as one), `JETRL__NATS__*` and `nats.key=value`
-/// overrides. A status gives up on an unreachable server after 5 s unless the configuration says otherwise.
+/// overrides. A status gives up on an unreachable server after 5 s, and on an unanswered request after 10 s, unless
+/// the configuration says otherwise.
 pub fn nats_config(file: Option<&Path>, overrides: &[String]) -> anyhow::Result<NatsConfig> {
     let mut overrides = overrides.to_vec();
-    if jetrl_config::load_value(file, &overrides)?.pointer("/nats/connect_timeout_s").is_none() {
-        overrides.push("nats.connect_timeout_s=5".into());
+    let given = jetrl_config::load_value(file, &overrides)?;
+    for (key, seconds) in [("connect_timeout_s", 5), ("request_timeout_s", 10)] {
+        if given.pointer(&format!("/nats/{key}")).is_none() {
+            overrides.push(format!("nats.{key}={seconds}"));
+        }
     }
     let job: JobConfig = jetrl_config::load(file, &overrides)?;
     Ok(job.nats)
@@ -54,7 +57,7 @@ pub async fn status(cfg: &NatsConfig, ledger: bool, uids: Vec<String>) -> anyhow
         }
     }
     let request = LedgerRequest { partition: String::new(), uids, limit: if ledger { 100_000 } else { 1 } };
-    let response: LedgerResponse = bus.request(subjects::BUFFER_LEDGER, &request, Duration::from_secs(10)).await?;
+    let response: LedgerResponse = bus.request(subjects::BUFFER_LEDGER, &request, bus.request_timeout()).await?;
     if !response.error.is_empty() {
         anyhow::bail!("replay buffer: {}", response.error);
     }

@@ -340,7 +340,7 @@ impl RolloutClient {
         let bus = self.bus.clone();
         let task = tokio::spawn(async move {
             let request = ReleaseRequest { step, request_ids };
-            match bus.request::<_, ReleaseResponse>(subjects::BUFFER_RELEASE, &request, Duration::from_secs(30)).await {
+            match bus.request::<_, ReleaseResponse>(subjects::BUFFER_RELEASE, &request, bus.request_timeout()).await {
                 Ok(resp) if resp.error.is_empty() => {}
                 Ok(resp) => tracing::warn!(error = %resp.error, "release failed"),
                 Err(err) => tracing::warn!(error = %err, "release not acknowledged"),

@@ -118,7 +118,7 @@ impl WeightSync {
         loop {
             let reply = self
                 .bus
-                .request::<_, WeightAnnounceResponse>(subjects::WEIGHTS_ANNOUNCE, &announce, Duration::from_secs(30))
+                .request::<_, WeightAnnounceResponse>(subjects::WEIGHTS_ANNOUNCE, &announce, self.bus.request_timeout())
                 .await;
             let last = match reply {
                 Ok(resp) if resp.error.is_empty() => return Ok(manifest),
