@@ -130,12 +130,15 @@ fn run_and_compare(critic: bool) {
     assert!(worst.0 <= 1e-6, "weights differ after resume: max |Δ| {} in {}", worst.0, worst.1);
     assert!(moved > 1e-3, "training barely moved the weights ({moved}): the comparison would prove nothing");
     // the loss curve is the same too, step for step
+    let mut keys = vec!["actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/reward_kl_penalty_coeff"];
+    if critic {
+        keys.push("critic/vf_loss");
+    }
+    assert_eq!(resumed_metrics.len(), STEPS as usize / 2);
     for (s, r) in straight_metrics[STEPS as usize / 2..].iter().zip(&resumed_metrics) {
-        for key in ["actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/reward_kl_penalty_coeff", "critic/vf_loss"] {
-            if let Some(expected) = s.get(key) {
-                let got = r[key];
-                assert!((expected - got).abs() <= 1e-6 * expected.abs().max(1.0), "{key}: {expected} vs {got}");
-            }
+        for key in &keys {
+            let (expected, got) = (s[*key], r[*key]);
+            assert!((expected - got).abs() <= 1e-6 * expected.abs().max(1.0), "{key}: {expected} vs {got}");
         }
     }
     // the adaptive controller moved, so its state mattered

@@ -216,6 +216,7 @@ async fn function_that_dies_at_start_gives_failures_without_a_restart_per_trajec
     let setup = scripted(&source, |config| config.custom_reward_function.batch_size = 8);
     let engine = RewardEngine::new(&setup.config).await.unwrap();
     let outcomes = engine.score_batch((0..8).map(|i| input(&format!("k{i}"), "x", "x")).collect()).await;
+    assert_eq!(outcomes.len(), 8);
     assert!(outcomes.iter().all(|o| o.failure_kind == Some(FailureKind::Crashed)), "{outcomes:?}");
     assert!(outcomes[0].failure_reason.as_deref().unwrap_or_default().contains("cannot load the model"));
     let started = std::fs::read_to_string(starts.path()).unwrap().len();
