@@ -86,11 +86,17 @@ fn final_weights(actor: &Actor, scratch: &Path) -> BTreeMap<String, Tensor> {
     out
 }
 
-fn run_and_compare(critic: bool) {
+/// A directory holding the tiny model, and the job of [`config`] on it.
+fn tiny_job(critic: bool) -> (tempfile::TempDir, JobConfig) {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
     jetrl_model::init_model("tiny", &model, 3).unwrap();
     let cfg = config(&model, critic);
+    (dir, cfg)
+}
+
+fn run_and_compare(critic: bool) {
+    let (dir, cfg) = tiny_job(critic);
 
     let mut straight = Actor::new(&cfg, STEPS, None).unwrap();
     let mut straight_metrics = Vec::new();
@@ -158,10 +164,7 @@ fn gae_run_with_critic_resumed_at_half_way_ends_with_the_same_actor_and_critic_w
 
 #[test]
 fn checkpoint_holds_hf_model_directories_and_optimizer_state() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("model");
-    jetrl_model::init_model("tiny", &model, 3).unwrap();
-    let cfg = config(&model, true);
+    let (dir, cfg) = tiny_job(true);
     let mut actor = Actor::new(&cfg, STEPS, None).unwrap();
     for step in 1..=2 {
         actor.train(&batch(step), step, OldPolicy::Current).unwrap();
@@ -192,10 +195,7 @@ fn checkpoint_holds_hf_model_directories_and_optimizer_state() {
 /// missing key, a wrong type, not JSON) must fail the resume naming the file, never restart the count at 0.
 #[test]
 fn resume_with_a_malformed_optimizer_json_fails_naming_the_file() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("model");
-    jetrl_model::init_model("tiny", &model, 3).unwrap();
-    let cfg = config(&model, true);
+    let (dir, cfg) = tiny_job(true);
     let mut actor = Actor::new(&cfg, STEPS, None).unwrap();
     actor.train(&batch(1), 1, OldPolicy::Current).unwrap();
     let ckpt = dir.path().join("global_step_1");

@@ -712,6 +712,13 @@ mod tests {
     use super::*;
     use std::io::Write;
 
+    /// A job of the built-in copy task with `overrides`, loaded and validated.
+    fn load_copy_task(overrides: &[&str]) -> Result<JobConfig, ConfigError> {
+        let mut all = vec!["data.task={name: copy}".to_string()];
+        all.extend(overrides.iter().map(|s| s.to_string()));
+        JobConfig::load(None, &all)
+    }
+
     fn with_task(mut cfg: JobConfig) -> JobConfig {
         cfg.data.task = Some(TaskConfig::default());
         cfg
@@ -846,38 +853,33 @@ mod tests {
     /// interval, the liveness window and the sync deadline are now one set of keys checked together.
     #[test]
     fn heartbeat_interval_liveness_window_and_sync_deadline_are_validated_together() {
-        let load = |o: &[&str]| {
-            let mut all = vec!["data.task={name: copy}".to_string()];
-            all.extend(o.iter().map(|s| s.to_string()));
-            JobConfig::load(None, &all)
-        };
-        let err = load(&["rollout.heartbeat_interval_s=10"]).unwrap_err().to_string();
+        let err = load_copy_task(&["rollout.heartbeat_interval_s=10"]).unwrap_err().to_string();
         assert!(
             err.contains("rollout.heartbeat_timeout_s") && err.contains("3 × rollout.heartbeat_interval_s"),
             "{err}"
         );
-        assert!(load(&["rollout.heartbeat_interval_s=10", "rollout.heartbeat_timeout_s=30"]).is_ok());
-        let err =
-            load(&["rollout.heartbeat_timeout_s=30", "trainer.weight_sync_timeout_s=20"]).unwrap_err().to_string();
+        assert!(load_copy_task(&["rollout.heartbeat_interval_s=10", "rollout.heartbeat_timeout_s=30"]).is_ok());
+        let err = load_copy_task(&["rollout.heartbeat_timeout_s=30", "trainer.weight_sync_timeout_s=20"])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("trainer.weight_sync_timeout_s"), "{err}");
-        let err = load(&["rollout.heartbeat_interval_s=0"]).unwrap_err().to_string();
+        let err = load_copy_task(&["rollout.heartbeat_interval_s=0"]).unwrap_err().to_string();
         assert!(err.contains("rollout.heartbeat_interval_s"), "{err}");
     }
 
     /// Old checkpoints are deleted whole, so the critic's retention can only be the same or shorter.
     #[test]
     fn critic_retention_longer_than_the_checkpoints_kept_is_refused() {
-        let load = |o: &[&str]| {
-            let mut all = vec!["data.task={name: copy}".to_string()];
-            all.extend(o.iter().map(|s| s.to_string()));
-            JobConfig::load(None, &all)
-        };
-        let err = load(&["trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=3"]).unwrap_err();
+        let err =
+            load_copy_task(&["trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=3"]).unwrap_err();
         assert!(err.to_string().contains("trainer.max_critic_ckpt_to_keep"), "{err}");
-        let err = load(&["trainer.max_ckpt_to_keep=1", "trainer.max_critic_ckpt_to_keep=2"]).unwrap_err();
+        let err = load_copy_task(&["trainer.max_ckpt_to_keep=1", "trainer.max_critic_ckpt_to_keep=2"]).unwrap_err();
         assert!(err.to_string().contains("at most 1"), "{err}");
-        assert!(load(&["trainer.max_actor_ckpt_to_keep=3", "trainer.max_critic_ckpt_to_keep=1"]).is_ok());
-        assert!(load(&["trainer.max_critic_ckpt_to_keep=1"]).is_ok(), "every checkpoint kept: any critic retention");
+        assert!(load_copy_task(&["trainer.max_actor_ckpt_to_keep=3", "trainer.max_critic_ckpt_to_keep=1"]).is_ok());
+        assert!(
+            load_copy_task(&["trainer.max_critic_ckpt_to_keep=1"]).is_ok(),
+            "every checkpoint kept: any critic retention"
+        );
     }
 
     #[test]
