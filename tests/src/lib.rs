@@ -14,6 +14,7 @@ pub use jetrl_bus::NatsServer;
 use jetrl_wire::v1::GroupStatus;
 use jetrl_wire::Message;
 
+pub mod bench;
 pub mod secure_nats;
 pub mod sim;
 

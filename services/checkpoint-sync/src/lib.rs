@@ -3,15 +3,14 @@
 //! The trainer writes a weight blob (object store or shared filesystem) and announces it on
 //! `jetrl.<ns>.weights.announce`. This service checks the blob is where the manifest says and of the announced
 //! size, writes the manifest to the WEIGHTS bucket (`v.<version>`, then `latest`, which rollout workers
-//! watch), optionally writes a durable HF-format checkpoint directory, and deletes blobs older than
-//! `checkpoint.keep_versions`.
+//! watch), and deletes blobs older than `checkpoint.keep_versions`. Durable checkpoints are the trainer's own
+//! (`global_step_<n>/actor/` is an HF model directory); this service keeps only the versions in flight.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use futures::StreamExt;
-use jetrl_bus::{consume, weights, Bus, BusError};
+use jetrl_bus::{consume, Bus, BusError};
 use jetrl_config::JobConfig;
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::v1::{WeightAnnounce, WeightAnnounceResponse, WeightManifest};
@@ -27,8 +26,6 @@ pub enum CheckpointError {
     Metrics(#[from] jetrl_telemetry::TelemetryError),
     #[error("announcement of version {version}: {message}")]
     Announce { version: u64, message: String },
-    #[error("writing checkpoint {path}: {message}")]
-    Write { path: String, message: String },
 }
 
 /// Runs checkpoint-sync until `shutdown` resolves.
@@ -88,8 +85,6 @@ struct Registry {
     /// announced versions still stored, oldest first, with their blob location
     versions: BTreeMap<u64, String>,
     keep: usize,
-    checkpoint_dir: PathBuf,
-    model_dir: PathBuf,
 }
 
 impl Registry {
@@ -112,20 +107,7 @@ impl Registry {
                 }
             }
         }
-        let checkpoint_dir = cfg
-            .checkpoint
-            .dir
-            .clone()
-            .map(PathBuf::from)
-            .unwrap_or_else(|| Path::new(&cfg.run.dir).join("checkpoints"));
-        Ok(Self {
-            bus: bus.clone(),
-            kv,
-            versions,
-            keep: cfg.checkpoint.keep_versions.max(1) as usize,
-            checkpoint_dir,
-            model_dir: PathBuf::from(&cfg.model.path),
-        })
+        Ok(Self { bus: bus.clone(), kv, versions, keep: cfg.checkpoint.keep_versions.max(1) as usize })
     }
 
     async fn accept(&mut self, announce: WeightAnnounce) -> Result<u64, CheckpointError> {
@@ -141,11 +123,6 @@ impl Registry {
                 "blob at {} has {size} bytes, manifest says {}",
                 manifest.location, manifest.total_bytes
             )));
-        }
-        if announce.checkpoint {
-            let blob = self.bus.load_weights(&manifest.location).await?;
-            weights::verify(&manifest, &blob)?;
-            self.write_checkpoint(&manifest, &blob).await?;
         }
         let encoded: bytes::Bytes = manifest.encode_to_vec().into();
         let put = |key: String, value: bytes::Bytes| {
@@ -184,24 +161,5 @@ impl Registry {
                 let _ = self.kv.purge(format!("v.{v}")).await;
             }
         }
-    }
-
-    /// Writes `<checkpoint_dir>/weights/global_step_<step>/` as an HF model directory.
-    async fn write_checkpoint(&self, manifest: &WeightManifest, blob: &[u8]) -> Result<(), CheckpointError> {
-        let dir = self.checkpoint_dir.join("weights").join(format!("global_step_{}", manifest.step));
-        let write_err =
-            |e: std::io::Error| CheckpointError::Write { path: dir.display().to_string(), message: e.to_string() };
-        tokio::fs::create_dir_all(&dir).await.map_err(write_err)?;
-        tokio::fs::write(dir.join("model.safetensors"), blob).await.map_err(write_err)?;
-        for name in
-            ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
-        {
-            let source = self.model_dir.join(name);
-            if tokio::fs::try_exists(&source).await.unwrap_or(false) {
-                tokio::fs::copy(&source, dir.join(name)).await.map_err(write_err)?;
-            }
-        }
-        tracing::info!(dir = %dir.display(), "checkpoint written");
-        Ok(())
     }
 }

@@ -1,7 +1,6 @@
 //! `jetrl status`: a snapshot of a running job.
 
 use std::path::Path;
-use std::time::Duration;
 
 use futures::StreamExt;
 use jetrl_bus::Bus;
@@ -13,15 +12,18 @@ use jetrl_wire::Message;
 /// NATS settings and the job's namespace from `file` (a job file, or one with only `nats:`; the file is typed as
 /// a job file, so a misspelt key is an error, but not validated as one), `JETRL__NATS__*` and `key=value`
 /// overrides; `--namespace` wins over the file's `nats.namespace` / `run.name`. A status gives up on an
-/// unreachable server after 5 s unless the configuration says otherwise.
+/// unreachable server after 5 s, and on an unanswered request after 10 s, unless the configuration says otherwise.
 pub fn nats_config(
     file: Option<&Path>,
     overrides: &[String],
     namespace: Option<String>,
 ) -> anyhow::Result<(NatsConfig, String)> {
     let mut overrides = overrides.to_vec();
-    if jetrl_config::load_value(file, &overrides)?.pointer("/nats/connect_timeout_s").is_none() {
-        overrides.push("nats.connect_timeout_s=5".into());
+    let given = jetrl_config::load_value(file, &overrides)?;
+    for (key, seconds) in [("connect_timeout_s", 5), ("request_timeout_s", 10)] {
+        if given.pointer(&format!("/nats/{key}")).is_none() {
+            overrides.push(format!("nats.{key}={seconds}"));
+        }
     }
     let job: JobConfig = jetrl_config::load(file, &overrides)?;
     let namespace = match namespace {
@@ -95,7 +97,7 @@ pub async fn status(cfg: &NatsConfig, namespace: &str, show: Show) -> anyhow::Re
     }
     let listed = !uids.is_empty();
     let request = LedgerRequest { partition: String::new(), uids, limit: if listed { 100_000 } else { 1 } };
-    let response: LedgerResponse = bus.request(names.buffer_ledger(), &request, Duration::from_secs(10)).await?;
+    let response: LedgerResponse = bus.request(names.buffer_ledger(), &request, bus.request_timeout()).await?;
     if !response.error.is_empty() {
         anyhow::bail!("replay buffer: {}", response.error);
     }

@@ -85,6 +85,8 @@ struct Buffer {
     /// per request id: the sample loop's memory (refill credit, metrics) between iterations
     progress: HashMap<String, Progress>,
     waiting: VecDeque<Waiting>,
+    /// the newest trainer incarnation a sample request came from (0: none named yet)
+    incarnation: u64,
     answers: HashMap<String, SampleResponse>,
     answer_order: VecDeque<String>,
     /// the initial replay of the GROUPS bucket is done
@@ -123,6 +125,7 @@ impl Buffer {
             sampler,
             progress: HashMap::new(),
             waiting: VecDeque::new(),
+            incarnation: 0,
             answers: HashMap::new(),
             answer_order: VecDeque::new(),
             groups_current: empty_bucket,
@@ -321,7 +324,28 @@ impl Buffer {
     fn on_sample_request(&mut self, msg: async_nats::Message) {
         let Some(reply) = msg.reply.clone() else { return };
         match SampleRequest::decode(msg.payload.as_ref()) {
+            Ok(request) if request.incarnation != 0 && request.incarnation < self.incarnation => {
+                tracing::warn!(
+                    request_id = %request.request_id,
+                    incarnation = request.incarnation,
+                    newest = self.incarnation,
+                    "sample request from a superseded trainer incarnation refused"
+                );
+                let response = SampleResponse {
+                    request_id: request.request_id.clone(),
+                    error: format!(
+                        "trainer incarnation {} is superseded by {} (a newer trainer holds the job)",
+                        request.incarnation, self.incarnation
+                    ),
+                    ..Default::default()
+                };
+                let client = self.bus.client().clone();
+                tokio::spawn(async move { client.publish(reply, response.encode_to_vec().into()).await });
+            }
             Ok(request) => {
+                if request.incarnation > self.incarnation {
+                    self.supersede_incarnations_below(request.incarnation);
+                }
                 let wait = Duration::from_millis(u64::from(request.wait_ms.max(1)));
                 let now = Instant::now();
                 self.waiting.push_back(Waiting { request, reply, deadline: now + wait, received: now });
@@ -335,6 +359,26 @@ impl Buffer {
                 tokio::spawn(async move { client.publish(reply, response.encode_to_vec().into()).await });
             }
         }
+    }
+
+    /// A newer trainer holds the job: the waiting requests of older incarnations are dropped unanswered (their
+    /// sender is gone; groups handed to them would never be trained on, nor given to the new trainer).
+    fn supersede_incarnations_below(&mut self, incarnation: u64) {
+        let (stale, keep): (Vec<_>, Vec<_>) =
+            self.waiting.drain(..).partition(|w| w.request.incarnation != 0 && w.request.incarnation < incarnation);
+        self.waiting = keep.into();
+        for w in &stale {
+            self.progress.remove(&w.request.request_id);
+        }
+        if self.incarnation != 0 || !stale.is_empty() {
+            tracing::info!(
+                incarnation,
+                previous = self.incarnation,
+                dropped_requests = stale.len(),
+                "a new trainer incarnation; requests of older ones dropped"
+            );
+        }
+        self.incarnation = incarnation;
     }
 
     /// Answers every waiting request that can be answered now, in arrival order.
@@ -370,15 +414,6 @@ impl Buffer {
     /// incarnation already consumed for it (retry after a restart), or the sampling policy's verdict
     /// (which may first evict groups and ask the trainer for refills).
     async fn try_answer(&mut self, request: &SampleRequest) -> Option<SampleResponse> {
-        if request.peek {
-            // peeks consume nothing, so they are neither remembered nor found by request id
-            let mut progress = self.progress.remove(&request.request_id).unwrap_or_default();
-            let response = self.run_policy(request, &mut progress).await;
-            if response.as_ref().is_none_or(|r| r.not_ready) {
-                self.progress.insert(request.request_id.clone(), progress);
-            }
-            return response;
-        }
         if let Some(previous) = self.answers.get(&request.request_id) {
             return Some(previous.clone());
         }
@@ -434,13 +469,6 @@ impl Buffer {
                         }
                         None => return None,
                     }
-                }
-                Action::Count(n) => {
-                    return Some(SampleResponse {
-                        request_id: request.request_id.clone(),
-                        sampleable: n,
-                        ..Default::default()
-                    })
                 }
                 Action::Wait => return None,
                 Action::Fail(error) => {

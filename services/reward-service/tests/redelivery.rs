@@ -14,9 +14,7 @@ use jetrl_wire::v1::{Reward, RewardBatch};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redelivered_request_whose_rewards_are_stored_is_acknowledged_without_scoring_again() {
-    if !common::python3_available() {
-        return;
-    }
+    common::require_python3();
     let harness = Harness::start().await;
     let ids = harness
         .publish(&[

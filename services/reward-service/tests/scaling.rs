@@ -64,9 +64,7 @@ async fn two_processes_share_the_work_and_score_every_trajectory_exactly_once() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn process_killed_mid_batch_and_restarted_leaves_exactly_one_reward_per_trajectory() {
-    if !common::python3_available() {
-        return;
-    }
+    common::require_python3();
     let harness = Harness::start().await;
     // 0.3 s per call of two trajectories (one group), at most two groups held: the process is almost always in
     // the middle of a batch.

@@ -63,6 +63,9 @@ struct Settings {
     critic_warmup: u64,
     run_seed: u64,
     calculate_sum_pi_squared: bool,
+    /// compute the entropy in the update (`actor.calculate_entropy`, or an entropy bonus): its aggregate is
+    /// reported as `actor/entropy`, replacing the old-log-prob pass's, as verl does
+    calculate_entropy: bool,
     /// reuse the rollout log-probs as π_old (`rollout_correction.bypass_mode`)
     bypass_old_log_prob: bool,
 }
@@ -151,10 +154,7 @@ impl Actor {
         let params: Vec<(String, Tensor)> = model.parameters().into_iter().collect();
         let mut optim = AdamW::new(params, &cfg.actor.optim)?;
         if let Some((dir, _)) = resume {
-            let actor_dir = dir.join("actor");
-            let meta: serde_json::Value = checkpoint::read_json(&actor_dir.join(checkpoint::OPTIMIZER_META_FILE))?;
-            let tensors = checkpoint::read_tensors(&actor_dir.join(checkpoint::OPTIMIZER_FILE))?;
-            optim.load_state_tensors(tensors, meta["step"].as_u64().unwrap_or(0))?;
+            checkpoint::load_optimizer(&dir.join("actor"), &mut optim)?;
         }
         let use_kl_in_reward = cfg.algorithm.use_kl_in_reward;
         let reference = if cfg.actor.use_kl_loss || use_kl_in_reward {
@@ -203,6 +203,7 @@ impl Actor {
                 critic_warmup: cfg.trainer.critic_warmup,
                 run_seed: cfg.run.seed,
                 calculate_sum_pi_squared: cfg.actor.calculate_sum_pi_squared || estimator.needs_sum_pi_squared(),
+                calculate_entropy: cfg.actor.calculate_entropy || cfg.actor.entropy_coeff != 0.0,
                 bypass_old_log_prob: bypass,
             },
             actor_updates: 0,
@@ -262,13 +263,9 @@ impl Actor {
         let actor_dir = dir.join("actor");
         self.model.save(&actor_dir)?;
         checkpoint::copy_model_side_files(&self.model_dir, &actor_dir)?;
-        checkpoint::write_tensors(&actor_dir.join(checkpoint::OPTIMIZER_FILE), &self.optim.state_tensors())?;
-        checkpoint::write_json(
-            &actor_dir.join(checkpoint::OPTIMIZER_META_FILE),
-            &serde_json::json!({"step": self.optim.step}),
-        )?;
+        checkpoint::save_optimizer(&actor_dir, &self.optim)?;
         if let Some(critic) = &self.critic {
-            critic.save(&dir.join("critic"), &self.model_dir)?;
+            critic.save(&dir.join(checkpoint::CRITIC_DIR), &self.model_dir)?;
         }
         Ok(self.state())
     }
@@ -564,7 +561,12 @@ impl Actor {
             let weights = cols.is_weights.as_ref().map(|m| gather_rows(m, width, &chunk, r, device)).transpose()?;
             let logits = Self::response_logits(&self.model, &mb, self.settings.temperature)?;
             let log_prob = logprobs_from_logits(&logits, &mb.response_ids);
-            let entropy = (self.loss.entropy_coeff != 0.0).then(|| entropy_from_logits(&logits));
+            let entropy = match (self.settings.calculate_entropy, self.loss.entropy_coeff != 0.0) {
+                (false, _) => None,
+                (true, true) => Some(entropy_from_logits(&logits)),
+                // only a metric: kept out of the backward pass
+                (true, false) => Some(entropy_from_logits(&logits.f_detach()?)),
+            };
             let inputs = ActorLossInputs {
                 policy: PolicyLossInputs {
                     old_log_prob: &old,
@@ -589,6 +591,9 @@ impl Actor {
                 };
                 *metrics.entry(k).or_insert(0.0) += contribution;
             }
+        }
+        if let Some(&entropy) = metrics.get("actor/entropy_loss") {
+            metrics.insert("actor/entropy".into(), entropy);
         }
         let grad_norm = self.optim.clip_grad_norm(self.settings.grad_clip)?;
         if grad_norm.is_finite() {

@@ -206,6 +206,7 @@ impl Trainer {
             batch,
             "trainer ready"
         );
+        let incarnation = format!("{:x}", client.incarnation());
         Ok(Self {
             cfg,
             actor,
@@ -218,7 +219,7 @@ impl Trainer {
             start_step,
             resumed: resume.is_some(),
             ckpt_root,
-            incarnation: format!("{:x}", jetrl_wire::now_unix_ms()),
+            incarnation,
         })
     }
 

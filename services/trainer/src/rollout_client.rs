@@ -68,6 +68,8 @@ pub struct RolloutClient {
     pub min_policy_version: u64,
     /// releases sent in the background (nothing waits on one), awaited before the run ends
     releases: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// this trainer process (its start time, unix ms), carried by every sample request
+    incarnation: u64,
 }
 
 impl RolloutClient {
@@ -83,6 +85,7 @@ impl RolloutClient {
     ) -> Result<Self, TrainerError> {
         let kw = &cfg.rollout.val_kwargs;
         Ok(Self {
+            incarnation: jetrl_wire::now_unix_ms().max(0) as u64,
             groups: GroupStore::open(&bus).await?,
             bus,
             tokenizer,
@@ -120,6 +123,12 @@ impl RolloutClient {
 
     pub fn loader_state(&self) -> LoaderState {
         self.loader.state()
+    }
+
+    /// This trainer process's incarnation (its start time, unix ms): it names the process in sample request ids
+    /// and fences requests of older incarnations at the buffer.
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
     }
 
     pub fn loader_len(&self) -> usize {
@@ -244,6 +253,7 @@ impl RolloutClient {
             partition: partition.to_string(),
             batch_size,
             wait_ms: self.sample_wait.as_millis() as u32,
+            incarnation: self.incarnation,
             ..Default::default()
         };
         let mut failures = 0u32;
@@ -269,6 +279,7 @@ impl RolloutClient {
                     tracing::info!(step, refill = resp.refill, "buffer evicted groups; submitted refills");
                 }
                 Ok(resp) if resp.not_ready => {
+                    tracing::debug!(request_id, step, "buffer: batch not ready yet");
                     failures = 0;
                     backoff = Duration::from_millis(200);
                 }
@@ -342,9 +353,7 @@ impl RolloutClient {
         let bus = self.bus.clone();
         let task = tokio::spawn(async move {
             let request = ReleaseRequest { step, request_ids };
-            match bus
-                .request::<_, ReleaseResponse>(bus.names().buffer_release(), &request, Duration::from_secs(30))
-                .await
+            match bus.request::<_, ReleaseResponse>(bus.names().buffer_release(), &request, bus.request_timeout()).await
             {
                 Ok(resp) if resp.error.is_empty() => {}
                 Ok(resp) => tracing::warn!(error = %resp.error, "release failed"),

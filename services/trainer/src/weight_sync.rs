@@ -112,7 +112,7 @@ impl WeightSync {
     /// until the deadline; a rejection is final.
     pub async fn announce(&self, manifest: WeightManifest) -> Result<WeightManifest, TrainerError> {
         let version = manifest.version;
-        let announce = WeightAnnounce { manifest: Some(manifest.clone()), ..Default::default() };
+        let announce = WeightAnnounce { manifest: Some(manifest.clone()) };
         let started = Instant::now();
         let mut backoff = Duration::from_millis(200);
         let mut attempt = 0u32;

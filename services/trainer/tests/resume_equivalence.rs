@@ -86,11 +86,17 @@ fn final_weights(actor: &Actor, scratch: &Path) -> BTreeMap<String, Tensor> {
     out
 }
 
-fn run_and_compare(critic: bool) {
+/// A directory holding the tiny model, and the job of [`config`] on it.
+fn tiny_job(critic: bool) -> (tempfile::TempDir, JobConfig) {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
     jetrl_model::init_model("tiny", &model, 3).unwrap();
     let cfg = config(&model, critic);
+    (dir, cfg)
+}
+
+fn run_and_compare(critic: bool) {
+    let (dir, cfg) = tiny_job(critic);
 
     let mut straight = Actor::new(&cfg, STEPS, None).unwrap();
     let mut straight_metrics = Vec::new();
@@ -130,12 +136,15 @@ fn run_and_compare(critic: bool) {
     assert!(worst.0 <= 1e-6, "weights differ after resume: max |Δ| {} in {}", worst.0, worst.1);
     assert!(moved > 1e-3, "training barely moved the weights ({moved}): the comparison would prove nothing");
     // the loss curve is the same too, step for step
+    let mut keys = vec!["actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/reward_kl_penalty_coeff"];
+    if critic {
+        keys.push("critic/vf_loss");
+    }
+    assert_eq!(resumed_metrics.len(), STEPS as usize / 2);
     for (s, r) in straight_metrics[STEPS as usize / 2..].iter().zip(&resumed_metrics) {
-        for key in ["actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/reward_kl_penalty_coeff", "critic/vf_loss"] {
-            if let Some(expected) = s.get(key) {
-                let got = r[key];
-                assert!((expected - got).abs() <= 1e-6 * expected.abs().max(1.0), "{key}: {expected} vs {got}");
-            }
+        for key in &keys {
+            let (expected, got) = (s[*key], r[*key]);
+            assert!((expected - got).abs() <= 1e-6 * expected.abs().max(1.0), "{key}: {expected} vs {got}");
         }
     }
     // the adaptive controller moved, so its state mattered
@@ -155,10 +164,7 @@ fn gae_run_with_critic_resumed_at_half_way_ends_with_the_same_actor_and_critic_w
 
 #[test]
 fn checkpoint_holds_hf_model_directories_and_optimizer_state() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("model");
-    jetrl_model::init_model("tiny", &model, 3).unwrap();
-    let cfg = config(&model, true);
+    let (dir, cfg) = tiny_job(true);
     let mut actor = Actor::new(&cfg, STEPS, None).unwrap();
     for step in 1..=2 {
         actor.train(&batch(step), step, OldPolicy::Current).unwrap();
@@ -183,4 +189,28 @@ fn checkpoint_holds_hf_model_directories_and_optimizer_state() {
     assert!(optim.contains_key("exp_avg_sq.model.norm.weight"));
     // the actor directory is a model the trainer (and transformers) can load as is
     jetrl_model::CausalLm::load(&ckpt.join("actor"), tch::Device::Cpu, jetrl_model::DType::F32).unwrap();
+}
+
+/// AdamW's bias correction depends on its step count: a checkpoint whose `optimizer.json` does not say it (a
+/// missing key, a wrong type, not JSON) must fail the resume naming the file, never restart the count at 0.
+#[test]
+fn resume_with_a_malformed_optimizer_json_fails_naming_the_file() {
+    let (dir, cfg) = tiny_job(true);
+    let mut actor = Actor::new(&cfg, STEPS, None).unwrap();
+    actor.train(&batch(1), 1, OldPolicy::Current).unwrap();
+    let ckpt = dir.path().join("global_step_1");
+    let state = actor.save_checkpoint(&ckpt).unwrap();
+    drop(actor);
+    Actor::new(&cfg, STEPS, Some((&ckpt, &state))).expect("the checkpoint as written resumes");
+    for role in ["actor", "critic"] {
+        let file = ckpt.join(role).join(checkpoint::OPTIMIZER_META_FILE);
+        let written = std::fs::read_to_string(&file).unwrap();
+        for bad in [r#"{"steps": 1}"#, r#"{"step": "1"}"#, r#"{"step": -1}"#, "step: 1"] {
+            std::fs::write(&file, bad).unwrap();
+            let err =
+                Actor::new(&cfg, STEPS, Some((&ckpt, &state))).err().unwrap_or_else(|| panic!("{role}: {bad} resumed"));
+            assert!(err.to_string().contains(&file.display().to_string()), "{role}: {bad}: {err}");
+        }
+        std::fs::write(&file, written).unwrap();
+    }
 }

@@ -35,6 +35,8 @@ fn metric_steps(run_dir: &Path) -> Vec<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
+    // the in-process trainer's log goes to the captured output (shown when the test fails)
+    jetrl_telemetry::init_tracing("info", jetrl_config::LogFormat::Text);
     let mut job = TestJob::new(
         "run: {name: resume}\n\
          data: {task: {name: reverse, min_len: 4, max_len: 4, train_size: 400, val_size: 4}, train_batch_size: 4, \
@@ -106,6 +108,14 @@ async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
         tokio::time::timeout(Duration::from_secs(240), jetrl_trainer::run(cfg.clone(), until(&second_rx))),
         new_worker
     );
+    if second.is_err() {
+        // what the records say when the second trainer hangs
+        for g in groups.list("train").await.unwrap() {
+            let (uid, step, state, worker, reason) =
+                (&g.uid, g.submit_step, g.state(), &g.worker_id, &g.evicted_reason);
+            eprintln!("group {uid}: submitted at step {step}, {state:?}, worker {worker:?}, reason {reason:?}");
+        }
+    }
     second.expect("second trainer finishes").unwrap();
 
     assert_eq!(metric_steps(&run_dir), vec![1, 2, 3, 4], "one metrics line per step, the redone ones once");

@@ -2,8 +2,12 @@
 //!
 //! Every transition is a compare-and-set on the entry's revision (verl's TransferQueue does a
 //! read-merge-write that two writers can interleave). The legal transitions are checked here, once:
-//! `pending → running → finished | failure`, and `finished | failure → sampled | evicted` (plus
-//! `pending | running → evicted` when a resumed trainer discards in-flight work).
+//! `pending → running → finished | failure` (a redelivered task sets `running` again), and
+//! `finished | failure → sampled | evicted`, plus three the trainer's bookkeeping writes: `pending | running →
+//! evicted` (a resumed trainer retires in-flight work; a row submitted again gets a new record under a new uid, so
+//! no record ever returns to `pending`), `sampled → evicted` (a resume rolls back training after its checkpoint; a
+//! sampled group the trainer cannot train on is rejected) and `evicted → evicted` (an eviction's reason amended by a
+//! rollback).
 
 use std::time::Duration;
 
@@ -43,7 +47,7 @@ pub fn transition_allowed(from: GroupState, to: GroupState) -> bool {
         (from, to),
         (Pending, Running)
             | (Running, Running) // a redelivered task restarts the group
-            | (Pending | Running, Finished | Failure)
+            | (Running, Finished | Failure)
             | (Finished | Failure, Sampled | Evicted)
             | (Pending | Running, Evicted)
             // a resumed trainer rolls back what was trained after its checkpoint; a trainer rejects a sampled group
@@ -51,7 +55,6 @@ pub fn transition_allowed(from: GroupState, to: GroupState) -> bool {
             | (Sampled, Evicted)
             // an eviction's reason amended: a resume rolls back an eviction made after its checkpoint
             | (Evicted, Evicted)
-            | (Pending | Running, Pending) // re-issue on resume
     )
 }
 
@@ -212,5 +215,44 @@ impl GroupStore {
         })
         .await
         .map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Exactly the lifecycle of the module doc: a row submitted again gets a new record under a new uid (the old one
+    /// is evicted), so nothing ever moves back to `pending`; a sampled group can only be retracted (a rollback after
+    /// a resume, a rejection), and an eviction's reason amended.
+    #[test]
+    fn only_the_documented_transitions_are_allowed() {
+        use GroupState::*;
+        let all = [Unspecified, Pending, Running, Finished, Failure, Sampled, Evicted];
+        let documented = [
+            (Pending, Running),
+            (Running, Running),
+            (Running, Finished),
+            (Running, Failure),
+            (Finished, Sampled),
+            (Finished, Evicted),
+            (Failure, Sampled),
+            (Failure, Evicted),
+            (Pending, Evicted),
+            (Running, Evicted),
+            (Sampled, Evicted),
+            (Evicted, Evicted),
+        ];
+        for from in all {
+            for to in all {
+                assert_eq!(
+                    transition_allowed(from, to),
+                    documented.contains(&(from, to)),
+                    "{} -> {}",
+                    from.label(),
+                    to.label()
+                );
+            }
+        }
     }
 }

@@ -33,7 +33,8 @@ impl Default for KlCtrlConfig {
 pub struct FilterGroupsConfig {
     pub enable: bool,
     pub metric: Option<String>,
-    /// Accepted so verl configs load unchanged; verl's V1 trainer ignores it (with a warning) and so does jetrl.
+    /// verl's cap on generation batches per step, which its V1 trainer ignores (with a warning): 0 is accepted so
+    /// verl configs load; anything else is refused (what bounds DAPO here is `max_inflight_gen_batches`).
     pub max_num_gen_batches: u32,
     pub max_inflight_gen_batches: u32,
 }
@@ -156,6 +157,23 @@ impl Default for AlgorithmConfig {
 impl AlgorithmConfig {
     /// Checks the names and ranges of `algorithm.*`; every error names its key.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        ensure(
+            self.adv_estimator != AdvantageEstimator::Remax,
+            "algorithm.adv_estimator",
+            "remax needs a greedy rollout per prompt for its baseline (reward_baselines), which nothing generates \
+             (verl's V1 trainer does not either); choose another estimator, e.g. grpo or rloo",
+        )?;
+        ensure(
+            self.filter_groups.max_num_gen_batches == 0,
+            "algorithm.filter_groups.max_num_gen_batches",
+            format!(
+                "got {}, which nothing would enforce: verl's V1 trainer ignores this key (with a warning), and jetrl \
+                 refuses it rather than ignore it; leave it 0. DAPO's extra generation is bounded here by \
+                 algorithm.filter_groups.max_inflight_gen_batches (pending + running groups within that many × \
+                 data.train_batch_size)",
+                self.filter_groups.max_num_gen_batches
+            ),
+        )?;
         if self.kl_ctrl.kind == KlCtrlType::Adaptive {
             positive(self.kl_ctrl.horizon, "algorithm.kl_ctrl.horizon")?;
             positive(self.kl_ctrl.target_kl, "algorithm.kl_ctrl.target_kl")?;
@@ -430,7 +448,7 @@ mod tests {
             "gdpo_reward_weights": [0.5, 1.0],
             "use_pf_ppo": true,
             "pf_ppo": {"reweight_method": "max_min", "weight_pow": 1.0},
-            "filter_groups": {"enable": true, "metric": "acc", "max_num_gen_batches": 10},
+            "filter_groups": {"enable": true, "metric": "acc", "max_num_gen_batches": 0},
             "rollout_correction": {"rollout_is": "token", "rollout_is_threshold": "0.5_2.0",
                                    "rollout_rs": "token_k1,seq_max_k2", "rollout_rs_threshold": 2}
         });
@@ -473,6 +491,16 @@ mod tests {
         };
         assert!(dro.validate().unwrap_err().to_string().contains("actor.policy_loss.dro_beta"));
         AlgorithmConfig::default().validate().expect("defaults are valid");
+        let remax = AlgorithmConfig { adv_estimator: AdvantageEstimator::Remax, ..AlgorithmConfig::default() };
+        let err = remax.validate().unwrap_err().to_string();
+        assert!(err.contains("algorithm.adv_estimator") && err.contains("greedy"), "{err}");
+        let mut capped = AlgorithmConfig::default();
+        capped.filter_groups.max_num_gen_batches = 10;
+        let err = capped.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("algorithm.filter_groups.max_num_gen_batches") && err.contains("max_inflight_gen_batches"),
+            "{err}"
+        );
         let k3: ActorConfig = crate::from_value(serde_json::json!({"kl_loss_type": "k3+"})).expect("k3+ is valid");
         assert!(k3.kl_loss_type.straight_through);
         CriticConfig::default().validate().expect("defaults are valid");

@@ -68,6 +68,7 @@ impl JobConfig {
         self.validate_liveness()?;
         self.validate_threads()?;
         self.run.supervisor.validate()?;
+        self.validate_retention()?;
         ensure(
             self.trainer.resume_mode != ResumeMode::ResumePath
                 || self.trainer.resume_from_path.as_deref().is_some_and(|p| p.contains("global_step_")),
@@ -163,6 +164,24 @@ impl JobConfig {
             let hint = if key == "run.name" { "; or set nats.namespace" } else { "" };
             ConfigError::Invalid { path: key.into(), message: format!("{err}{hint}") }
         })
+    }
+
+    /// Checkpoint retention: a checkpoint directory is deleted whole by the actor's retention (a checkpoint without
+    /// its policy cannot be resumed), so the critic's can only keep fewer.
+    fn validate_retention(&self) -> Result<(), ConfigError> {
+        let t = &self.trainer;
+        match (t.max_critic_ckpt_to_keep, t.max_actor_ckpt_to_keep.or(t.max_ckpt_to_keep)) {
+            (Some(critics), Some(checkpoints)) => ensure(
+                critics <= checkpoints,
+                "trainer.max_critic_ckpt_to_keep",
+                format!(
+                    "{critics} critics cannot outlive the {checkpoints} checkpoints kept \
+                     (trainer.max_actor_ckpt_to_keep, else trainer.max_ckpt_to_keep): older checkpoints are deleted \
+                     whole; set it to at most {checkpoints}"
+                ),
+            ),
+            _ => Ok(()),
+        }
     }
 
     /// Tokens generated per response at most.
@@ -632,7 +651,8 @@ impl Default for BufferConfig {
     }
 }
 
-/// Weight distribution and durable checkpoints.
+/// Weight distribution (checkpoint-sync). Durable checkpoints are the trainer's (`trainer.save_freq`,
+/// `trainer.default_local_dir`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CheckpointConfig {
@@ -643,8 +663,6 @@ pub struct CheckpointConfig {
     pub keep_versions: u32,
     /// object-store chunk size
     pub chunk_bytes: u32,
-    /// where announced checkpoint versions are written as HF model directories; default `<run.dir>/checkpoints`
-    pub dir: Option<String>,
     /// tokio worker threads; null = one per core (`jetrl run` passes 2)
     pub tokio_threads: Option<u32>,
 }
@@ -657,7 +675,6 @@ impl Default for CheckpointConfig {
             shared_dir: None,
             keep_versions: 2,
             chunk_bytes: 8 << 20,
-            dir: None,
             tokio_threads: None,
         }
     }
@@ -681,6 +698,8 @@ pub struct TrainerConfig {
     pub default_local_dir: Option<String>,
     /// checkpoints kept (oldest deleted first); null = all. `max_ckpt_to_keep` is the older spelling.
     pub max_actor_ckpt_to_keep: Option<u32>,
+    /// of the checkpoints kept, how many keep their `critic/` (older ones keep the policy); null = all; at most
+    /// the checkpoints kept
     pub max_critic_ckpt_to_keep: Option<u32>,
     pub max_ckpt_to_keep: Option<u32>,
     pub resume_mode: ResumeMode,
@@ -808,6 +827,13 @@ impl Default for LogConfig {
 mod tests {
     use super::*;
     use std::io::Write;
+
+    /// A job of the built-in copy task with `overrides`, loaded and validated.
+    fn load_copy_task(overrides: &[&str]) -> Result<JobConfig, ConfigError> {
+        let mut all = vec!["data.task={name: copy}".to_string()];
+        all.extend(overrides.iter().map(|s| s.to_string()));
+        JobConfig::load(None, &all)
+    }
 
     fn with_task(mut cfg: JobConfig) -> JobConfig {
         cfg.data.task = Some(TaskConfig::default());
@@ -943,21 +969,17 @@ mod tests {
     /// interval, the liveness window and the sync deadline are now one set of keys checked together.
     #[test]
     fn heartbeat_interval_liveness_window_and_sync_deadline_are_validated_together() {
-        let load = |o: &[&str]| {
-            let mut all = vec!["data.task={name: copy}".to_string()];
-            all.extend(o.iter().map(|s| s.to_string()));
-            JobConfig::load(None, &all)
-        };
-        let err = load(&["rollout.heartbeat_interval_s=10"]).unwrap_err().to_string();
+        let err = load_copy_task(&["rollout.heartbeat_interval_s=10"]).unwrap_err().to_string();
         assert!(
             err.contains("rollout.heartbeat_timeout_s") && err.contains("3 × rollout.heartbeat_interval_s"),
             "{err}"
         );
-        assert!(load(&["rollout.heartbeat_interval_s=10", "rollout.heartbeat_timeout_s=30"]).is_ok());
-        let err =
-            load(&["rollout.heartbeat_timeout_s=30", "trainer.weight_sync_timeout_s=20"]).unwrap_err().to_string();
+        assert!(load_copy_task(&["rollout.heartbeat_interval_s=10", "rollout.heartbeat_timeout_s=30"]).is_ok());
+        let err = load_copy_task(&["rollout.heartbeat_timeout_s=30", "trainer.weight_sync_timeout_s=20"])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("trainer.weight_sync_timeout_s"), "{err}");
-        let err = load(&["rollout.heartbeat_interval_s=0"]).unwrap_err().to_string();
+        let err = load_copy_task(&["rollout.heartbeat_interval_s=0"]).unwrap_err().to_string();
         assert!(err.contains("rollout.heartbeat_interval_s"), "{err}");
     }
 
@@ -1012,6 +1034,21 @@ mod tests {
         // a run.name that cannot be a namespace is fine when nats.namespace is set
         cfg.nats.namespace = Some("my-run".into());
         assert!(cfg.validate().is_ok());
+    }
+
+    /// Old checkpoints are deleted whole, so the critic's retention can only be the same or shorter.
+    #[test]
+    fn critic_retention_longer_than_the_checkpoints_kept_is_refused() {
+        let err =
+            load_copy_task(&["trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=3"]).unwrap_err();
+        assert!(err.to_string().contains("trainer.max_critic_ckpt_to_keep"), "{err}");
+        let err = load_copy_task(&["trainer.max_ckpt_to_keep=1", "trainer.max_critic_ckpt_to_keep=2"]).unwrap_err();
+        assert!(err.to_string().contains("at most 1"), "{err}");
+        assert!(load_copy_task(&["trainer.max_actor_ckpt_to_keep=3", "trainer.max_critic_ckpt_to_keep=1"]).is_ok());
+        assert!(
+            load_copy_task(&["trainer.max_critic_ckpt_to_keep=1"]).is_ok(),
+            "every checkpoint kept: any critic retention"
+        );
     }
 
     #[test]

@@ -367,6 +367,8 @@ mod tests {
         let a = limit_samples(rows.clone(), 5, true, 1);
         let b = limit_samples(rows.clone(), 5, true, 1);
         assert_eq!(a, b);
+        assert_eq!(a.len(), 5);
+        assert_ne!(a, first, "shuffled: a seeded random subset, not the first rows");
         assert!(a.windows(2).all(|w| w[0].index < w[1].index));
         assert_eq!(limit_samples(rows, -1, true, 1).len(), 20);
     }

@@ -12,8 +12,8 @@ use tch::Device;
 
 use crate::device::DType;
 use crate::error::{ModelError, Result};
-use crate::generate::log_probs_of;
 use crate::model::CausalLm;
+use crate::recompute::log_probs_of;
 use crate::tokenizer::Tokenizer;
 
 #[derive(Deserialize)]

@@ -169,6 +169,7 @@ async fn concurrency_limit_bounds_requests_in_flight() {
     config.reward_model.max_concurrency = 2;
     let engine = RewardEngine::new(&config).await.unwrap();
     let outcomes = engine.score_batch((0..6).map(|i| input(&format!("k{i}"))).collect()).await;
+    assert_eq!(outcomes.len(), 6);
     assert!(outcomes.iter().all(|o| o.score == 0.75));
     assert_eq!(server.peak_concurrency.load(Ordering::SeqCst), 2);
 }

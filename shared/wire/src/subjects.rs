@@ -62,7 +62,6 @@ pub struct Names {
     buffer_sample: String,
     buffer_release: String,
     buffer_ledger: String,
-    buffer_stats: String,
     weights_announce: String,
     trainer_metrics: String,
 }
@@ -90,7 +89,6 @@ impl Names {
             buffer_sample: subject("buffer.sample"),
             buffer_release: subject("buffer.release"),
             buffer_ledger: subject("buffer.ledger"),
-            buffer_stats: subject("buffer.stats"),
             weights_announce: subject("weights.announce"),
             trainer_metrics: subject("trainer.metrics"),
             prefix,
@@ -217,11 +215,6 @@ impl Names {
         &self.buffer_ledger
     }
 
-    /// Replay buffer requests: statistics.
-    pub fn buffer_stats(&self) -> &str {
-        &self.buffer_stats
-    }
-
     /// Trainer -> checkpoint-sync.
     pub fn weights_announce(&self) -> &str {
         &self.weights_announce
@@ -307,7 +300,6 @@ mod tests {
         assert_eq!(names.buffer_sample(), "jetrl.exp-7.buffer.sample");
         assert_eq!(names.buffer_release(), "jetrl.exp-7.buffer.release");
         assert_eq!(names.buffer_ledger(), "jetrl.exp-7.buffer.ledger");
-        assert_eq!(names.buffer_stats(), "jetrl.exp-7.buffer.stats");
         assert_eq!(names.weights_announce(), "jetrl.exp-7.weights.announce");
         assert_eq!(names.trainer_metrics(), "jetrl.exp-7.trainer.metrics");
         assert_eq!(names.dlq_subject("reward"), "jetrl.exp-7.dlq.reward");

@@ -22,10 +22,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use jetrl_bus::harness::cpu_seconds_here_and;
 use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{Bus, GroupStore, NatsServer, Publisher};
 use jetrl_config::JobConfig;
+use jetrl_tests::bench::cpu_seconds_here_and;
 use jetrl_tests::sim::{self, GroupSpec};
 use jetrl_wire::v1::{ReleaseRequest, ReleaseResponse, RewardBatch, SampleRequest, SampleResponse, Trajectory};
 use jetrl_wire::{subjects, Message};

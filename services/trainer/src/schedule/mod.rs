@@ -89,6 +89,7 @@ impl Trainer {
         let t = Instant::now();
         let (response, refilled) = self.client.sample(request_id, step, subjects::TRAIN_PARTITION, groups).await?;
         let wait_s = t.elapsed().as_secs_f64();
+        tracing::debug!(step, request_id, groups = response.groups.len(), wait_s, "buffer answered; fetching");
         let t = Instant::now();
         let fetched = self.client.fetch(&response).await?;
         for (uid, reason) in &fetched.rejected {

@@ -23,6 +23,7 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
 
     let request_id = format!("train-{}-{step}", t.incarnation);
     let batch = t.sample_batch(&request_id, step, batch_size).await?;
+    tracing::debug!(step, groups = batch.response.groups.len(), "batch sampled");
     timings.insert("gen".to_string(), batch.wait_s);
     timings.insert("fetch".to_string(), batch.fetch_s);
     let mut metrics = Metrics::new();
@@ -31,6 +32,7 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
 
     let samples = batch.samples.clone();
     let out = t.train_on(batch.samples, step, OldPolicy::Current).await?;
+    tracing::debug!(step, "actor updated");
     metrics.extend(out.metrics);
     timings.extend(out.timings);
     t.maybe_checkpoint(step, &metrics, &mut timings).await?;
@@ -40,6 +42,7 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     let t0 = Instant::now();
     let blob = t.weights_blob().await?;
     t.weights.publish(step, blob).await?;
+    tracing::debug!(step, "weights published; waiting for the workers to load them");
     let report = t.weights.wait_for_workers(step, false).await?;
     timings.insert("update_weights".to_string(), t0.elapsed().as_secs_f64());
     sync_metrics(&report, &mut metrics);

@@ -20,11 +20,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use futures::StreamExt;
-use jetrl_bus::harness::cpu_seconds_here_and;
 use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{score, Bus, NatsServer, Publisher, ScoreRequestBuilder};
 use jetrl_config::JobConfig;
 use jetrl_reward::{RewardEngine, ScoreInput};
+use jetrl_tests::bench::cpu_seconds_here_and;
 use jetrl_wire::keys::TrajectoryKey;
 use jetrl_wire::v1::{RewardBatch, Timings, Trajectory};
 use jetrl_wire::{packed, subjects, Message};

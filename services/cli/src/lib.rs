@@ -1,1 +1,0 @@
-//! the jetrl command line
