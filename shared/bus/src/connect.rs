@@ -44,6 +44,9 @@ impl Bus {
     /// and fail at once. Once connected the client reconnects forever, to any server of the list or of the
     /// cluster (the server it reaches tells it the others).
     pub async fn connect(cfg: &NatsConfig, names: &Names, client_name: &str) -> Result<Self, BusError> {
+        // The connection's events are counted from the first one on: the metrics recorder must exist before the
+        // service serves its metrics.
+        jetrl_telemetry::prometheus();
         let servers = server_list(&cfg.url).map_err(|message| BusError::Connect {
             url: cfg.url.clone(),
             attempts: 0,
@@ -60,6 +63,8 @@ impl Bus {
             let options = Self::options(cfg, client_name, &refusals).await?;
             match options.connect(servers.as_slice()).await {
                 Ok(client) => {
+                    // exported from the start (at zero), so a dashboard shows "none" rather than "no data"
+                    metrics::counter!("jetrl_bus_connection_events_total", "event" => "disconnected").increment(0);
                     let server = client.server_info();
                     tracing::info!(url = %cfg.url, server = %server.server_name, cluster = server.cluster.as_deref().unwrap_or("-"), namespace = names.namespace(), attempts, "connected to NATS");
                     let request_timeout = Duration::from_secs_f64(cfg.request_timeout_s);
