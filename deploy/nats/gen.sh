@@ -6,7 +6,7 @@
 #
 #   deploy/nats/gen.sh [--out DIR] [--namespace NS] [--hosts h1,h2,...] [--install-dir DIR] [--store-dir DIR]
 #                      [--listen ADDR] [--monitor ADDR|off] [--days N] [--rotate passwords|certs|all]
-#                      [--owner UID[:GID]] [--client-dir DIR]
+#                      [--owner UID[:GID]] [--client-dir DIR] [--cluster HOST[:PORT:ROUTE_PORT],...]
 #
 # --hosts: the names and addresses clients reach the server by (the server certificate's names; the first one
 # is the host in the generated nats.yaml URLs). Defaults: --out deploy/nats/generated, --namespace jetrl,
@@ -15,6 +15,12 @@
 # --client-dir: where clients/ will be installed (default: where it is written), for the paths in nats.yaml.
 # --owner: give clients/ to this owner (root only): docker compose mounts secrets with their host owner and mode,
 # and the image's jetrl user is 10001:10001 (sudo deploy/nats/gen.sh --owner 10001:10001).
+# --cluster: also write one server configuration per node of a JetStream cluster (three nodes for
+# nats.replicas 3): server/cluster-<node>.conf, routes to every node over TLS (port 6222 unless given; the
+# nodes prove themselves with the server certificate, which names every node), JetStream in cluster
+# "jetrl-<ns>", each node's store in <store-dir>/<node>. The nodes go into the server certificate, and the
+# nats.yaml URLs list every node. HOST:PORT:ROUTE_PORT puts several nodes on one host (tests); such a node is
+# named HOST-PORT. deploy/nats/cluster/ holds what --cluster nats-1,nats-2,nats-3 writes.
 #
 # Idempotent: a second run keeps the CA, keys and passwords it finds under --out and rewrites only the
 # configuration (and the server certificate when --hosts changed). --rotate makes new ones (docs/deploy.md,
@@ -22,6 +28,7 @@
 #
 # Layout under --out (default deploy/nats/generated, ignored by git):
 #   server/nats.conf           the server configuration (listen, TLS with client verification, JetStream, auth)
+#   server/cluster-<node>.conf with --cluster: node <node>'s configuration (install it as nats.conf there)
 #   server/auth.conf           the job's account: users, passwords, permissions (mode 0600)
 #   server/tls/                ca.pem, server.pem, server-key.pem (the server reads them from --install-dir/tls)
 #   ca/ca-key.pem              the CA's key: signs new certificates; keep it off the brokers
@@ -46,6 +53,7 @@ rotate=""
 url_host=""
 owner=""
 client_dir=""
+cluster=""
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit "${1:-0}"; }
 die() { echo "gen.sh: $*" >&2; exit 1; }
@@ -63,6 +71,7 @@ while [ $# -gt 0 ]; do
     --rotate) rotate="$2"; shift 2 ;;
     --owner) owner="$2"; shift 2 ;;
     --client-dir) client_dir="$2"; shift 2 ;;
+    --cluster) cluster="$2"; shift 2 ;;
     -h|--help) usage 0 ;;
     *) echo "gen.sh: unknown argument $1" >&2; usage 2 ;;
   esac
@@ -75,6 +84,32 @@ case "$rotate" in ""|passwords|certs|all) ;; *) die "--rotate $rotate: expected 
 IFS=',' read -r -a host_list <<<"$hosts"
 [ "${#host_list[@]}" -gt 0 ] || die "--hosts is empty"
 url_host="${host_list[0]}"
+listen_host="${listen%:*}"; listen_port="${listen##*:}"
+
+# --cluster: each node's name, host, client port and route port
+node_names=(); node_hosts=(); node_ports=(); node_route_ports=()
+if [ -n "$cluster" ]; then
+  IFS=',' read -r -a nodes <<<"$cluster"
+  [ "${#nodes[@]}" -ge 3 ] || die "--cluster $cluster: a JetStream cluster for nats.replicas 3 needs three nodes (or more)"
+  for node in "${nodes[@]}"; do
+    IFS=':' read -r host port route extra <<<"$node"
+    [ -n "$host" ] && [ -z "$extra" ] || die "--cluster: $node is not HOST or HOST:PORT:ROUTE_PORT"
+    if [ -n "$port" ]; then
+      [[ "$port" =~ ^[0-9]+$ && "$route" =~ ^[0-9]+$ ]] || die "--cluster: $node is not HOST or HOST:PORT:ROUTE_PORT"
+      node_names+=("$host-$port")
+    else
+      port="$listen_port"; route=6222
+      node_names+=("$host")
+    fi
+    # each node checks that the certificate a route presents carries a DNS name of the routes it knows, and
+    # that check ignores IP addresses
+    [[ ! "$host" =~ ^[0-9.]+$ && "$host" != *:* ]] || die "--cluster: $host: give the nodes by DNS name (an IP address cannot pass the route certificate check)"
+    node_hosts+=("$host"); node_ports+=("$port"); node_route_ports+=("$route")
+  done
+  # clients and the other nodes reach the nodes by these names
+  hosts="$hosts,$(IFS=','; echo "${node_hosts[*]}")"
+  IFS=',' read -r -a host_list <<<"$hosts"
+fi
 
 umask 077
 mkdir -p "$out/server/tls" "$out/ca" "$out/clients"
@@ -82,37 +117,39 @@ out="$(cd "$out" && pwd)"
 client_dir="${client_dir:-$out/clients}"
 
 # ---------------------------------------------------------------------------------------------------------------
-# The job's names. Today's services use the un-namespaced names below; the job namespace (issue 14) will put
-# <ns> into every stream, bucket and subject (JETRL_<ns>_PROMPTS, jetrl.<ns>.prompts.*, ...), and this table
-# follows it. The namespace already names the account and the users, so two jobs on one server never share an
-# identity.
-S_PROMPTS=JETRL_PROMPTS;  P_PROMPTS=jetrl.prompts
-S_TRAJ=JETRL_TRAJ;        P_TRAJ=jetrl.traj
-S_SCORE=JETRL_SCORE;      P_SCORE=jetrl.score
-S_REWARDS=JETRL_REWARDS;  P_REWARDS=jetrl.rewards
-KV_GROUPS=JETRL_GROUPS; KV_WEIGHTS=JETRL_WEIGHTS; KV_WORKERS=JETRL_WORKERS
-OBJ_BLOBS=JETRL_WEIGHT_BLOBS
+# The job's names (shared/wire/src/subjects.rs `Names`): the namespace is part of every stream, bucket and
+# subject, and names the account and the users, so two jobs on one server never share an identity.
+S_PROMPTS="JETRL_${ns}_PROMPTS"; P_PROMPTS="jetrl.${ns}.prompts"
+S_TRAJ="JETRL_${ns}_TRAJ";       P_TRAJ="jetrl.${ns}.traj"
+S_SCORE="JETRL_${ns}_SCORE";     P_SCORE="jetrl.${ns}.score"
+S_REWARDS="JETRL_${ns}_REWARDS"; P_REWARDS="jetrl.${ns}.rewards"
+S_DLQ="JETRL_${ns}_DLQ"
+KV_GROUPS="JETRL_${ns}_GROUPS"; KV_WEIGHTS="JETRL_${ns}_WEIGHTS"; KV_WORKERS="JETRL_${ns}_WORKERS"
+KV_LEASE="JETRL_${ns}_LEASE"
+OBJ_BLOBS="JETRL_${ns}_BLOBS"
 C_ROLLOUT=rollout-workers; C_REWARD=reward-service
-BUFFER=jetrl.buffer; ANNOUNCE=jetrl.weights.announce; TRAINER_METRICS=jetrl.trainer.metrics
+BUFFER="jetrl.${ns}.buffer"; ANNOUNCE="jetrl.${ns}.weights.announce"; TRAINER_METRICS="jetrl.${ns}.trainer.metrics"
+CONTROL="jetrl.${ns}.control"
 account="JETRL_${ns}"
 user() { echo "${ns}-$1"; }
 inbox() { echo "_INBOX_$(user "$1")"; }
 
 API='$JS.API'
 DATA_STREAMS=("$S_PROMPTS" "$S_TRAJ" "$S_SCORE" "$S_REWARDS")
-ALL_STREAMS=("${DATA_STREAMS[@]}" "KV_$KV_GROUPS" "KV_$KV_WEIGHTS" "KV_$KV_WORKERS" "OBJ_$OBJ_BLOBS")
+ALL_STREAMS=("${DATA_STREAMS[@]}" "KV_$KV_GROUPS" "KV_$KV_WEIGHTS" "KV_$KV_WORKERS" "KV_$KV_LEASE" "OBJ_$OBJ_BLOBS")
 
 # JetStream API subjects, one helper per kind of call (see docs/deploy.md, "What each identity may do").
 stream_info() { for s in "$@"; do echo "$API.STREAM.INFO.$s"; done; }
-# Every service declares the topology at start-up (so they may start in any order): it may create the job's
-# streams, buckets and object store and update the data streams (create_or_update: to the configuration the
-# code declares); no service may delete a stream.
+# Only the trainer declares the job's topology (shared/bus/src/topology.rs): it reads each stream's
+# configuration, creates what is missing and updates what differs from what jetrl declares. No identity but
+# admin may delete a stream.
 declare_topology() {
   echo "$API.INFO"                               # the account's JetStream limits, read before creating a bucket
   stream_info "${ALL_STREAMS[@]}"
-  for s in "${ALL_STREAMS[@]}"; do echo "$API.STREAM.CREATE.$s"; done
-  for s in "${DATA_STREAMS[@]}"; do echo "$API.STREAM.UPDATE.$s"; done
+  for s in "${ALL_STREAMS[@]}"; do echo "$API.STREAM.CREATE.$s"; echo "$API.STREAM.UPDATE.$s"; done
 }
+# Every other service only reads the topology at start-up (and waits for what is missing): stream info only.
+expect_topology() { stream_info "${ALL_STREAMS[@]}"; }
 # a durable work-sharing pull consumer: create (idempotent) or update it, pull, acknowledge
 durable_consumer() { # stream durable
   echo "$API.CONSUMER.CREATE.$1.$2.>"
@@ -138,6 +175,8 @@ kv_read() { for b in "$@"; do direct_get "KV_$b"; read_stream "KV_$b"; done; }
 obj_read() { for b in "$@"; do direct_get "OBJ_$b"; read_stream "OBJ_$b"; done; }
 # write objects: chunks and metadata, a lookup of the name's current metadata, a purge of replaced chunks
 obj_write() { for b in "$@"; do echo "\$O.$b.C.>"; echo "\$O.$b.M.>"; direct_get "OBJ_$b"; echo "$API.STREAM.PURGE.OBJ_$b"; done; }
+# a service's heartbeat, under its own service's keys of WORKERS (shared/bus/src/heartbeat.rs)
+heartbeat() { echo "\$KV.$KV_WORKERS.$1.>"; }
 
 publish_allow() { # user
   case "$1" in
@@ -147,42 +186,50 @@ publish_allow() { # user
       direct_get "$S_TRAJ"                      # sampled trajectories' payloads
       echo "$BUFFER.sample"; echo "$BUFFER.release"
       echo "$ANNOUNCE"                          # weight announcements: only the trainer
+      echo "$CONTROL.*.pause"; echo "$CONTROL.*.resume"  # colocate_async: pause/resume its co-located worker
       echo "$TRAINER_METRICS"
       obj_write "$OBJ_BLOBS"                    # weight blobs (checkpoint-sync verifies, then announces them)
       echo "\$KV.$KV_GROUPS.>"; kv_read "$KV_GROUPS"  # group records: created pending, re-issued on resume
+      echo "\$KV.$KV_LEASE.trainer"; kv_read "$KV_LEASE"  # one trainer per job
       kv_read "$KV_WORKERS" "$KV_WEIGHTS"       # which workers run which version
+      heartbeat trainer
       ;;
     rollout-worker)
-      declare_topology
+      expect_topology
       durable_consumer "$S_PROMPTS" "$C_ROLLOUT"  # prompt tasks
       echo "$P_TRAJ.>"; echo "$P_SCORE.>"         # trajectories, score requests
       direct_get "$S_TRAJ"                        # a duplicate trajectory's stored copy
       echo "\$KV.$KV_GROUPS.>"; kv_read "$KV_GROUPS"  # group status
-      echo "\$KV.$KV_WORKERS.rollout.>"           # its heartbeat, under its own service's keys
+      heartbeat rollout
       kv_read "$KV_WEIGHTS"; obj_read "$OBJ_BLOBS"  # weights
       ;;
     reward-service)
-      declare_topology
+      expect_topology
       durable_consumer "$S_SCORE" "$C_REWARD"     # score requests
-      stream_info "$S_SCORE"; echo "$API.STREAM.PURGE.$S_SCORE"  # settled requests, purged below the ack floor
+      echo "$API.STREAM.PURGE.$S_SCORE"           # settled requests, purged below the ack floor
       direct_get "$S_TRAJ" "$S_REWARDS"; read_stream "$S_REWARDS"  # payloads; rewards already stored
       echo "$P_REWARDS.*.>"                       # reward batches (never the buffer's release markers)
+      heartbeat reward
       ;;
     replay-buffer)
-      declare_topology
+      expect_topology
       kv_read "$KV_GROUPS"                        # the group state machine's input
       echo "\$KV.$KV_GROUPS.>"                    # marks groups sampled
       read_stream "$S_REWARDS"; direct_get "$S_REWARDS"
       echo "$P_REWARDS.released"                  # release markers
       echo "$API.STREAM.PURGE.$S_REWARDS"; echo "$API.STREAM.PURGE.$S_TRAJ"  # released and evicted payloads
+      heartbeat buffer
       ;;
     checkpoint-sync)
-      declare_topology
+      expect_topology
       echo "\$KV.$KV_WEIGHTS.>"; kv_read "$KV_WEIGHTS"  # weight manifests: only checkpoint-sync writes them
       obj_read "$OBJ_BLOBS"; obj_write "$OBJ_BLOBS"     # verifies blobs, deletes old versions
+      heartbeat checkpoint
       ;;
     status)
-      stream_info "${ALL_STREAMS[@]}"
+      stream_info "${ALL_STREAMS[@]}" "$S_DLQ"   # streams (the dead letters' count by service too)
+      echo "$API.STREAM.NAMES"                   # the account's jobs, when asked for one that is not there
+      echo "$API.CONSUMER.INFO.$S_PROMPTS.$C_ROLLOUT"; echo "$API.CONSUMER.INFO.$S_SCORE.$C_REWARD"  # lag
       kv_read "$KV_WEIGHTS" "$KV_WORKERS"
       echo "$BUFFER.ledger"
       ;;
@@ -192,17 +239,23 @@ publish_allow() { # user
   esac
 }
 
+# the JetStream advisories a service counts leader elections from (shared/bus/src/heartbeat.rs)
+advisories() { echo "\$JS.EVENT.ADVISORY.*.LEADER_ELECTED.>"; echo "\$JS.EVENT.ADVISORY.*.QUORUM_LOST.>"; }
+
 subscribe_allow() { # user
   case "$1" in
-    replay-buffer) echo "$BUFFER.sample"; echo "$BUFFER.release"; echo "$BUFFER.ledger" ;;
-    checkpoint-sync) echo "$ANNOUNCE" ;;
+    trainer) echo "$TRAINER_METRICS"; advisories ;;   # its own step metrics, for its heartbeat
+    rollout-worker) echo "$CONTROL.*.pause"; echo "$CONTROL.*.resume" ;;  # colocate_async: its trainer's requests
+    reward-service) advisories ;;
+    replay-buffer) echo "$BUFFER.sample"; echo "$BUFFER.release"; echo "$BUFFER.ledger"; advisories ;;
+    checkpoint-sync) echo "$ANNOUNCE"; advisories ;;
     admin) echo ">" ;;
   esac
   [ "$1" = admin ] || echo "$(inbox "$1").>"
 }
 
 # services that answer core requests publish their replies to the requester's inbox
-answers_requests() { case "$1" in replay-buffer|checkpoint-sync) return 0 ;; *) return 1 ;; esac; }
+answers_requests() { case "$1" in replay-buffer|checkpoint-sync|rollout-worker) return 0 ;; *) return 1 ;; esac; }
 
 USERS=(trainer rollout-worker reward-service replay-buffer checkpoint-sync status admin)
 
@@ -228,8 +281,11 @@ fi
 cp "$ca" "$out/clients/ca.pem"
 
 san=""
+declare -A seen_host=()
 for h in "${host_list[@]}"; do
   [ -n "$h" ] || continue
+  [ -z "${seen_host[$h]:-}" ] || continue
+  seen_host[$h]=1
   if [[ "$h" =~ ^[0-9.]+$ || "$h" == *:* ]]; then san+="IP:$h,"; else san+="DNS:$h,"; fi
 done
 san="${san%,}"
@@ -267,7 +323,14 @@ EOF
   {
     echo "# $(user "$u"): a job-file nats section using this identity's files in $client_dir/$u"
     echo "nats:"
-    echo "  url: tls://$url_host:${listen##*:}"
+    if [ -n "$cluster" ]; then
+      urls=""
+      for i in "${!node_hosts[@]}"; do urls+="tls://${node_hosts[$i]}:${node_ports[$i]},"; done
+      echo "  url: ${urls%,}"
+      echo "  replicas: 3"
+    else
+      echo "  url: tls://$url_host:${listen##*:}"
+    fi
     echo "  user: $(user "$u")"
     echo "  password_file: $client_dir/$u/password"
     [ "$u" = admin ] || echo "  inbox_prefix: $(inbox "$u")"
@@ -341,10 +404,59 @@ include ./auth.conf
 EOF
 chmod 644 "$out/server/nats.conf"
 
+# One configuration per node of the cluster: the same users, TLS and limits; routes between the nodes over TLS.
+rm -f "$out"/server/cluster-*.conf
+for i in "${!node_names[@]}"; do
+  name="${node_names[$i]}"
+  routes=""
+  for j in "${!node_names[@]}"; do routes+="    \"tls://${node_hosts[$j]}:${node_route_ports[$j]}\""$'\n'; done
+  cat >"$out/server/cluster-$name.conf" <<EOF
+# Generated by deploy/nats/gen.sh --cluster for job namespace "$ns": node $name of a ${#node_names[@]}-node JetStream
+# cluster (install it as $install_dir/nats.conf on $name, with auth.conf and tls/). Streams and buckets declared
+# with nats.replicas 3 keep a copy on three nodes: one node may die without losing an acknowledged write.
+server_name: "$name"
+listen: $listen_host:${node_ports[$i]}
+$monitor_line
+max_payload: 8MB
+tls {
+  cert_file: "$install_dir/tls/server.pem"
+  key_file: "$install_dir/tls/server-key.pem"
+  ca_file: "$install_dir/tls/ca.pem"
+  verify: true
+  timeout: 5
+}
+cluster {
+  name: "jetrl-$ns"
+  listen: $listen_host:${node_route_ports[$i]}
+  # every node, this one included (a node ignores the route to itself): a node that restarts finds the others
+  routes: [
+${routes%$'\n'}
+  ]
+  # routes are TLS both ways with the job's CA, and a node must present a certificate naming a host of the
+  # routes above (the server certificate does), so a client's certificate cannot open a route
+  tls {
+    cert_file: "$install_dir/tls/server.pem"
+    key_file: "$install_dir/tls/server-key.pem"
+    ca_file: "$install_dir/tls/ca.pem"
+    verify_cert_and_check_known_urls: true
+    timeout: 5
+  }
+}
+jetstream {
+  store_dir: "$store_dir/$name"
+  max_memory_store: 1GB
+  max_file_store: 100GB
+}
+include ./auth.conf
+EOF
+  chmod 644 "$out/server/cluster-$name.conf"
+done
+
 echo "gen.sh: job namespace \"$ns\" (account $account), output in $out"
 for g in "${generated[@]}"; do echo "  new: $g"; done
 [ ${#generated[@]} -gt 0 ] || echo "  nothing new: kept the CA, keys and passwords found there (--rotate to replace them)"
 echo "  server:  $out/server/{nats.conf,auth.conf,tls/} -> install in $install_dir (the config reads $install_dir/tls/)"
+for name in "${node_names[@]}"; do echo "  node:    $out/server/cluster-$name.conf -> $install_dir/nats.conf on $name"; done
 echo "  clients: $out/clients/<service>/{password,cert.pem,key.pem,nats.env,nats.yaml} and $out/clients/ca.pem"
 echo "  CA key:  $out/ca/ca-key.pem (signs new certificates; keep it off the brokers)"
 echo "  users:   $(for u in "${USERS[@]}"; do printf '%s ' "$(user "$u")"; done)"

@@ -301,6 +301,130 @@ fn generated_nats_config_is_valid_for_nats_server() {
     assert!(!repo().join("deploy/nats/nats.conf").exists(), "no configuration without users ships");
 }
 
+/// deploy/nats/cluster/ is what `gen.sh --cluster nats-1,nats-2,nats-3` writes; every node's configuration is
+/// valid for nats-server, the identities list every node with replicas 3, and a node refuses a route from a
+/// client's certificate.
+#[test]
+fn the_shipped_cluster_configuration_is_what_gen_sh_writes_and_a_route_needs_a_node_certificate() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("shipped");
+    gen(&[
+        "--out",
+        &out.display().to_string(),
+        "--cluster",
+        "nats-1,nats-2,nats-3",
+        "--store-dir",
+        "/var/lib/nats/jetstream",
+    ]);
+    for n in 1..=3 {
+        let generated = std::fs::read_to_string(out.join(format!("server/cluster-nats-{n}.conf"))).expect("generated");
+        let shipped =
+            std::fs::read_to_string(repo().join(format!("deploy/nats/cluster/nats-{n}.conf"))).expect("shipped");
+        assert_eq!(
+            generated, shipped,
+            "deploy/nats/cluster/nats-{n}.conf differs from what gen.sh writes: regenerate it"
+        );
+        for needed in [
+            &format!("server_name: \"nats-{n}\""),
+            "\"tls://nats-1:6222\"",
+            "\"tls://nats-3:6222\"",
+            "verify_cert_and_check_known_urls: true",
+            "name: \"jetrl-jetrl\"",
+            &format!("store_dir: \"/var/lib/nats/jetstream/nats-{n}\""),
+            "include ./auth.conf",
+        ] {
+            assert!(shipped.contains(needed), "nats-{n}.conf lacks {needed:?}");
+        }
+    }
+    let identity = jetrl_config::JobConfig::load(Some(&job_file()), &[]).expect("job");
+    let nats: jetrl_config::JobConfig =
+        jetrl_config::load(Some(&out.join("clients/rollout-worker/nats.yaml")), &[]).expect("nats.yaml loads");
+    assert_eq!(nats.nats.url, "tls://nats-1:4222,tls://nats-2:4222,tls://nats-3:4222");
+    assert_eq!((nats.nats.replicas, identity.nats.replicas), (3, 1));
+
+    // valid for nats-server, with the files where the configuration says
+    let ports: Vec<u16> =
+        (0..6).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()).collect();
+    let local = dir.path().join("local");
+    let spec = format!(
+        "localhost:{}:{},localhost:{}:{},localhost:{}:{}",
+        ports[0], ports[1], ports[2], ports[3], ports[4], ports[5]
+    );
+    gen(&[
+        "--out",
+        &local.display().to_string(),
+        "--install-dir",
+        &local.join("server").display().to_string(),
+        "--store-dir",
+        &dir.path().join("js").display().to_string(),
+        "--listen",
+        "127.0.0.1:4222",
+        "--monitor",
+        "off",
+        "--cluster",
+        &spec,
+    ]);
+    let nats_server = jetrl_bus::harness::find_binary().expect("nats-server");
+    let conf = |port: u16| local.join(format!("server/cluster-localhost-{port}.conf"));
+    for port in [ports[0], ports[2], ports[4]] {
+        let check = Command::new(&nats_server).arg("-c").arg(conf(port)).arg("-t").output().expect("nats-server -t");
+        assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
+    }
+    // one node up; a client's certificate on its route port is refused
+    let log = dir.path().join("node.log");
+    let mut node = Command::new(&nats_server).arg("-c").arg(conf(ports[0])).arg("-l").arg(&log).spawn().expect("node");
+    let started = std::time::Instant::now();
+    while !std::fs::read_to_string(&log).unwrap_or_default().contains("Listening for route connections") {
+        assert!(started.elapsed() < Duration::from_secs(20), "the node did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let client = local.join("clients/rollout-worker");
+    let mut route = Command::new("openssl")
+        .args(["s_client", "-quiet", "-connect", &format!("127.0.0.1:{}", ports[1])])
+        .arg("-cert")
+        .arg(client.join("cert.pem"))
+        .arg("-key")
+        .arg(client.join("key.pem"))
+        .arg("-CAfile")
+        .arg(local.join("clients/ca.pem"))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("openssl");
+    if let Some(stdin) = route.stdin.as_mut() {
+        use std::io::Write;
+        let _ = stdin.write_all(b"CONNECT {\"verbose\":false}\r\nPING\r\n");
+    }
+    let started = std::time::Instant::now();
+    let refused = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("Route connection created") && text.contains("authentication error") {
+            break true;
+        }
+        if started.elapsed() > Duration::from_secs(10) {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let _ = route.kill();
+    let _ = route.wait();
+    let _ = node.kill();
+    let _ = node.wait();
+    assert!(refused, "a client certificate opened a route:\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+
+    // nodes by IP address cannot pass the route check, and two nodes are no cluster for replicas 3
+    for (cluster, expected) in [("10.0.0.1,10.0.0.2,10.0.0.3", "DNS name"), ("nats-1,nats-2", "three nodes")] {
+        let out = Command::new("bash")
+            .arg(repo().join("deploy/nats/gen.sh"))
+            .args(["--out", &dir.path().join("bad").display().to_string(), "--cluster", cluster])
+            .output()
+            .expect("bash");
+        let text = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && text.contains(expected), "--cluster {cluster}: {text}");
+    }
+}
+
 /// The command a unit runs, as systemd would start it for `instance` on host `host`: specifiers and `$$`
 /// replaced, a `/bin/sh -c '...'` wrapper run by a real shell (with the binary replaced by a printer of its
 /// arguments). Returns (exit status of the shell, argv).

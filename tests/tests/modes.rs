@@ -287,10 +287,8 @@ async fn separate_async_survives_a_killed_worker_and_every_group_is_accounted_fo
             .iter()
             .filter(|uid| {
                 let record = records.iter().find(|g| &g.uid == *uid).expect("a held group keeps its record");
-                let decided = matches!(
-                    record.state(),
-                    jetrl_wire::v1::GroupState::Sampled | jetrl_wire::v1::GroupState::Evicted
-                );
+                let decided =
+                    matches!(record.state(), jetrl_wire::v1::GroupState::Sampled | jetrl_wire::v1::GroupState::Evicted);
                 !decided && record.worker_id == "rollout-1"
             })
             .map(|uid| format!("{uid}: {:?}", records.iter().find(|g| &g.uid == uid).map(|g| g.state())))

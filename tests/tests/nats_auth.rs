@@ -100,8 +100,9 @@ async fn tls_checks_the_server_against_the_configured_ca_and_name() {
 async fn a_rollout_worker_cannot_publish_prompt_tasks_announce_weights_or_write_the_weights_bucket() {
     let before = permission_violations_counted();
     let nats = SecureNats::start();
+    nats.connect("trainer").await.declare_topology().await.expect("the trainer declares the topology");
     let worker = nats.connect("rollout-worker").await;
-    worker.declare_topology().await.expect("a worker may declare the job's topology");
+    worker.expect_topology().await.expect("a worker reads the job's topology");
 
     // what a worker does is allowed: a trajectory, and its heartbeat under its own service's keys
     let traj = Outgoing::new(NAMES.traj_subject("train", "u1"), Some("u1_0_0".into()), Bytes::from_static(b"x"));
@@ -131,6 +132,40 @@ async fn a_rollout_worker_cannot_publish_prompt_tasks_announce_weights_or_write_
     let mut prompts = nats.connect("trainer").await.stream(NAMES.prompts_stream()).await.expect("PROMPTS");
     assert_eq!(prompts.info().await.expect("info").state.messages, 0);
     assert!(permission_violations_counted() >= before + 4.0, "the refusals are counted");
+}
+
+/// Only the trainer (and admin) may create or update the job's streams and buckets: every other identity reads
+/// them, finds them in place and goes on; its attempt to create or update one is refused at once, naming who
+/// declares them.
+#[tokio::test]
+async fn only_the_trainer_creates_or_updates_the_jobs_streams_and_buckets() {
+    let nats = SecureNats::start();
+    let services = ["rollout-worker", "reward-service", "replay-buffer", "checkpoint-sync", "status"];
+    for user in services {
+        let started = Instant::now();
+        let err = nats.connect(user).await.declare_topology().await.expect_err("only the trainer creates");
+        let text = err.to_string();
+        assert!(text.contains("permissions violation") && text.contains("trainer declares"), "{user}: {text}");
+        assert!(started.elapsed() < Duration::from_secs(5), "{user}: the refusal took {:?}", started.elapsed());
+    }
+    let declared = nats.connect("trainer").await.declare_topology().await.expect("the trainer declares");
+    assert_eq!(declared.created.len(), 9, "{declared:?}");
+    for user in services {
+        nats.connect(user).await.expect_topology().await.unwrap_or_else(|e| panic!("{user} reads it: {e}"));
+    }
+    // an admin changed a stream: a worker cannot change it back, the trainer does
+    let admin = nats.connect("admin").await;
+    let mut traj = admin.stream(NAMES.traj_stream()).await.expect("TRAJ").cached_info().config.clone();
+    traj.max_age = Duration::from_secs(3600);
+    admin.jetstream().update_stream(traj).await.expect("admin updates");
+    let started = Instant::now();
+    let text = nats.connect("rollout-worker").await.declare_topology().await.expect_err("refused").to_string();
+    assert!(text.contains("permissions violation") && text.contains(NAMES.traj_stream()), "{text}");
+    assert!(started.elapsed() < Duration::from_secs(5), "the refusal took {:?}", started.elapsed());
+    nats.connect("rollout-worker").await.expect_topology().await.expect("a difference does not stop a reader");
+    let fixed = nats.connect("trainer").await.declare_topology().await.expect("the trainer updates");
+    assert_eq!(fixed.updated.len(), 1, "{fixed:?}");
+    assert!(nats.violations().iter().all(|v| !v.contains("jetrl-trainer")), "{:?}", nats.violations());
 }
 
 #[tokio::test]

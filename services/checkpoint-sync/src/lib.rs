@@ -35,7 +35,8 @@ pub async fn run(
 ) -> Result<(), CheckpointError> {
     let shutdown = Shutdown::new(shutdown);
     let bus = Bus::connect_job(&cfg, "jetrl-checkpoint-sync").await?;
-    bus.declare_topology().await?;
+    bus.expect_topology().await?;
+    let heartbeat = jetrl_bus::heartbeat::start(&bus, &cfg, SERVICE, None, shutdown.clone());
     let stop = shutdown.clone();
     jetrl_telemetry::serve_metrics(&cfg.checkpoint.metrics_addr, async move { stop.wait().await }).await?;
     let mut registry = Registry::load(&bus, &cfg).await?;
@@ -75,6 +76,7 @@ pub async fn run(
             }
         }
     }
+    heartbeat.stop().await;
     tracing::info!("checkpoint-sync stopped");
     Ok(())
 }

@@ -52,9 +52,11 @@ enum Command {
         #[arg(long, default_value = "f32")]
         dtype: String,
     },
-    /// Show a running job: group counts, workers, weight version, and optionally the ledger of prompt groups.
-    /// NATS settings (URL, credentials, TLS) come from the `nats` section of --config, `JETRL__NATS__*`
-    /// environment variables and `nats.key=value` overrides, as for the services.
+    /// Show a running job: the trainer's step, rate and reward, every service's health, groups by state, a
+    /// staleness histogram, weight versions per worker, consumers that lag, dead letters, the streams' replicas,
+    /// and optionally the ledger of prompt groups. NATS settings (URL, credentials, TLS) come from the `nats`
+    /// section of --config, `JETRL__NATS__*` environment variables and `nats.key=value` overrides, as for the
+    /// services.
     Status {
         /// a job file, or just a `nats:` section (deploy/nats/gen.sh writes one per identity: clients/status/nats.yaml)
         #[arg(long, short = 'c')]
@@ -70,12 +72,16 @@ enum Command {
         /// what became of every dataset row drawn: trained (at which step), evicted or failed (why), in flight
         #[arg(long)]
         ledger: bool,
-        /// with --ledger: only the ledger, one JSON object per row (what the trainer writes to ledger.jsonl)
-        #[arg(long, requires = "ledger")]
-        json: bool,
         /// list these groups' entries in the replay buffer (state, submit and trained step, trajectories)
         #[arg(long)]
         uid: Vec<String>,
+        /// one JSON object (per refresh with --watch: JSON lines), for scripts; with --ledger, only the ledger,
+        /// one JSON object per row (what the trainer writes to ledger.jsonl)
+        #[arg(long)]
+        json: bool,
+        /// refresh every SECONDS (default 2) until interrupted
+        #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "2")]
+        watch: Option<f64>,
     },
 }
 
@@ -100,12 +106,12 @@ fn main() -> anyhow::Result<()> {
             jetrl_model::logprobs_jsonl_on(&model, device, dtype, stdin.lock(), stdout.lock())?;
             Ok(())
         }
-        Command::Status { config, mut overrides, nats_url, namespace, ledger, json, uid } => {
+        Command::Status { config, mut overrides, nats_url, namespace, ledger, uid, json, watch } => {
             jetrl_telemetry::init_tracing("warn", jetrl_config::LogFormat::Text);
             overrides.extend(nats_url.map(|url| format!("nats.url={url}")));
-            let (nats, namespace) = status::nats_config(config.as_deref(), &overrides, namespace)?;
+            let target = status::target(config.as_deref(), &overrides, namespace)?;
             let runtime = tokio::runtime::Runtime::new()?;
-            runtime.block_on(status::status(&nats, &namespace, status::Show { ledger, json, uids: uid }))
+            runtime.block_on(status::status(&target, status::Options { ledger, uids: uid, json, watch }))
         }
     }
 }

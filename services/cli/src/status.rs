@@ -1,23 +1,36 @@
-//! `jetrl status`: a snapshot of a running job.
+//! `jetrl status`: what an on-call engineer needs to know about a running job, read from NATS only (so the
+//! read-only `status` identity suffices): the trainer's step, rate and reward (its heartbeat), every service's
+//! health (heartbeats in the job's WORKERS bucket), groups by state and a staleness histogram (the replay
+//! buffer's ledger), weight versions per worker, consumers that lag (JetStream consumer info), dead letters by
+//! service (the job's DLQ stream, where it exists) and the replicas of each stream. `--json` prints the same as
+//! one object; `--watch` refreshes.
 
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
 use std::path::Path;
+use std::time::Duration;
 
 use futures::StreamExt;
 use jetrl_bus::Bus;
 use jetrl_config::{JobConfig, NatsConfig};
 use jetrl_wire::subjects::{self, Names};
-use jetrl_wire::v1::{Heartbeat, LedgerRequest, LedgerResponse};
+use jetrl_wire::v1::{GroupState, Heartbeat, LedgerRequest, LedgerResponse, WorkerState};
 use jetrl_wire::Message;
+use serde_json::{json, Value};
+
+/// Whom to ask, and how to judge what they say.
+pub struct Target {
+    pub nats: NatsConfig,
+    pub namespace: String,
+    /// a heartbeat older than this is a dead service (`rollout.heartbeat_timeout_s`)
+    pub heartbeat_timeout_s: f64,
+}
 
 /// NATS settings and the job's namespace from `file` (a job file, or one with only `nats:`; the file is typed as
 /// a job file, so a misspelt key is an error, but not validated as one), `JETRL__NATS__*` and `key=value`
 /// overrides; `--namespace` wins over the file's `nats.namespace` / `run.name`. A status gives up on an
 /// unreachable server after 5 s, and on an unanswered request after 10 s, unless the configuration says otherwise.
-pub fn nats_config(
-    file: Option<&Path>,
-    overrides: &[String],
-    namespace: Option<String>,
-) -> anyhow::Result<(NatsConfig, String)> {
+pub fn target(file: Option<&Path>, overrides: &[String], namespace: Option<String>) -> anyhow::Result<Target> {
     let mut overrides = overrides.to_vec();
     let given = jetrl_config::load_value(file, &overrides)?;
     for (key, seconds) in [("connect_timeout_s", 5), ("request_timeout_s", 10)] {
@@ -30,91 +43,546 @@ pub fn nats_config(
         Some(ns) => ns,
         None => job.namespace()?.to_string(),
     };
-    Ok((job.nats, namespace))
+    Ok(Target { heartbeat_timeout_s: job.rollout.heartbeat_timeout_s, nats: job.nats, namespace })
 }
 
-/// What `jetrl status` prints besides the summary.
-pub struct Show {
-    /// the row ledger (`--ledger`): a table, or only JSON lines with `json`
+/// What `jetrl status` was asked for.
+pub struct Options {
+    /// the row ledger (`--ledger`): a table after the status, or only JSON lines with `json`
     pub ledger: bool,
-    pub json: bool,
     /// these groups' buffer entries (`--uid`)
     pub uids: Vec<String>,
+    pub json: bool,
+    /// refresh every this many seconds until interrupted
+    pub watch: Option<f64>,
 }
 
-pub async fn status(cfg: &NatsConfig, namespace: &str, show: Show) -> anyhow::Result<()> {
-    let Show { ledger, json, uids } = show;
-    let names = Names::new(namespace).map_err(|e| anyhow::anyhow!("--namespace: {e}"))?;
-    let bus = Bus::connect(cfg, &names, "jetrl-status").await?;
+/// Ledger entries asked for: enough for the staleness histogram of any job that fits the buffer's memory.
+const LEDGER_LIMIT: u32 = 1_000_000;
+
+/// The services every job runs; a missing heartbeat of one of them is a problem.
+const EXPECTED_SERVICES: [&str; 5] = ["trainer", "rollout", "reward", "buffer", "checkpoint"];
+
+pub async fn status(target: &Target, options: Options) -> anyhow::Result<()> {
+    let names = Names::new(&target.namespace).map_err(|e| anyhow::anyhow!("--namespace: {e}"))?;
+    let bus = Bus::connect(&target.nats, &names, "jetrl-status").await?;
+    let Some(period) = options.watch else {
+        if options.ledger && options.json {
+            return crate::ledger::print(&bus, true).await;
+        }
+        let snapshot = snapshot(&bus, target, &options).await?;
+        print(&snapshot, &options);
+        if options.ledger {
+            crate::ledger::print(&bus, false).await?;
+        }
+        return Ok(());
+    };
+    let period = Duration::from_secs_f64(period.max(0.2));
+    let clear = std::io::stdout().is_terminal() && !options.json;
+    loop {
+        let taken = snapshot(&bus, target, &options).await;
+        if clear {
+            print!("\x1b[2J\x1b[H");
+        }
+        match taken {
+            Ok(snapshot) => print(&snapshot, &options),
+            // the server may be failing over: say so and try again
+            Err(err) if options.json => println!("{}", json!({ "job": target.namespace, "error": err.to_string() })),
+            Err(err) => println!("job {}: {err:#}", target.namespace),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(period) => {}
+            _ = tokio::signal::ctrl_c() => return Ok(()),
+        }
+    }
+}
+
+fn print(snapshot: &Value, options: &Options) {
+    if options.json {
+        // one line per snapshot: `--json --watch` is a JSON-lines stream
+        println!("{snapshot}");
+    } else {
+        print!("{}", render(snapshot));
+    }
+}
+
+/// Everything `jetrl status` shows, as one JSON object.
+async fn snapshot(bus: &Bus, target: &Target, options: &Options) -> anyhow::Result<Value> {
+    let names = bus.names();
+    let js = bus.jetstream();
     // Looking a job up must not declare one: a mistyped namespace would leave empty buckets behind.
-    if bus.jetstream().get_stream(names.prompts_stream()).await.is_err() {
+    if js.get_stream(names.prompts_stream()).await.is_err() {
         let mut jobs = Vec::new();
-        let mut streams = bus.jetstream().stream_names();
+        let mut streams = js.stream_names();
         while let Some(Ok(stream)) = streams.next().await {
             jobs.extend(subjects::job_of_prompts_stream(&stream).map(str::to_string));
         }
         jobs.sort();
         anyhow::bail!(
-            "no job {namespace:?} at {} (no stream {}); jobs there: {jobs:?}",
-            cfg.url,
+            "no job {:?} at {} (no stream {}); jobs there: {jobs:?}",
+            names.namespace(),
+            target.nats.url,
             names.prompts_stream()
         );
     }
-    if ledger && json {
-        return crate::ledger::print(&bus, true).await;
-    }
-    println!("job: {namespace}");
-    match bus.latest_manifest().await? {
-        Some(m) => println!(
-            "weights: version {} (step {}, {} tensors, {} bytes at {})",
-            m.version,
-            m.step,
-            m.tensors.len(),
-            m.total_bytes,
-            m.location
-        ),
-        None => println!("weights: no version announced yet"),
-    }
-    let kv = bus.key_value(names.workers_bucket()).await?;
-    let mut keys = kv.keys().await?;
-    println!("workers:");
     let now = jetrl_wire::now_unix_ms();
+    let beats = heartbeats(bus).await?;
+    let trainer = beats.iter().filter(|b| b.service == "trainer").max_by_key(|b| b.unix_ms);
+    let weights = bus.latest_manifest().await?;
+
+    let request = LedgerRequest { partition: String::new(), uids: options.uids.clone(), limit: LEDGER_LIMIT };
+    let ledger: LedgerResponse = bus.request(names.buffer_ledger(), &request, bus.request_timeout()).await?;
+    if !ledger.error.is_empty() {
+        anyhow::bail!("replay buffer: {}", ledger.error);
+    }
+    let current_step = trainer
+        .map(|t| t.step)
+        .filter(|&s| s > 0)
+        .unwrap_or_else(|| ledger.entries.iter().map(|e| e.sampled_step).max().unwrap_or(0));
+
+    let mut snapshot = json!({
+        "job": names.namespace(),
+        "server": target.nats.url,
+        "unix_ms": now,
+        "trainer": trainer.map(|t| trainer_view(t, now)),
+        "weights": weights.map(|m| json!({
+            "version": m.version, "step": m.step, "tensors": m.tensors.len(), "bytes": m.total_bytes,
+            "location": m.location,
+        })),
+        "services": beats.iter().map(|b| service_view(b, now, target.heartbeat_timeout_s)).collect::<Vec<_>>(),
+        "health": health(&beats, now, target.heartbeat_timeout_s),
+        "groups": ledger.counts,
+        "staleness": staleness(&ledger, current_step),
+        "weight_versions": weight_versions(&beats),
+        "consumers": consumers(bus).await,
+        "dead_letters": dead_letters(bus).await,
+        "streams": streams(bus).await,
+    });
+    if !options.uids.is_empty() {
+        snapshot["ledger"] = ledger
+            .entries
+            .iter()
+            .map(|e| {
+                json!({
+                    "uid": e.uid, "partition": e.partition,
+                    "state": GroupState::try_from(e.state).map(|s| s.label()).unwrap_or("?"),
+                    "submit_step": e.submit_step, "sampled_step": e.sampled_step,
+                    "trajectories": e.trajectories, "evicted_reason": e.evicted_reason,
+                })
+            })
+            .collect();
+    }
+    Ok(snapshot)
+}
+
+/// Every decodable heartbeat in the job's WORKERS bucket, by key.
+async fn heartbeats(bus: &Bus) -> anyhow::Result<Vec<Heartbeat>> {
+    let kv = bus.key_value(bus.names().workers_bucket()).await?;
+    let mut keys = kv.keys().await?;
+    let mut beats = Vec::new();
     while let Some(Ok(key)) = keys.next().await {
         if let Ok(Some(value)) = kv.get(&key).await {
             if let Ok(beat) = Heartbeat::decode(value.as_ref()) {
-                println!(
-                    "  {:<10} {:<28} v{:<6} {:<11} inflight {:<4} seen {:.1}s ago {}",
-                    beat.service,
-                    beat.instance_id,
-                    beat.policy_version,
-                    beat.state().label(),
-                    beat.inflight,
-                    (now - beat.unix_ms) as f64 / 1000.0,
-                    beat.message
+                beats.push(beat);
+            }
+        }
+    }
+    beats.sort_by(|a, b| (&a.service, &a.instance_id).cmp(&(&b.service, &b.instance_id)));
+    Ok(beats)
+}
+
+fn seen_s_ago(beat: &Heartbeat, now: i64) -> f64 {
+    (now - beat.unix_ms).max(0) as f64 / 1000.0
+}
+
+fn trainer_view(beat: &Heartbeat, now: i64) -> Value {
+    json!({
+        "instance": beat.instance_id,
+        "step": beat.step,
+        "total_steps": beat.total_steps,
+        "step_seconds": beat.step_seconds,
+        "steps_per_s": if beat.step_seconds > 0.0 { 1.0 / beat.step_seconds } else { 0.0 },
+        // NaN (no reward yet) is not JSON: null
+        "reward": if beat.reward.is_finite() && beat.step > 0 { json!(beat.reward) } else { Value::Null },
+        "seen_s_ago": seen_s_ago(beat, now),
+    })
+}
+
+/// Why a heartbeat says its service is not healthy, if it does.
+fn problem(beat: &Heartbeat, now: i64, timeout_s: f64) -> Option<String> {
+    let state = WorkerState::try_from(beat.state).unwrap_or(WorkerState::Unspecified);
+    let who = format!("{}.{}", beat.service, beat.instance_id);
+    let age = seen_s_ago(beat, now);
+    if age > timeout_s {
+        Some(format!("{who}: last heartbeat {age:.1}s ago (more than rollout.heartbeat_timeout_s = {timeout_s}s)"))
+    } else if matches!(state, WorkerState::LoadFailed | WorkerState::Stopped) {
+        let why = if beat.message.is_empty() { String::new() } else { format!(": {}", beat.message) };
+        Some(format!("{who}: {}{why}", state.label()))
+    } else {
+        None
+    }
+}
+
+fn service_view(beat: &Heartbeat, now: i64, timeout_s: f64) -> Value {
+    let state = WorkerState::try_from(beat.state).unwrap_or(WorkerState::Unspecified);
+    let mut view = json!({
+        "service": beat.service, "instance": beat.instance_id, "host": beat.host, "pid": beat.pid,
+        "state": state.label(), "seen_s_ago": seen_s_ago(beat, now),
+        "healthy": problem(beat, now, timeout_s).is_none(), "message": beat.message,
+    });
+    if beat.service == "rollout" {
+        view["policy_version"] = json!(beat.policy_version);
+        view["inflight"] = json!(beat.inflight);
+        view["tokens_per_s"] = json!(beat.tokens_per_s);
+    }
+    view
+}
+
+fn health(beats: &[Heartbeat], now: i64, timeout_s: f64) -> Value {
+    let mut problems: Vec<String> = beats.iter().filter_map(|b| problem(b, now, timeout_s)).collect();
+    for service in EXPECTED_SERVICES {
+        if !beats.iter().any(|b| b.service == service) {
+            problems.push(format!("{service}: no heartbeat (not running, or dead for more than 15 s)"));
+        }
+    }
+    json!({ "ok": problems.is_empty(), "problems": problems })
+}
+
+/// How many steps old each group's prompt is: for groups not trained yet, the current step minus the step it was
+/// submitted at; for trained groups, the step that trained it minus that.
+fn staleness(ledger: &LedgerResponse, current_step: u64) -> Value {
+    let mut waiting: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut trained: BTreeMap<u64, u64> = BTreeMap::new();
+    for entry in &ledger.entries {
+        match GroupState::try_from(entry.state) {
+            Ok(GroupState::Sampled) => {
+                *trained.entry(entry.sampled_step.saturating_sub(entry.submit_step)).or_default() += 1;
+            }
+            Ok(GroupState::Pending | GroupState::Running | GroupState::Finished) => {
+                *waiting.entry(current_step.saturating_sub(entry.submit_step)).or_default() += 1;
+            }
+            _ => {}
+        }
+    }
+    json!({ "current_step": current_step, "not_trained": waiting, "trained": trained })
+}
+
+/// Which rollout workers hold which weight version.
+fn weight_versions(beats: &[Heartbeat]) -> Value {
+    let mut versions: BTreeMap<u64, Vec<&str>> = BTreeMap::new();
+    for beat in beats.iter().filter(|b| b.service == "rollout") {
+        versions.entry(beat.policy_version).or_default().push(&beat.instance_id);
+    }
+    json!(versions)
+}
+
+/// The work-sharing consumers: what waits for an instance (`num_pending`) and what instances hold unacknowledged
+/// (`num_ack_pending`). A consumer lags when work waits for it.
+async fn consumers(bus: &Bus) -> Value {
+    let names = bus.names();
+    let mut out = Vec::new();
+    for (stream, durable) in
+        [(names.prompts_stream(), subjects::ROLLOUT_CONSUMER), (names.score_stream(), subjects::REWARD_CONSUMER)]
+    {
+        let info = match bus.stream(stream).await {
+            Ok(stream) => stream.consumer_info(durable).await.map_err(|e| e.to_string()),
+            Err(err) => Err(err.to_string()),
+        };
+        out.push(match info {
+            Ok(info) => json!({
+                "stream": stream, "consumer": durable, "num_pending": info.num_pending,
+                "num_ack_pending": info.num_ack_pending, "num_redelivered": info.num_redelivered,
+                "num_waiting": info.num_waiting, "lagging": info.num_pending > 0,
+            }),
+            Err(err) => json!({ "stream": stream, "consumer": durable, "error": err }),
+        });
+    }
+    json!(out)
+}
+
+/// Messages the services refused and set aside, by service (the job's DLQ stream, `jetrl.<ns>.dlq.<service>`).
+async fn dead_letters(bus: &Bus) -> Value {
+    let names = bus.names();
+    let Ok(stream) = bus.jetstream().get_stream(names.dlq_stream()).await else {
+        return json!({ "stream": names.dlq_stream(), "exists": false });
+    };
+    let prefix = names.dlq_subject("");
+    let mut by_service: BTreeMap<String, u64> = BTreeMap::new();
+    match stream.info_with_subjects(format!("{prefix}>")).await {
+        Ok(mut subjects) => {
+            while let Some(Ok((subject, count))) = subjects.next().await {
+                let service = subject.strip_prefix(&prefix).unwrap_or(&subject).to_string();
+                *by_service.entry(service).or_default() += count as u64;
+            }
+        }
+        Err(err) => return json!({ "stream": names.dlq_stream(), "exists": true, "error": err.to_string() }),
+    }
+    json!({ "stream": names.dlq_stream(), "exists": true, "by_service": by_service })
+}
+
+/// Messages, leader and replicas of each of the job's streams (a cluster's health at a glance).
+async fn streams(bus: &Bus) -> Value {
+    let names = bus.names();
+    let mut out = Vec::new();
+    let streams = [
+        names.prompts_stream().to_string(),
+        names.traj_stream().into(),
+        names.score_stream().into(),
+        names.rewards_stream().into(),
+        format!("KV_{}", names.groups_bucket()),
+        format!("KV_{}", names.weights_bucket()),
+        format!("KV_{}", names.workers_bucket()),
+        format!("KV_{}", names.lease_bucket()),
+        format!("OBJ_{}", names.blobs_store()),
+    ];
+    for name in streams {
+        match bus.jetstream().get_stream(&name).await {
+            Ok(stream) => {
+                let info = stream.cached_info();
+                let cluster = info.cluster.clone().unwrap_or_default();
+                let current = cluster.replicas.iter().filter(|p| p.current && !p.offline).count();
+                out.push(json!({
+                    "stream": name, "messages": info.state.messages, "bytes": info.state.bytes,
+                    "replicas": info.config.num_replicas.max(1), "leader": cluster.leader,
+                    // the leader plus the followers that are up to date
+                    "current_replicas": usize::from(cluster.leader.is_some()) + current,
+                }));
+            }
+            Err(err) => out.push(json!({ "stream": name, "error": err.to_string() })),
+        }
+    }
+    json!(out)
+}
+
+/// The text form of a snapshot.
+fn render(s: &Value) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let f = |v: &Value| v.as_f64().unwrap_or(0.0);
+    let _ = writeln!(out, "job: {}  ({})", s["job"].as_str().unwrap_or("?"), s["server"].as_str().unwrap_or("?"));
+    match &s["trainer"] {
+        Value::Null => {
+            let _ = writeln!(out, "trainer: no heartbeat");
+        }
+        t => {
+            let reward = t["reward"].as_f64().map_or("-".to_string(), |r| format!("{r:.3}"));
+            let _ = writeln!(
+                out,
+                "trainer: step {}/{}  {:.2} steps/s ({:.1} s/step)  reward {reward}",
+                t["step"],
+                t["total_steps"],
+                f(&t["steps_per_s"]),
+                f(&t["step_seconds"])
+            );
+        }
+    }
+    match &s["weights"] {
+        Value::Null => {
+            let _ = writeln!(out, "weights: no version announced yet");
+        }
+        w => {
+            let _ = writeln!(
+                out,
+                "weights: version {} (step {}, {} tensors, {} bytes at {})",
+                w["version"],
+                w["step"],
+                w["tensors"],
+                w["bytes"],
+                w["location"].as_str().unwrap_or("?")
+            );
+        }
+    }
+    let health = &s["health"];
+    if health["ok"].as_bool() == Some(true) {
+        let _ = writeln!(out, "health: ok");
+    } else {
+        let _ = writeln!(out, "health: PROBLEMS");
+        for p in health["problems"].as_array().into_iter().flatten() {
+            let _ = writeln!(out, "  - {}", p.as_str().unwrap_or("?"));
+        }
+    }
+    let _ = writeln!(out, "services:");
+    for v in s["services"].as_array().into_iter().flatten() {
+        let version = v.get("policy_version").map(|p| format!("v{p}")).unwrap_or_default();
+        let inflight = v.get("inflight").map(|i| format!("inflight {i}")).unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "  {:<10} {:<28} {:<11} seen {:>5.1}s ago  {:<6} {:<12} {}",
+            v["service"].as_str().unwrap_or("?"),
+            v["instance"].as_str().unwrap_or("?"),
+            v["state"].as_str().unwrap_or("?"),
+            f(&v["seen_s_ago"]),
+            version,
+            inflight,
+            v["message"].as_str().unwrap_or("")
+        );
+    }
+    let groups: Vec<String> =
+        s["groups"].as_object().into_iter().flatten().map(|(state, n)| format!("{state} {n}")).collect();
+    let _ = writeln!(out, "groups: {}", if groups.is_empty() { "none".into() } else { groups.join(", ") });
+    // JSON object keys sort as text; steps sort as numbers
+    let by_number = |o: &Value| -> Vec<(u64, Value)> {
+        let mut pairs: Vec<(u64, Value)> =
+            o.as_object().into_iter().flatten().map(|(k, v)| (k.parse().unwrap_or(u64::MAX), v.clone())).collect();
+        pairs.sort_by_key(|(k, _)| *k);
+        pairs
+    };
+    let histogram = |h: &Value| -> String {
+        let bins: Vec<String> = by_number(h).iter().map(|(age, n)| format!("{age}: {n}")).collect();
+        if bins.is_empty() {
+            "-".into()
+        } else {
+            bins.join("  ")
+        }
+    };
+    let st = &s["staleness"];
+    let _ = writeln!(out, "staleness (steps behind step {}):", st["current_step"]);
+    let _ = writeln!(out, "  not trained yet: {}", histogram(&st["not_trained"]));
+    let _ = writeln!(out, "  trained:         {}", histogram(&st["trained"]));
+    let versions: Vec<String> = by_number(&s["weight_versions"])
+        .iter()
+        .map(|(v, workers)| {
+            let list: Vec<&str> = workers.as_array().into_iter().flatten().filter_map(|w| w.as_str()).collect();
+            format!("v{v}: {}", list.join(" "))
+        })
+        .collect();
+    let _ = writeln!(out, "weight versions: {}", if versions.is_empty() { "-".into() } else { versions.join("; ") });
+    let _ = writeln!(out, "consumers:");
+    for c in s["consumers"].as_array().into_iter().flatten() {
+        let name = format!("{}/{}", c["stream"].as_str().unwrap_or("?"), c["consumer"].as_str().unwrap_or("?"));
+        match c.get("error") {
+            Some(err) => {
+                let _ = writeln!(out, "  {name}: {}", err.as_str().unwrap_or("?"));
+            }
+            None => {
+                let lag = if c["lagging"].as_bool() == Some(true) { "  LAGGING" } else { "" };
+                let _ = writeln!(
+                    out,
+                    "  {name:<40} pending {:<6} ack pending {:<6} redelivered {:<6}{lag}",
+                    c["num_pending"], c["num_ack_pending"], c["num_redelivered"]
                 );
             }
         }
     }
-    let listed = !uids.is_empty();
-    let request = LedgerRequest { partition: String::new(), uids, limit: if listed { 100_000 } else { 1 } };
-    let response: LedgerResponse = bus.request(names.buffer_ledger(), &request, bus.request_timeout()).await?;
-    if !response.error.is_empty() {
-        anyhow::bail!("replay buffer: {}", response.error);
+    let dl = &s["dead_letters"];
+    let dead = if dl["exists"].as_bool() != Some(true) {
+        format!("no dead-letter stream {}", dl["stream"].as_str().unwrap_or("?"))
+    } else if let Some(err) = dl.get("error") {
+        err.as_str().unwrap_or("?").to_string()
+    } else {
+        let by: Vec<String> =
+            dl["by_service"].as_object().into_iter().flatten().map(|(svc, n)| format!("{svc} {n}")).collect();
+        if by.is_empty() {
+            "none".into()
+        } else {
+            by.join(", ")
+        }
+    };
+    let _ = writeln!(out, "malformed messages set aside: {dead}");
+    let _ = writeln!(out, "streams:");
+    for st in s["streams"].as_array().into_iter().flatten() {
+        match st.get("error") {
+            Some(err) => {
+                let _ = writeln!(out, "  {:<28} {}", st["stream"].as_str().unwrap_or("?"), err.as_str().unwrap_or("?"));
+            }
+            None => {
+                let _ = writeln!(
+                    out,
+                    "  {:<28} {:>8} msgs  replicas {}/{}  leader {}",
+                    st["stream"].as_str().unwrap_or("?"),
+                    st["messages"],
+                    st["current_replicas"],
+                    st["replicas"],
+                    st["leader"].as_str().unwrap_or("-")
+                );
+            }
+        }
     }
-    println!("groups: {:?}", response.counts);
-    if ledger {
-        crate::ledger::print(&bus, false).await?;
-    }
-    if listed {
-        println!("{:<38} {:<6} {:<9} {:>6} {:>8} {:>5}  reason", "uid", "part", "state", "submit", "trained", "trajs");
-        for e in response.entries {
-            let state = jetrl_wire::v1::GroupState::try_from(e.state).map(|s| s.label()).unwrap_or("?");
-            let trained = if e.sampled_step > 0 { e.sampled_step.to_string() } else { "-".into() };
-            println!(
+    if let Some(entries) = s.get("ledger").and_then(Value::as_array) {
+        let _ = writeln!(
+            out,
+            "{:<38} {:<6} {:<9} {:>6} {:>8} {:>5}  reason",
+            "uid", "part", "state", "submit", "trained", "trajs"
+        );
+        for e in entries {
+            let trained = match e["sampled_step"].as_u64() {
+                Some(step) if step > 0 => step.to_string(),
+                _ => "-".into(),
+            };
+            let _ = writeln!(
+                out,
                 "{:<38} {:<6} {:<9} {:>6} {:>8} {:>5}  {}",
-                e.uid, e.partition, state, e.submit_step, trained, e.trajectories, e.evicted_reason
+                e["uid"].as_str().unwrap_or("?"),
+                e["partition"].as_str().unwrap_or("?"),
+                e["state"].as_str().unwrap_or("?"),
+                e["submit_step"],
+                trained,
+                e["trajectories"],
+                e["evicted_reason"].as_str().unwrap_or("")
             );
         }
     }
-    Ok(())
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use jetrl_wire::v1::LedgerEntry;
+
+    fn beat(service: &str, instance: &str, age_ms: i64, state: WorkerState) -> Heartbeat {
+        Heartbeat {
+            service: service.into(),
+            instance_id: instance.into(),
+            unix_ms: 1_000_000 - age_ms,
+            state: state as i32,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn health_names_stale_failed_and_missing_services() {
+        let now = 1_000_000;
+        let beats = [
+            beat("trainer", "t", 100, WorkerState::Ready),
+            beat("rollout", "w0", 100, WorkerState::Ready),
+            beat("rollout", "w1", 9_000, WorkerState::Ready),
+            beat("reward", "r0", 100, WorkerState::LoadFailed),
+            beat("buffer", "b", 100, WorkerState::Ready),
+        ];
+        let h = health(&beats, now, 5.0);
+        assert_eq!(h["ok"], false);
+        let problems: Vec<&str> = h["problems"].as_array().unwrap().iter().map(|p| p.as_str().unwrap()).collect();
+        assert_eq!(problems.len(), 3, "{problems:?}");
+        assert!(problems[0].starts_with("rollout.w1: last heartbeat 9.0s ago"), "{problems:?}");
+        assert!(problems[1].starts_with("reward.r0: load_failed"), "{problems:?}");
+        assert!(problems[2].starts_with("checkpoint: no heartbeat"), "{problems:?}");
+        let all = [beats[0].clone(), beats[1].clone(), beats[4].clone(), beat("reward", "r", 0, WorkerState::Ready)];
+        let all = [&all[..], &[beat("checkpoint", "c", 0, WorkerState::Ready)]].concat();
+        assert_eq!(health(&all, now, 5.0)["ok"], true);
+    }
+
+    #[test]
+    fn staleness_counts_waiting_groups_against_the_current_step_and_trained_ones_against_their_step() {
+        let entry = |state: GroupState, submit_step, sampled_step| LedgerEntry {
+            state: state as i32,
+            submit_step,
+            sampled_step,
+            ..Default::default()
+        };
+        let ledger = LedgerResponse {
+            entries: vec![
+                entry(GroupState::Sampled, 3, 3),
+                entry(GroupState::Sampled, 3, 4),
+                entry(GroupState::Sampled, 2, 4),
+                entry(GroupState::Finished, 5, 0),
+                entry(GroupState::Pending, 6, 0),
+                entry(GroupState::Evicted, 1, 0),
+            ],
+            ..Default::default()
+        };
+        let s = staleness(&ledger, 6);
+        assert_eq!(s["trained"], json!({"0": 1, "1": 1, "2": 1}));
+        assert_eq!(s["not_trained"], json!({"0": 1, "1": 1}));
+    }
 }

@@ -59,10 +59,13 @@ pub async fn run(
 ) -> Result<(), BufferError> {
     let shutdown = Shutdown::new(shutdown);
     let bus = Bus::connect_job(&cfg, "jetrl-replay-buffer").await?;
-    bus.declare_topology().await?;
+    bus.expect_topology().await?;
+    let heartbeat = jetrl_bus::heartbeat::start(&bus, &cfg, SERVICE, None, shutdown.clone());
     let stop = shutdown.clone();
     jetrl_telemetry::serve_metrics(&cfg.buffer.metrics_addr, async move { stop.wait().await }).await?;
-    Buffer::start(bus, SamplerConfig::from_job(&cfg)).await?.serve(shutdown).await
+    let served = Buffer::start(bus, SamplerConfig::from_job(&cfg)).await?.serve(shutdown).await;
+    heartbeat.stop().await;
+    served
 }
 
 struct Buffer {

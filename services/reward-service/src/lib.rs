@@ -93,7 +93,9 @@ pub async fn run(
 ) -> Result<(), RewardServiceError> {
     let shutdown = Shutdown::new(shutdown);
     let bus = Bus::connect_job(&cfg, "jetrl-reward-service").await?;
-    bus.declare_topology().await?;
+    bus.expect_topology().await?;
+    let heartbeat =
+        jetrl_bus::heartbeat::start(&bus, &cfg, SERVICE, cfg.reward.instance_id.as_deref(), shutdown.clone());
     let stop = shutdown.clone();
     jetrl_telemetry::serve_metrics(&cfg.reward.metrics_addr, async move { stop.wait().await }).await?;
     describe_metrics();
@@ -158,6 +160,7 @@ pub async fn run(
         log_join_error(finished);
     }
     renewal.stop();
+    heartbeat.stop().await;
     tracing::info!("reward service stopped");
     Ok(())
 }

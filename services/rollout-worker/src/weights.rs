@@ -79,6 +79,7 @@ impl Worker {
             running_sequences: load.running as u32,
             waiting_sequences: load.waiting as u32,
             kv_cache_usage: load.kv_usage,
+            ..Default::default()
         };
         let bucket = self.bus.names().workers_bucket();
         let kv = self.bus.key_value(bucket).await?;

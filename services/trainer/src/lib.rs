@@ -85,7 +85,9 @@ pub async fn run(
     // One trainer per job: a second one is refused here; a trainer that loses the lease stops.
     let lease = Lease::acquire(&bus, subjects::TRAINER_LEASE_KEY).await?;
     let shutdown = Shutdown::new(lease.or_lost(shutdown));
+    let heartbeat = jetrl_bus::heartbeat::start(&bus, &cfg, jetrl_bus::heartbeat::TRAINER, None, shutdown.clone());
     let result = train(cfg, bus, shutdown).await;
+    heartbeat.stop().await;
     // released whatever happened, so a restarted trainer need not wait for the lease to expire
     let released = lease.release().await;
     match result.and(released.map_err(TrainerError::from)) {

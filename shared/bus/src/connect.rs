@@ -25,6 +25,10 @@ pub struct Bus {
     refusals: Refusals,
     /// the job's stream, bucket and subject names: every name this connection uses comes from here
     names: Arc<Names>,
+    /// copies of each stream, bucket and object store the job declares (`nats.replicas`)
+    replicas: usize,
+    /// how long a service waits for the job's topology to be declared (`nats.connect_timeout_s`)
+    topology_wait: Duration,
 }
 
 impl Bus {
@@ -37,8 +41,18 @@ impl Bus {
 
     /// Connects, retrying with exponential backoff (0.2 s doubling to 5 s) until `connect_timeout_s` has
     /// passed; each failed attempt is logged with the URL. Refused credentials and TLS failures are permanent
-    /// and fail at once. Once connected the client reconnects forever.
+    /// and fail at once. Once connected the client reconnects forever, to any server of the list or of the
+    /// cluster (the server it reaches tells it the others).
     pub async fn connect(cfg: &NatsConfig, names: &Names, client_name: &str) -> Result<Self, BusError> {
+        // The connection's events are counted from the first one on: the metrics recorder must exist before the
+        // service serves its metrics.
+        jetrl_telemetry::prometheus();
+        let servers = server_list(&cfg.url).map_err(|message| BusError::Connect {
+            url: cfg.url.clone(),
+            attempts: 0,
+            waited_s: 0.0,
+            message,
+        })?;
         let started = Instant::now();
         let deadline = Duration::from_secs_f64(cfg.connect_timeout_s.max(0.0));
         let mut delay = Duration::from_millis(200);
@@ -47,12 +61,17 @@ impl Bus {
         loop {
             attempts += 1;
             let options = Self::options(cfg, client_name, &refusals).await?;
-            match options.connect(cfg.url.as_str()).await {
+            match options.connect(servers.as_slice()).await {
                 Ok(client) => {
-                    tracing::info!(url = %cfg.url, namespace = names.namespace(), attempts, "connected to NATS");
+                    // exported from the start (at zero), so a dashboard shows "none" rather than "no data"
+                    metrics::counter!("jetrl_bus_connection_events_total", "event" => "disconnected").increment(0);
+                    let server = client.server_info();
+                    tracing::info!(url = %cfg.url, server = %server.server_name, cluster = server.cluster.as_deref().unwrap_or("-"), namespace = names.namespace(), attempts, "connected to NATS");
                     let request_timeout = Duration::from_secs_f64(cfg.request_timeout_s);
                     let mut bus = Self::from_client(client, request_timeout, names.clone());
                     bus.refusals = refusals;
+                    bus.replicas = usize::from(cfg.replicas.max(1));
+                    bus.topology_wait = deadline;
                     return Ok(bus);
                 }
                 Err(err) => {
@@ -176,7 +195,31 @@ impl Bus {
             .max_ack_inflight(4096)
             .backpressure_on_inflight(true)
             .build(client.clone());
-        Self { client, js, request_timeout, refusals: Refusals::default(), names: Arc::new(names) }
+        Self {
+            client,
+            js,
+            request_timeout,
+            refusals: Refusals::default(),
+            names: Arc::new(names),
+            replicas: 1,
+            topology_wait: Duration::from_secs(30),
+        }
+    }
+
+    /// The same connection declaring `replicas` copies of each stream, bucket and object store.
+    pub fn with_replicas(mut self, replicas: usize) -> Self {
+        self.replicas = replicas.max(1);
+        self
+    }
+
+    /// Copies of each stream, bucket and object store the job declares (`nats.replicas`).
+    pub fn replicas(&self) -> usize {
+        self.replicas
+    }
+
+    /// How long [`Bus::expect_topology`] waits for the job's topology (`nats.connect_timeout_s`).
+    pub fn topology_wait(&self) -> Duration {
+        self.topology_wait
     }
 
     /// The job's stream, bucket and subject names.
@@ -240,6 +283,19 @@ fn identity(cfg: &NatsConfig) -> String {
     } else {
         "no credentials".into()
     }
+}
+
+/// `nats.url` split into its servers (`tls://a:4222,tls://b:4222`); an empty entry is an error naming the list.
+fn server_list(url: &str) -> Result<Vec<async_nats::ServerAddr>, String> {
+    url.split(',')
+        .map(str::trim)
+        .map(|one| {
+            if one.is_empty() {
+                return Err(format!("nats.url {url:?}: an empty entry in the list of servers"));
+            }
+            one.parse::<async_nats::ServerAddr>().map_err(|e| format!("nats.url {one:?}: {e}"))
+        })
+        .collect()
 }
 
 /// Why a failed connection attempt can never succeed by retrying (`None`: it may, e.g. the server is not up yet).
@@ -441,22 +497,32 @@ impl Refusals {
         self.inner.changed.notify_waiters();
     }
 
-    fn find(&self, subject: &str, since: Instant) -> Option<String> {
+    fn find(&self, matches: impl Fn(&str) -> bool, since: Instant) -> Option<String> {
         let recent = self.inner.recent.lock().ok()?;
-        recent.iter().rev().take_while(|r| r.at >= since).find(|r| r.subject == subject).map(|r| {
-            format!("permissions violation: the server refuses {} on {subject:?} for this identity", r.operation)
+        recent.iter().rev().take_while(|r| r.at >= since).find(|r| matches(&r.subject)).map(|r| {
+            format!("permissions violation: the server refuses {} on {:?} for this identity", r.operation, r.subject)
         })
     }
 
     /// Resolves (with a description) once the server reports a permissions violation for `subject` after
     /// `since`; pending forever otherwise.
     pub(crate) async fn refused(&self, subject: &str, since: Instant) -> String {
+        self.refused_where(|s| s == subject, since).await
+    }
+
+    /// Like [`Refusals::refused`], for any subject starting with `prefix` (a JetStream API call made of several
+    /// requests).
+    pub(crate) async fn refused_under(&self, prefix: &str, since: Instant) -> String {
+        self.refused_where(|s| s.starts_with(prefix), since).await
+    }
+
+    async fn refused_where(&self, matches: impl Fn(&str) -> bool, since: Instant) -> String {
         loop {
             // registered before the check, so a refusal recorded between the two still wakes us
             let changed = self.inner.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            if let Some(description) = self.find(subject, since) {
+            if let Some(description) = self.find(&matches, since) {
                 return description;
             }
             changed.await;
@@ -517,6 +583,16 @@ mod tests {
             assert!(text.contains(expected) && text.contains("nats://127.0.0.1:1"), "{cfg:?}: {text}");
             assert!(started.elapsed() < Duration::from_secs(1), "{cfg:?} was retried");
         }
+    }
+
+    #[test]
+    fn a_url_list_names_every_server() {
+        let servers = server_list("tls://h1:4222, tls://h2:4223,nats://10.0.0.7:4222").expect("three servers");
+        let hosts: Vec<(String, u16)> = servers.iter().map(|s| (s.host().to_string(), s.port())).collect();
+        assert_eq!(hosts, [("h1".into(), 4222), ("h2".into(), 4223), ("10.0.0.7".into(), 4222)]);
+        assert!(servers.iter().take(2).all(|s| s.tls_required()));
+        let err = server_list("tls://h1:4222,,tls://h2:4222").expect_err("an empty entry");
+        assert!(err.contains("nats.url") && err.contains("empty entry"), "{err}");
     }
 
     #[test]

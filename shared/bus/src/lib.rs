@@ -2,7 +2,10 @@
 //!
 //! - [`Bus`] ([`connect`]): a connection with retries and backoff, the JetStream context, the job's names
 //!   ([`jetrl_wire::subjects::Names`]: every stream, bucket and subject belongs to one job), and the declaration
-//!   of every stream, consumer, KV bucket and object store the services use ([`topology`]).
+//!   of every stream, consumer, KV bucket and object store the services use ([`topology`]: by the trainer; the
+//!   other services only wait for it).
+//! - [`heartbeat`]: every service's heartbeat in the job's WORKERS bucket, and the count of JetStream leader
+//!   elections.
 //! - [`Publisher`] ([`publish`]): JetStream publishes with `Nats-Msg-Id` de-duplication and pipelined,
 //!   bounded, retried acknowledgements.
 //! - [`consume`]: pull consumption helpers; a message that does not decode is counted, logged with its
@@ -19,6 +22,7 @@ pub mod consume;
 pub mod fetch;
 pub mod groups;
 pub mod harness;
+pub mod heartbeat;
 pub mod lease;
 pub mod ledger;
 pub mod publish;

@@ -33,6 +33,77 @@ async fn topology_declaration_is_idempotent() {
     assert_eq!(bus.max_payload(), harness::MAX_PAYLOAD_BYTES);
 }
 
+/// A declaration reads first: it creates what is missing, updates only what differs from what jetrl declares
+/// (naming the difference), and writes nothing when everything is as declared.
+#[tokio::test]
+async fn a_declaration_creates_what_is_missing_and_updates_only_what_differs() {
+    let server = NatsServer::start().unwrap();
+    let cfg = NatsConfig { url: server.url(), ..NatsConfig::default() };
+    let bus = Bus::connect(&cfg, &Names::new("decl").unwrap(), "bus-test").await.expect("connect");
+    let first = bus.declare_topology().await.expect("declare");
+    assert_eq!(first.created.len(), 9, "{first:?}");
+    assert!(first.created.contains(&"KV bucket JETRL_decl_LEASE".to_string()), "{first:?}");
+    let again = bus.declare_topology().await.expect("declare again");
+    assert!(again.created.is_empty() && again.updated.is_empty() && again.unchanged.len() == 9, "{again:?}");
+
+    // an operator changed TRAJ's max age and the WORKERS bucket's history
+    let js = bus.jetstream();
+    let mut traj = js.get_stream(bus.names().traj_stream()).await.unwrap().cached_info().config.clone();
+    traj.max_age = Duration::from_secs(3600);
+    js.update_stream(traj).await.expect("operator's update");
+    let workers_stream = format!("KV_{}", bus.names().workers_bucket());
+    let mut workers = js.get_stream(&workers_stream).await.unwrap().cached_info().config.clone();
+    workers.max_messages_per_subject = 5;
+    js.update_stream(workers).await.expect("operator's update");
+    let fixed = bus.declare_topology().await.expect("declare over the change");
+    let updated: Vec<&str> = fixed.updated.iter().map(|(what, _)| what.as_str()).collect();
+    assert_eq!(
+        updated,
+        [format!("stream {}", bus.names().traj_stream()), format!("KV bucket {}", bus.names().workers_bucket())]
+    );
+    assert_eq!(fixed.updated[0].1, ["max_age 3600s -> 86400s"]);
+    assert_eq!(fixed.updated[1].1, ["history 5 -> 1"]);
+    let traj = js.get_stream(bus.names().traj_stream()).await.unwrap().cached_info().config.clone();
+    assert_eq!(traj.max_age, Duration::from_secs(24 * 3600));
+}
+
+/// A service that only reads the topology (every one but the trainer) waits for it, and after
+/// `nats.connect_timeout_s` fails naming what is missing and who declares it.
+#[tokio::test]
+async fn a_reader_of_the_topology_waits_for_it_and_names_what_is_missing() {
+    let server = NatsServer::start().unwrap();
+    let names = Names::new("wait").unwrap();
+    let reader_cfg = NatsConfig { url: server.url(), connect_timeout_s: 1.0, ..NatsConfig::default() };
+    let reader = Bus::connect(&reader_cfg, &names, "reader").await.expect("connect");
+    let started = std::time::Instant::now();
+    let err = reader.expect_topology().await.expect_err("nothing declared").to_string();
+    assert!(started.elapsed() < Duration::from_secs(3), "waited {:?}", started.elapsed());
+    assert!(err.contains("stream JETRL_wait_PROMPTS") && err.contains("KV bucket JETRL_wait_GROUPS"), "{err}");
+    assert!(err.contains("trainer declares"), "{err}");
+
+    // declared while a reader waits: the reader goes on
+    let reader_cfg = NatsConfig { connect_timeout_s: 20.0, ..reader_cfg };
+    let reader = Bus::connect(&reader_cfg, &names, "reader").await.expect("connect");
+    let waiting = tokio::spawn(async move { reader.expect_topology().await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let declarer = Bus::connect(&NatsConfig { url: server.url(), ..NatsConfig::default() }, &names, "trainer")
+        .await
+        .expect("connect");
+    declarer.declare_topology().await.expect("declare");
+    waiting.await.unwrap().expect("the reader finds the topology once declared");
+}
+
+/// `nats.replicas` 3 on one server (no cluster) fails with an error that says what replicas need.
+#[tokio::test]
+async fn replicas_beyond_what_the_server_has_fail_naming_nats_replicas() {
+    let server = NatsServer::start().unwrap();
+    let cfg = NatsConfig { url: server.url(), replicas: 3, ..NatsConfig::default() };
+    let bus = Bus::connect(&cfg, &Names::new("r3").unwrap(), "bus-test").await.expect("connect");
+    assert_eq!(bus.replicas(), 3);
+    let err = bus.declare_topology().await.expect_err("one server holds one replica").to_string();
+    assert!(err.contains("stream JETRL_r3_PROMPTS") && err.contains("nats.replicas is 3"), "{err}");
+}
+
 #[tokio::test]
 async fn a_stream_declared_with_another_retention_by_an_earlier_version_is_named_with_the_way_out() {
     let server = NatsServer::start().unwrap();

@@ -1,8 +1,14 @@
-//! The streams, consumers, KV buckets and object store of a jetrl job, declared idempotently: every
-//! service declares what it touches at start-up, so the order in which services start does not matter. Every name
-//! comes from the bus's [`jetrl_wire::subjects::Names`]: one job's topology never touches another's.
+//! The streams, consumers, KV buckets and object store of a jetrl job. Every name comes from the bus's
+//! [`jetrl_wire::subjects::Names`]: one job's topology never touches another's.
+//!
+//! One identity declares the topology: the trainer (or an admin), with [`Bus::declare_topology`], which reads
+//! what exists, creates what is missing and updates only what differs from what this jetrl declares (the
+//! settings jetrl chooses: subjects, retention, storage, ages, history, direct get, `nats.replicas`). Every other
+//! service calls [`Bus::expect_topology`]: it reads, never writes, so it needs no right to create or update
+//! streams; it waits (up to `nats.connect_timeout_s`) for what is missing, so services still start in any order,
+//! and then fails naming what is missing and who declares it.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer, kv, object_store, stream};
 
@@ -21,6 +27,10 @@ pub const HEARTBEAT_MAX_AGE: Duration = Duration::from_secs(15);
 /// trainer may wait for the lease of the one that crashed.
 pub const LEASE_TTL: Duration = Duration::from_secs(10);
 
+/// Who creates a missing part of a job's topology, for errors and logs.
+const WHO_DECLARES: &str = "the job's trainer declares its streams and buckets when it starts (or an admin, \
+                            with the admin identity): start the trainer";
+
 fn declare_err(what: &str, err: impl std::fmt::Display) -> BusError {
     BusError::Declare { what: what.to_string(), message: err.to_string() }
 }
@@ -28,7 +38,7 @@ fn declare_err(what: &str, err: impl std::fmt::Display) -> BusError {
 /// A stream of the data path (TRAJ, SCORE, REWARDS): kept until purged (by the buffer on release or eviction, or
 /// by the reward services below their ack floor), at most [`PAYLOAD_MAX_AGE`]; de-duplicated by `Nats-Msg-Id`;
 /// readable by direct get.
-fn payload_stream(name: &str, filter: String) -> stream::Config {
+fn payload_stream(name: &str, filter: String, replicas: usize) -> stream::Config {
     stream::Config {
         name: name.into(),
         subjects: vec![filter],
@@ -37,120 +47,355 @@ fn payload_stream(name: &str, filter: String) -> stream::Config {
         duplicate_window: DEDUP_WINDOW,
         max_age: PAYLOAD_MAX_AGE,
         allow_direct: true,
+        num_replicas: replicas,
         ..Default::default()
     }
 }
 
+/// One stream, KV bucket or object store of the job, as this jetrl declares it.
+#[allow(clippy::large_enum_variant)] // a dozen, built once per declaration
+enum Part {
+    Stream(Box<stream::Config>),
+    Bucket(kv::Config),
+    Objects(object_store::Config),
+}
+
+impl Part {
+    /// "stream X", "KV bucket X", "object store X": how errors and logs name it.
+    fn what(&self) -> String {
+        match self {
+            Part::Stream(c) => format!("stream {}", c.name),
+            Part::Bucket(c) => format!("KV bucket {}", c.bucket),
+            Part::Objects(c) => format!("object store {}", c.bucket),
+        }
+    }
+
+    /// The JetStream stream that holds it.
+    fn stream_name(&self) -> String {
+        match self {
+            Part::Stream(c) => c.name.clone(),
+            Part::Bucket(c) => format!("KV_{}", c.bucket),
+            Part::Objects(c) => format!("OBJ_{}", c.bucket),
+        }
+    }
+
+    /// The settings jetrl chooses, as (name, value) pairs, read from `config` (the stream's configuration, ours
+    /// or the server's). Everything else (limits an operator set, the server's defaults) is left alone.
+    fn settings(&self, config: &stream::Config) -> Vec<(&'static str, String)> {
+        let mut out = Vec::new();
+        if let Part::Stream(_) = self {
+            out.push(("subjects", format!("{:?}", config.subjects)));
+            out.push(("retention", format!("{:?}", config.retention)));
+            out.push(("duplicate_window", format!("{:?}", config.duplicate_window)));
+            out.push(("allow_direct", config.allow_direct.to_string()));
+        }
+        if let Part::Bucket(_) = self {
+            out.push(("history", config.max_messages_per_subject.to_string()));
+        }
+        if !matches!(self, Part::Objects(_)) {
+            out.push(("max_age", format!("{:?}", config.max_age)));
+        }
+        out.push(("storage", format!("{:?}", config.storage)));
+        // the server stores "unset" (0) as 1
+        out.push(("replicas", config.num_replicas.max(1).to_string()));
+        out
+    }
+
+    /// What jetrl declares, as a stream configuration (only [`Part::settings`] are read from it).
+    fn wanted(&self) -> stream::Config {
+        match self {
+            Part::Stream(c) => (**c).clone(),
+            Part::Bucket(c) => stream::Config {
+                max_messages_per_subject: c.history,
+                max_age: c.max_age,
+                storage: c.storage,
+                num_replicas: c.num_replicas,
+                ..Default::default()
+            },
+            Part::Objects(c) => {
+                stream::Config { storage: c.storage, num_replicas: c.num_replicas, ..Default::default() }
+            }
+        }
+    }
+
+    /// `existing` with jetrl's settings applied: what an update sends (everything else kept as it is).
+    fn updated(&self, existing: &stream::Config) -> stream::Config {
+        let wanted = self.wanted();
+        let mut config = existing.clone();
+        if let Part::Stream(_) = self {
+            config.subjects = wanted.subjects;
+            config.retention = wanted.retention;
+            config.duplicate_window = wanted.duplicate_window;
+            config.allow_direct = wanted.allow_direct;
+        }
+        if let Part::Bucket(_) = self {
+            config.max_messages_per_subject = wanted.max_messages_per_subject;
+        }
+        if !matches!(self, Part::Objects(_)) {
+            config.max_age = wanted.max_age;
+        }
+        config.storage = wanted.storage;
+        config.num_replicas = wanted.num_replicas;
+        config
+    }
+
+    /// How the settings of `existing` differ from what jetrl declares: `"replicas 1 -> 3"`, ...
+    fn differences(&self, existing: &stream::Config) -> Vec<String> {
+        let have = self.settings(existing);
+        let want = self.settings(&self.wanted());
+        have.into_iter()
+            .zip(want)
+            .filter(|((_, h), (_, w))| h != w)
+            .map(|((name, h), (_, w))| format!("{name} {h} -> {w}"))
+            .collect()
+    }
+}
+
+/// What declaring a job's topology found and did, part by part (for logs and tests).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Declared {
+    /// parts that did not exist and were created
+    pub created: Vec<String>,
+    /// parts whose settings differed, with what changed
+    pub updated: Vec<(String, Vec<String>)>,
+    /// parts already as declared: nothing was written
+    pub unchanged: Vec<String>,
+}
+
+/// Whether a JetStream lookup failed because the stream does not exist (not for another reason: a timeout, a
+/// stream leader being elected in a cluster, a refused request).
+fn is_not_found(err: &jetstream::context::GetStreamError) -> bool {
+    matches!(
+        err.kind(),
+        jetstream::context::GetStreamErrorKind::JetStream(e)
+            if e.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+    )
+}
+
 impl Bus {
-    /// Declares every stream, bucket and object store (idempotent; existing configs are updated).
-    pub async fn declare_topology(&self) -> Result<(), BusError> {
-        let (js, names) = (self.jetstream(), self.names());
-        let streams = [
-            stream::Config {
+    /// Every stream, bucket and object store of the job, as this jetrl declares them.
+    fn parts(&self) -> Vec<Part> {
+        let (names, replicas) = (self.names(), self.replicas());
+        let bucket = |name: &str, history: i64, max_age: Duration, storage: stream::StorageType| kv::Config {
+            bucket: name.into(),
+            history,
+            max_age,
+            storage,
+            num_replicas: replicas,
+            ..Default::default()
+        };
+        vec![
+            Part::Stream(Box::new(stream::Config {
                 name: names.prompts_stream().into(),
                 subjects: vec![names.prompts_filter()],
                 retention: stream::RetentionPolicy::WorkQueue,
                 storage: stream::StorageType::File,
                 duplicate_window: DEDUP_WINDOW,
+                num_replicas: replicas,
                 ..Default::default()
-            },
-            payload_stream(names.traj_stream(), names.traj_filter()),
+            })),
+            Part::Stream(Box::new(payload_stream(names.traj_stream(), names.traj_filter(), replicas))),
             // A limits stream, not a work queue: the reward services purge acknowledged requests in bulk (below
             // their consumer's ack floor), which costs the broker far less than deleting each one on its ack.
-            payload_stream(names.score_stream(), names.score_filter()),
-            payload_stream(names.rewards_stream(), names.rewards_filter()),
-        ];
-        for config in streams {
-            let (name, retention) = (config.name.clone(), config.retention);
-            if let Err(err) = js.create_or_update_stream(config).await {
-                // The server cannot change a stream to or from a work queue in place (SCORE was one before).
-                let mut message = err.to_string();
-                if let Ok(mut existing) = js.get_stream(&name).await {
-                    if let Ok(info) = existing.info().await {
-                        if info.config.retention != retention {
-                            message = format!(
-                                "{message}; it exists with retention {:?} but this jetrl needs {retention:?}: stop \
-                                 the job's services, let it drain (its consumers show nothing pending), delete it \
-                                 (`nats stream rm {name}`) and start them again",
-                                info.config.retention
-                            );
-                        }
+            Part::Stream(Box::new(payload_stream(names.score_stream(), names.score_filter(), replicas))),
+            Part::Stream(Box::new(payload_stream(names.rewards_stream(), names.rewards_filter(), replicas))),
+            Part::Bucket(bucket(names.groups_bucket(), 1, Duration::ZERO, stream::StorageType::File)),
+            Part::Bucket(bucket(names.weights_bucket(), 4, Duration::ZERO, stream::StorageType::File)),
+            // Memory: heartbeats are worth nothing after HEARTBEAT_MAX_AGE.
+            Part::Bucket(bucket(names.workers_bucket(), 1, HEARTBEAT_MAX_AGE, stream::StorageType::Memory)),
+            // File storage: a lease outlives a restart of the NATS server, as its holder does.
+            Part::Bucket(bucket(names.lease_bucket(), 1, LEASE_TTL, stream::StorageType::File)),
+            Part::Objects(object_store::Config {
+                bucket: names.blobs_store().into(),
+                storage: stream::StorageType::File,
+                num_replicas: replicas,
+                ..Default::default()
+            }),
+        ]
+    }
+
+    /// Declares every stream, bucket and object store of the job: creates what is missing, updates what differs
+    /// from what this jetrl declares, writes nothing for what is already as declared. The trainer (and
+    /// `jetrl run`, and tests) call it; it needs the rights to create and update the job's streams.
+    pub async fn declare_topology(&self) -> Result<Declared, BusError> {
+        let mut declared = Declared::default();
+        for part in self.parts() {
+            let what = part.what();
+            match self.jetstream().get_stream(part.stream_name()).await {
+                Ok(existing) => {
+                    let differences = part.differences(&existing.cached_info().config);
+                    if differences.is_empty() {
+                        declared.unchanged.push(what);
+                    } else {
+                        self.update_part(&part, &existing.cached_info().config, &differences).await?;
+                        declared.updated.push((what, differences));
                     }
                 }
-                return Err(declare_err(&format!("stream {name}"), message));
+                Err(err) if is_not_found(&err) => {
+                    self.create_part(&part).await?;
+                    declared.created.push(what);
+                }
+                Err(err) => return Err(declare_err(&what, err)),
             }
         }
-        self.key_value(names.groups_bucket()).await?;
-        self.key_value(names.weights_bucket()).await?;
-        self.key_value(names.workers_bucket()).await?;
-        self.key_value(names.lease_bucket()).await?;
-        self.object_store(names.blobs_store()).await?;
-        Ok(())
+        if !declared.created.is_empty() || !declared.updated.is_empty() {
+            tracing::info!(created = ?declared.created, updated = ?declared.updated, replicas = self.replicas(), "declared the job's topology");
+        }
+        Ok(declared)
     }
 
-    /// Opens (declaring if needed) one of the job's KV buckets.
-    pub async fn key_value(&self, bucket: &str) -> Result<kv::Store, BusError> {
-        let js = self.jetstream();
-        if let Ok(store) = js.get_key_value(bucket).await {
-            return Ok(store);
+    /// Runs a JetStream API call that an identity without the right to it would wait out its timeout for: a
+    /// refusal by the server ends it at once.
+    async fn api_call<T>(&self, call: impl std::future::Future<Output = Result<T, String>>) -> Result<T, String> {
+        let (refusals, since) = (self.refusals(), Instant::now());
+        tokio::select! {
+            result = call => result,
+            refused = refusals.refused_under("$JS.API.", since) => {
+                Err(format!("{refused}; {WHO_DECLARES} (this identity may only read the job's topology)"))
+            }
         }
-        let names = self.names();
-        let config = match bucket {
-            b if b == names.workers_bucket() => kv::Config {
-                bucket: bucket.into(),
-                history: 1,
-                max_age: HEARTBEAT_MAX_AGE,
-                storage: stream::StorageType::Memory,
-                ..Default::default()
-            },
-            b if b == names.weights_bucket() => kv::Config {
-                bucket: bucket.into(),
-                history: 4,
-                storage: stream::StorageType::File,
-                ..Default::default()
-            },
-            // File storage: a lease outlives a restart of the NATS server, as its holder does.
-            b if b == names.lease_bucket() => kv::Config {
-                bucket: bucket.into(),
-                history: 1,
-                max_age: LEASE_TTL,
-                storage: stream::StorageType::File,
-                ..Default::default()
-            },
-            _ => kv::Config {
-                bucket: bucket.into(),
-                history: 1,
-                storage: stream::StorageType::File,
-                ..Default::default()
-            },
+    }
+
+    async fn create_part(&self, part: &Part) -> Result<(), BusError> {
+        let js = self.jetstream();
+        let created = self
+            .api_call(async {
+                match part {
+                    Part::Stream(c) => js.create_stream((**c).clone()).await.map(drop).map_err(|e| e.to_string()),
+                    Part::Bucket(c) => js.create_key_value(c.clone()).await.map(drop).map_err(|e| e.to_string()),
+                    Part::Objects(c) => js.create_object_store(c.clone()).await.map(drop).map_err(|e| e.to_string()),
+                }
+            })
+            .await;
+        let Err(message) = created else { return Ok(()) };
+        if message.contains("permissions violation") {
+            return Err(declare_err(&part.what(), message));
+        }
+        // Another declarer may have created it meanwhile: then it only has to be as declared.
+        if let Ok(existing) = js.get_stream(part.stream_name()).await {
+            let differences = part.differences(&existing.cached_info().config);
+            if differences.is_empty() {
+                return Ok(());
+            }
+            return self.update_part(part, &existing.cached_info().config, &differences).await;
+        }
+        Err(declare_err(&part.what(), self.replicas_hint(message)))
+    }
+
+    async fn update_part(
+        &self,
+        part: &Part,
+        existing: &stream::Config,
+        differences: &[String],
+    ) -> Result<(), BusError> {
+        let updated = self.api_call(async {
+            self.jetstream().update_stream(part.updated(existing)).await.map_err(|e| e.to_string())
+        });
+        let Err(err) = updated.await else {
+            return Ok(());
         };
-        match js.create_key_value(config).await {
-            Ok(store) => Ok(store),
-            // another service created it between our get and create
-            Err(create_err) => {
-                js.get_key_value(bucket).await.map_err(|_| declare_err(&format!("kv {bucket}"), create_err))
+        let mut message = format!("{err} (updating {})", differences.join(", "));
+        // The server cannot change a stream to or from a work queue in place (SCORE was one before).
+        if let Part::Stream(wanted) = part {
+            if existing.retention != wanted.retention {
+                let name = &wanted.name;
+                message = format!(
+                    "{message}; it exists with retention {:?} but this jetrl needs {:?}: stop the job's services, \
+                     let it drain (its consumers show nothing pending), delete it (`nats stream rm {name}`) and \
+                     start them again",
+                    existing.retention, wanted.retention
+                );
             }
         }
+        if existing.storage != part.wanted().storage {
+            message = format!(
+                "{message}; the server cannot change a stream's storage in place: delete it (`nats stream rm {}`) \
+                 while the job is stopped",
+                part.stream_name()
+            );
+        }
+        Err(declare_err(&part.what(), self.replicas_hint(message)))
     }
 
-    /// Opens (declaring if needed) an object store.
+    /// Adds what `nats.replicas` needs to a failed declaration's message, when replicas may be the cause.
+    fn replicas_hint(&self, message: String) -> String {
+        if self.replicas() > 1 {
+            format!(
+                "{message} (nats.replicas is {}: that needs a JetStream cluster of at least {} nodes; a single \
+                 server takes nats.replicas 1)",
+                self.replicas(),
+                self.replicas()
+            )
+        } else {
+            message
+        }
+    }
+
+    /// Waits until every stream, bucket and object store of the job exists, reading only (no right to create or
+    /// update anything is needed): what services other than the trainer call at start-up. A part whose settings
+    /// differ from what this jetrl declares is logged (the trainer updates it). Gives up after
+    /// `nats.connect_timeout_s` with an error naming what is missing and who declares it.
+    pub async fn expect_topology(&self) -> Result<(), BusError> {
+        let started = Instant::now();
+        let mut delay = Duration::from_millis(100);
+        let mut last_log = None::<Instant>;
+        loop {
+            let mut missing = Vec::new();
+            for part in self.parts() {
+                match self.jetstream().get_stream(part.stream_name()).await {
+                    Ok(existing) => {
+                        let differences = part.differences(&existing.cached_info().config);
+                        if !differences.is_empty() {
+                            tracing::warn!(part = %part.what(), ?differences, "differs from what this jetrl declares; the trainer updates it when it starts");
+                        }
+                    }
+                    Err(err) if is_not_found(&err) => missing.push(part.what()),
+                    // a timeout, or a leader being elected: not there yet, for now
+                    Err(err) => missing.push(format!("{} ({err})", part.what())),
+                }
+            }
+            if missing.is_empty() {
+                return Ok(());
+            }
+            let waited = started.elapsed();
+            if waited + delay > self.topology_wait() {
+                return Err(BusError::Declare {
+                    what: format!("job {}", self.names().namespace()),
+                    message: format!(
+                        "after waiting {:.1}s these are still missing: {}; {WHO_DECLARES} (this service only reads \
+                         them)",
+                        waited.as_secs_f64(),
+                        missing.join(", ")
+                    ),
+                });
+            }
+            if last_log.is_none_or(|at| at.elapsed() > Duration::from_secs(5)) {
+                tracing::info!(?missing, "waiting for the job's topology: {WHO_DECLARES}");
+                last_log = Some(Instant::now());
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(2));
+        }
+    }
+
+    /// Opens one of the job's KV buckets (declared by [`Bus::declare_topology`]).
+    pub async fn key_value(&self, bucket: &str) -> Result<kv::Store, BusError> {
+        self.jetstream()
+            .get_key_value(bucket)
+            .await
+            .map_err(|e| declare_err(&format!("KV bucket {bucket}"), format!("{e}; {WHO_DECLARES}")))
+    }
+
+    /// Opens one of the job's object stores (declared by [`Bus::declare_topology`]).
     pub async fn object_store(&self, bucket: &str) -> Result<object_store::ObjectStore, BusError> {
-        let js = self.jetstream();
-        if let Ok(store) = js.get_object_store(bucket).await {
-            return Ok(store);
-        }
-        let config =
-            object_store::Config { bucket: bucket.into(), storage: stream::StorageType::File, ..Default::default() };
-        match js.create_object_store(config).await {
-            Ok(store) => Ok(store),
-            Err(create_err) => js
-                .get_object_store(bucket)
-                .await
-                .map_err(|_| declare_err(&format!("object store {bucket}"), create_err)),
-        }
+        self.jetstream()
+            .get_object_store(bucket)
+            .await
+            .map_err(|e| declare_err(&format!("object store {bucket}"), format!("{e}; {WHO_DECLARES}")))
     }
 
-    /// The durable pull consumer shared by all instances of one service (a work-sharing group).
+    /// The durable pull consumer shared by all instances of one service (a work-sharing group). It belongs to
+    /// the service that consumes: that service creates it (idempotent for an identical config) and updates it.
     pub async fn shared_pull_consumer(
         &self,
         stream_name: &str,

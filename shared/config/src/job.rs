@@ -43,6 +43,16 @@ impl JobConfig {
         self.critic.validate()?;
         self.reward.validate()?;
         ensure(!self.nats.url.trim().is_empty(), "nats.url", "must not be empty")?;
+        ensure(
+            self.nats.url.split(',').all(|url| !url.trim().is_empty()),
+            "nats.url",
+            format!("{:?}: an empty entry in the list of servers", self.nats.url),
+        )?;
+        ensure(
+            matches!(self.nats.replicas, 1 | 3),
+            "nats.replicas",
+            format!("must be 1 (one NATS server) or 3 (a three-node JetStream cluster), got {}", self.nats.replicas),
+        )?;
         self.namespace()?;
         ensure(self.data.train_batch_size > 0, "data.train_batch_size", "must be > 0")?;
         ensure(self.data.max_response_length > 0, "data.max_response_length", "must be > 0")?;
@@ -194,6 +204,9 @@ impl JobConfig {
 #[derive(Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct NatsConfig {
+    /// one server URL, or several (a cluster's nodes) separated by commas or given as a YAML list: the client
+    /// connects to any of them and learns the rest of the cluster from the one it reaches
+    #[serde(deserialize_with = "url_list")]
     pub url: String,
     /// a `.creds` file (JWT + nkey)
     pub creds_file: Option<String>,
@@ -226,6 +239,24 @@ pub struct NatsConfig {
     /// the job's namespace: part of every stream, bucket and subject name, so jobs sharing a NATS server never
     /// see each other's records (default: `run.name`)
     pub namespace: Option<String>,
+    /// copies of every stream, KV bucket and object store the job declares: 1 (one server) or 3 (a three-node
+    /// JetStream cluster: a write is acknowledged once two nodes have it, and one node may die)
+    pub replicas: u8,
+}
+
+/// `nats.url` as one string, comma-separated (what an environment variable or a `key=value` override can say),
+/// or a YAML list of URLs (joined with commas).
+fn url_list<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<String, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Urls {
+        One(String),
+        Many(Vec<String>),
+    }
+    Ok(match Urls::deserialize(deserializer)? {
+        Urls::One(url) => url,
+        Urls::Many(urls) => urls.join(","),
+    })
 }
 
 impl Default for NatsConfig {
@@ -248,6 +279,7 @@ impl Default for NatsConfig {
             tls_required: false,
             inbox_prefix: None,
             namespace: None,
+            replicas: 1,
         }
     }
 }
@@ -274,6 +306,7 @@ impl std::fmt::Debug for NatsConfig {
             tls_required,
             inbox_prefix,
             namespace,
+            replicas,
         } = self;
         let redacted = |secret: &Option<String>| secret.as_ref().map(|_| "<redacted>");
         f.debug_struct("NatsConfig")
@@ -294,6 +327,7 @@ impl std::fmt::Debug for NatsConfig {
             .field("tls_required", tls_required)
             .field("inbox_prefix", inbox_prefix)
             .field("namespace", namespace)
+            .field("replicas", replicas)
             .finish()
     }
 }
@@ -963,6 +997,27 @@ mod tests {
         assert!(err.contains("must be > 0"), "{err}");
         let err = load(&["buffer.max_off_policy_threshold=0"]).unwrap_err().to_string();
         assert!(err.contains("buffer.max_off_policy_threshold"), "{err}");
+    }
+
+    #[test]
+    fn nats_url_takes_a_list_of_servers_and_replicas_are_1_or_3() {
+        let load = |o: &[&str]| {
+            let mut all = vec!["data.task={name: copy}".to_string()];
+            all.extend(o.iter().map(|s| s.to_string()));
+            JobConfig::load(None, &all)
+        };
+        let cfg = load(&["nats.url=[tls://h1:4222, tls://h2:4222]"]).unwrap();
+        assert_eq!(cfg.nats.url, "tls://h1:4222,tls://h2:4222");
+        let cfg = load(&["nats.url=tls://h1:4222,tls://h2:4222"]).unwrap();
+        assert_eq!(cfg.nats.url, "tls://h1:4222,tls://h2:4222");
+        let err = load(&["nats.url=tls://h1:4222,,tls://h2:4222"]).unwrap_err().to_string();
+        assert!(err.contains("nats.url") && err.contains("empty entry"), "{err}");
+        assert_eq!(load(&[]).unwrap().nats.replicas, 1);
+        assert_eq!(load(&["nats.replicas=3"]).unwrap().nats.replicas, 3);
+        for bad in ["2", "5", "0"] {
+            let err = load(&[&format!("nats.replicas={bad}")]).unwrap_err().to_string();
+            assert!(err.contains("nats.replicas") && err.contains("1 (one NATS server) or 3"), "{bad}: {err}");
+        }
     }
 
     /// A heartbeat interval of 10 s used to make every weight sync time out (a fixed 10 s liveness window); the
