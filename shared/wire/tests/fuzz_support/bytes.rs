@@ -194,3 +194,38 @@ pub const JSON_TOKENS: &[&[u8]] = &[
     b"\xc3\x28",
     b"\n",
 ];
+
+/// Files for decoders that read from disk, one fresh directory per case, in memory (`/dev/shm`) where the
+/// system has it: 10,000 cases of file and directory writes on a busy disk waited 31 s for 6 s of work.
+pub struct Scratch {
+    root: std::path::PathBuf,
+    case: std::cell::Cell<u64>,
+}
+
+impl Scratch {
+    pub fn new() -> Self {
+        static SUITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let suite = SUITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let shm = std::path::Path::new("/dev/shm");
+        let base = if shm.is_dir() { shm.to_path_buf() } else { std::env::temp_dir() };
+        let root = base.join(format!("jetrl-fuzz-{}-{suite}", std::process::id()));
+        std::fs::create_dir_all(&root).expect("creating a scratch directory");
+        Scratch { root, case: std::cell::Cell::new(0) }
+    }
+
+    /// An empty directory for the next case; the previous case's is removed.
+    pub fn next_dir(&self) -> std::path::PathBuf {
+        let case = self.case.get();
+        let _ = std::fs::remove_dir_all(self.root.join(case.to_string()));
+        self.case.set(case + 1);
+        let dir = self.root.join((case + 1).to_string());
+        std::fs::create_dir_all(&dir).expect("creating a case directory");
+        dir
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
