@@ -98,8 +98,14 @@ impl Tokenizer {
     /// Loads `tokenizer.json` and the special tokens and chat template of a checkpoint directory.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| TokenizerError::Tokenizer(format!("{}: {e}", path.display())))?;
+        let invalid = |reason: String| TokenizerError::Tokenizer(format!("{}: {reason}", path.display()));
+        let text = std::fs::read_to_string(&path).map_err(|e| invalid(e.to_string()))?;
+        // `tokenizers` 0.22 panics (`expect("Helper")`) on a decoder object with a syntax error inside: the syntax
+        // is checked here first, and a panic while it builds the tokenizer becomes an error too.
+        serde_json::from_str::<serde::de::IgnoredAny>(&text).map_err(|e| invalid(format!("invalid JSON: {e}")))?;
+        let inner = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>())
+            .map_err(|_| invalid("the tokenizers library panicked reading it".into()))?
+            .map_err(|e| invalid(e.to_string()))?;
         let tokenizer_config = read_json(&dir.join("tokenizer_config.json"))?;
         let generation_config = read_json(&dir.join("generation_config.json"))?;
         let model_config = read_json(&dir.join("config.json"))?;
