@@ -19,7 +19,7 @@ use proptest::prelude::*;
 use serde_json::Value;
 
 fn config() -> ProptestConfig {
-    mutate::fuzz_config("proptest-regressions/fuzz.txt")
+    mutate::fuzz_config(concat!(env!("CARGO_MANIFEST_DIR"), "/proptest-regressions/fuzz.txt"))
 }
 
 fn repo_file(relative: &str) -> PathBuf {

@@ -22,7 +22,7 @@ use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
 
 fn config() -> ProptestConfig {
-    mutate::fuzz_config("proptest-regressions/fuzz.txt")
+    mutate::fuzz_config(concat!(env!("CARGO_MANIFEST_DIR"), "/proptest-regressions/fuzz.txt"))
 }
 
 // ---------------------------------------------------------------------------------------------------------------

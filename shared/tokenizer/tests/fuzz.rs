@@ -23,7 +23,7 @@ use proptest::prelude::*;
 use serde_json::{json, Value};
 
 fn config() -> ProptestConfig {
-    mutate::fuzz_config("proptest-regressions/fuzz.txt")
+    mutate::fuzz_config(concat!(env!("CARGO_MANIFEST_DIR"), "/proptest-regressions/fuzz.txt"))
 }
 
 /// A case must finish well within this; a render that runs out of fuel takes a few tens of milliseconds.

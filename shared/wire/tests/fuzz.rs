@@ -20,7 +20,7 @@ use proptest::prelude::*;
 use proptest::sample::Index;
 
 fn config() -> ProptestConfig {
-    mutate::fuzz_config("proptest-regressions/fuzz.txt")
+    mutate::fuzz_config(concat!(env!("CARGO_MANIFEST_DIR"), "/proptest-regressions/fuzz.txt"))
 }
 
 // ---------------------------------------------------------------------------------------------------------------
