@@ -28,6 +28,16 @@ pub struct Tokenizer {
 const DEFAULT_TEMPLATE: &str = "default";
 const TOOL_USE_TEMPLATE: &str = "tool_use";
 
+/// Runs a `tokenizers` call, turning a panic into an error. The library panics at run time on some
+/// tokenizer.json it accepts (a single-sequence template naming sequence B indexes out of bounds on every
+/// encode), and a service must not die for a checkpoint's mistake.
+fn guarded<T>(what: &str, run: impl FnOnce() -> tokenizers::Result<T>) -> Result<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
+        Ok(result) => result.map_err(|e| TokenizerError::Tokenizer(e.to_string())),
+        Err(_) => Err(TokenizerError::Tokenizer(format!("the tokenizers library panicked {what}"))),
+    }
+}
+
 /// Reads an HF token-id field that may be null, an integer or a list of integers.
 fn token_ids(value: Option<&Value>, field: &str) -> Result<Vec<u32>> {
     let as_id = |v: &Value| {
@@ -106,6 +116,11 @@ impl Tokenizer {
         let inner = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>())
             .map_err(|_| invalid("the tokenizers library panicked reading it".into()))?
             .map_err(|e| invalid(e.to_string()))?;
+        // One encode with the post-processor: a tokenizer that panics on every encode is refused here, by name.
+        guarded("encoding", || inner.encode("a", true)).map_err(|e| match e {
+            TokenizerError::Tokenizer(reason) => invalid(reason),
+            other => other,
+        })?;
         let tokenizer_config = read_json(&dir.join("tokenizer_config.json"))?;
         let generation_config = read_json(&dir.join("generation_config.json"))?;
         let model_config = read_json(&dir.join("config.json"))?;
@@ -162,13 +177,12 @@ impl Tokenizer {
 
     /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (e.g. a BOS).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let encoding =
-            self.inner.encode(text, add_special_tokens).map_err(|e| TokenizerError::Tokenizer(e.to_string()))?;
+        let encoding = guarded("encoding", || self.inner.encode(text, add_special_tokens))?;
         Ok(encoding.get_ids().to_vec())
     }
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special_tokens).map_err(|e| TokenizerError::Tokenizer(e.to_string()))
+        guarded("decoding", || self.inner.decode(ids, skip_special_tokens))
     }
 
     /// Ids that end a generation.

@@ -530,3 +530,17 @@ fn a_syntax_error_inside_the_decoder_object_is_an_error_naming_the_file() {
     let text = err.to_string();
     assert!(text.contains("tokenizer.json: invalid JSON: expected `:`"), "{text}");
 }
+
+/// Found by this suite: `tokenizers` accepts a post-processor whose single-sequence template names sequence B,
+/// then panics (index out of bounds) on every encode with special tokens.
+#[test]
+fn a_tokenizer_that_panics_when_encoding_is_refused_at_load_naming_the_file() {
+    let mut tokenizer = read_json(&fixture().join("tokenizer.json"));
+    tokenizer["post_processor"] = json!({"type": "TemplateProcessing",
+        "single": [{"Sequence": {"id": "B", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {}});
+    let dir = tempfile::tempdir().unwrap();
+    let err = load_with(dir.path(), "tokenizer.json", tokenizer.to_string().as_bytes()).unwrap_err().to_string();
+    assert!(err.contains("tokenizer.json: the tokenizers library panicked encoding"), "{err}");
+}
