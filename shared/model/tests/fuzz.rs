@@ -22,6 +22,9 @@ use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
 
 fn config() -> ProptestConfig {
+    // One torch thread: the micro model's ops are all dispatch, and a pool per test thread on a small machine
+    // only adds contention (the CLI suite measured 7x).
+    tch::set_num_threads(1);
     mutate::fuzz_config(concat!(env!("CARGO_MANIFEST_DIR"), "/proptest-regressions/fuzz.txt"))
 }
 
