@@ -162,7 +162,6 @@ impl ModelConfig {
 
     /// Validates an already parsed `config.json`.
     pub fn from_json(raw: Value) -> Result<Self> {
-        // The path names the field: serde_json's own message says only what type it expected.
         let kind = match &raw {
             Value::Object(_) => None,
             Value::Null => Some("null"),
@@ -174,6 +173,7 @@ impl ModelConfig {
         if let Some(kind) = kind {
             return Err(ModelError::Config(format!("config.json must hold a JSON object, not {kind}")));
         }
+        // The path names the field: serde_json's own message says only what type it expected.
         let cfg: RawConfig = serde_path_to_error::deserialize(&raw).map_err(|e| {
             let path = e.path().to_string();
             ModelError::Config(format!("`{path}`: {}", e.into_inner()))
@@ -266,8 +266,9 @@ impl ModelConfig {
         Ok(config)
     }
 
-    /// The number of parameters, or an error when the sizes overflow `i64` (the products are tensor shapes: an
-    /// overflow would panic while building the model instead of refusing the config).
+    /// The number of parameters, counting every optional bias and norm (an upper bound), or an error when the
+    /// sizes overflow `i64`: the products are tensor shapes, and an overflow would panic while building the
+    /// model instead of refusing the config.
     pub fn parameter_count(&self) -> Result<i64> {
         let overflow = || {
             ModelError::Config(format!(

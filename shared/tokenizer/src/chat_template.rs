@@ -18,6 +18,11 @@ const TEMPLATE_NAME: &str = "chat";
 /// loops for ever (`range` is capped at 100,000 items, but loops nest) stops here with an error. Real chat
 /// templates spend 30-45 instructions per message (measured: Qwen2.5's, a Llama-3-style one), so this renders
 /// about 6,000 messages (the tokenizer's fuzz suite checks 4,000 with tools).
+///
+/// What fuel does not bound is the cost of one instruction: `'x' * 100000000` builds 100 MB at once
+/// (minijinja's cap for repetition) and `~` doubles a string at once, so a hostile template can still spend
+/// seconds and gigabytes within its fuel. Rendering the templates of untrusted checkpoints with a hard bound on
+/// memory and time needs a process of its own.
 pub const RENDER_FUEL: u64 = 250_000;
 /// Bytes one render may write (a prompt of a million tokens is a few MB).
 pub const MAX_RENDERED_BYTES: usize = 16 << 20;

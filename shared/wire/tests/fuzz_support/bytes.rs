@@ -12,13 +12,15 @@ use proptest::test_runner::{Config, FileFailurePersistence};
 pub const CASES: u32 = 10_000;
 
 /// The suite's proptest configuration: [`CASES`] cases (or more from `PROPTEST_CASES`), failures persisted
-/// in `regressions` (relative to the crate, committed, replayed first on every run), bounded shrinking.
+/// in `regressions` (committed, replayed first on every run), shrinking bounded in steps and in time (a slow
+/// failing case, a near-hang, would otherwise be re-run thousands of times).
 pub fn fuzz_config(regressions: &'static str) -> Config {
-    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(CASES).max(CASES);
+    let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse().ok());
     Config {
-        cases,
+        cases: env("PROPTEST_CASES").unwrap_or(CASES).max(CASES),
         failure_persistence: Some(Box::new(FileFailurePersistence::Direct(regressions))),
-        max_shrink_iters: 4096,
+        max_shrink_iters: env("PROPTEST_MAX_SHRINK_ITERS").unwrap_or(4096),
+        max_shrink_time: env("PROPTEST_MAX_SHRINK_TIME").unwrap_or(30_000),
         ..Config::default()
     }
 }
