@@ -13,9 +13,11 @@ build:
 demo config="configs/demo.yaml" *overrides="": build
     ./target/debug/jetrl run {{config}} {{overrides}}
 
-# the whole test suite: unit, integration (real nats-server, real libtorch), end-to-end, golden vectors
+# the whole test suite: unit, integration (real nats-server, real libtorch), end-to-end, golden vectors; the
+# tests that need python with transformers are #[ignore]d for a plain `cargo test` and run here
+# (`./dev.sh test` installs transformers first)
 test: build
-    cargo test --workspace --no-fail-fast
+    cargo test --workspace --no-fail-fast -- --include-ignored
     ./target/debug/jetrl-golden tests/golden/algos_sample.json tests/golden/rewards_sample.json
 
 # format and lint checks

@@ -1,3 +1,3 @@
 fn main() {
-    jetrl_build_support::link_libtorch_bins();
+    jetrl_build_support::link_libtorch();
 }

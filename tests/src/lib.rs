@@ -1,8 +1,11 @@
 //! Helpers for jetrl's cross-service tests: a real `nats-server` per test, a tiny real model, and the real
 //! service binaries started as processes (`cargo build --bins` must have run; the test command does).
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -11,6 +14,8 @@ pub use jetrl_bus::NatsServer;
 use jetrl_wire::v1::GroupStatus;
 use jetrl_wire::Message;
 
+pub mod bench;
+pub mod secure_nats;
 pub mod sim;
 
 /// Path of a workspace binary (`target/<profile>/<name>`), located from the test executable.
@@ -23,9 +28,10 @@ pub fn bin(name: &str) -> PathBuf {
     path
 }
 
-/// A job directory with a tiny model and a config file, a NATS server, and service processes.
+/// A job directory with a tiny model and a config file, a NATS server (its own, or shared with other jobs), and
+/// service processes.
 pub struct TestJob {
-    pub nats: NatsServer,
+    pub nats: Arc<NatsServer>,
     pub dir: tempfile::TempDir,
     pub config: PathBuf,
     children: Vec<(String, Child)>,
@@ -75,7 +81,11 @@ trainer: {{total_training_steps: 3, weight_sync_timeout_s: 60}}
 impl TestJob {
     /// Starts NATS, writes the tiny model and `job.yaml` (base + `extra`).
     pub fn new(extra: &str) -> Self {
-        let nats = NatsServer::start().expect("nats-server");
+        Self::on(Arc::new(NatsServer::start().expect("nats-server")), extra)
+    }
+
+    /// A job on an existing NATS server (two jobs side by side need different `run.name`s in `extra`).
+    pub fn on(nats: Arc<NatsServer>, extra: &str) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         jetrl_model::init_model("tiny", &dir.path().join("model"), 1).expect("tiny model");
         let config = dir.path().join("job.yaml");
@@ -137,6 +147,11 @@ impl TestJob {
         }
     }
 
+    /// The process id of a started process.
+    pub fn pid(&mut self, name: &str) -> u32 {
+        self.child(name).id()
+    }
+
     /// SIGKILL: the process dies without settling anything.
     pub fn kill(&mut self, name: &str) {
         let child = self.child(name);
@@ -148,6 +163,7 @@ impl TestJob {
     pub fn terminate(&mut self, name: &str) {
         let pid = self.child(name).id() as libc::pid_t;
         // SAFETY: kill(2) on a pid we spawned.
+        #[allow(unsafe_code)]
         unsafe {
             libc::kill(pid, libc::SIGTERM);
         }

@@ -6,7 +6,7 @@ use bytes::Bytes;
 use jetrl_bus::{score, Bus, BusError, GroupStore, Publisher};
 use jetrl_wire::keys::TrajectoryKey;
 use jetrl_wire::v1::{GroupState, GroupStatus, PromptTask, Reward, RewardBatch, Trajectory};
-use jetrl_wire::{packed, subjects, Message};
+use jetrl_wire::{packed, Message};
 
 /// What a simulated group looks like.
 #[derive(Debug, Clone)]
@@ -138,7 +138,7 @@ pub async fn produce_built(
     trajectories: &[Trajectory],
 ) -> Result<Vec<u64>, BusError> {
     let kv_err = |e: jetrl_bus::groups::GroupUpdateError| BusError::Kv {
-        bucket: subjects::GROUPS_BUCKET.into(),
+        bucket: groups.kv().name.clone(),
         key: spec.uid.clone(),
         message: e.to_string(),
     };
@@ -162,7 +162,8 @@ pub async fn produce_built(
 /// Publishes the rewards of a produced group directly, as one reward batch (when no reward service is running).
 pub async fn score(publisher: &mut Publisher, spec: &GroupSpec, seqs: &[u64]) -> Result<(), BusError> {
     let id = format!("{}.sim", spec.uid);
-    publisher.publish(jetrl_bus::score::reward_message(&spec.partition, &reward_batch(spec, seqs), &[id])).await?;
+    let names = publisher.bus().names().clone();
+    publisher.publish(score::reward_message(&names, &spec.partition, &reward_batch(spec, seqs), &[id])).await?;
     publisher.drain().await.map(|_| ())
 }
 

@@ -1,6 +1,8 @@
 //! End to end: the five services as separate processes, a real nats-server, the real tiny model, learning
 //! the demo's task on a smaller budget.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
@@ -33,7 +35,7 @@ async fn five_services_as_processes_learn_the_reverse_task() {
     assert!(last >= first + 0.3, "reward did not rise: first-5 {first:.3}, last-5 {last:.3}; curve {scores:?}");
 
     // both workers took groups from the shared queue
-    let bus = Bus::connect(&job.config().nats, "e2e-check").await.unwrap();
+    let bus = Bus::connect_job(&job.config(), "e2e-check").await.unwrap();
     let store = GroupStore::open(&bus).await.unwrap();
     let workers: HashSet<String> = jetrl_tests::group_records(&store).await.into_iter().map(|s| s.worker_id).collect();
     assert!(workers.contains("rollout-0") && workers.contains("rollout-1"), "workers seen: {workers:?}");

@@ -1,5 +1,7 @@
 //! Bad input and dead processes, against real nats-server, real services and the real tiny model.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -8,7 +10,7 @@ use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{Bus, GroupStore};
 use jetrl_tests::{run_binary, TestJob};
 use jetrl_wire::v1::{GroupState, SampleRequest, SampleResponse};
-use jetrl_wire::{subjects, Message};
+use jetrl_wire::Message;
 
 const SERVICES: [&str; 5] =
     ["jetrl-trainer", "jetrl-rollout-worker", "jetrl-reward-service", "jetrl-replay-buffer", "jetrl-checkpoint-sync"];
@@ -83,26 +85,23 @@ async fn malformed_message_on_each_subject_is_counted_set_aside_and_services_kee
     job.spawn("reward-0", "jetrl-reward-service", &[&format!("reward.metrics_addr={}", addr("reward"))]);
     job.spawn("rollout-0", "jetrl-rollout-worker", &[&format!("rollout.metrics_addr={}", addr("rollout"))]);
 
-    let bus = Bus::connect(&cfg.nats, "fault-test").await.unwrap();
+    let bus = Bus::connect_job(&cfg, "fault-test").await.unwrap();
     bus.declare_topology().await.unwrap();
+    let names = bus.names().clone();
     let garbage = bytes::Bytes::from_static(&[0xff, 0xff, 0xff, 0x01]);
     // a task, a score request (for a group with a stored trajectory: that must still get a reward) and a reward
     // that do not decode
-    bus.publish_durable(Outgoing::new(subjects::prompt_subject("train"), None, garbage.clone())).await.unwrap();
-    bus.publish_durable(Outgoing::new(
-        subjects::traj_subject("train", "junk"),
-        Some("junk_0_0".into()),
-        garbage.clone(),
-    ))
-    .await
-    .unwrap();
-    bus.publish_durable(Outgoing::new(subjects::score_subject("train", "junk"), None, garbage.clone())).await.unwrap();
+    bus.publish_durable(Outgoing::new(names.prompt_subject("train"), None, garbage.clone())).await.unwrap();
+    bus.publish_durable(Outgoing::new(names.traj_subject("train", "junk"), Some("junk_0_0".into()), garbage.clone()))
+        .await
+        .unwrap();
+    bus.publish_durable(Outgoing::new(names.score_subject("train", "junk"), None, garbage.clone())).await.unwrap();
     // (under another key: the reward service's own reward for `junk_0_0` is checked below)
-    bus.publish_durable(Outgoing::new(subjects::reward_batch_subject("train"), None, garbage.clone())).await.unwrap();
+    bus.publish_durable(Outgoing::new(names.reward_batch_subject("train"), None, garbage.clone())).await.unwrap();
     // a group record that does not decode, and a weight manifest that does not decode
-    let groups = bus.key_value(subjects::GROUPS_BUCKET).await.unwrap();
+    let groups = bus.key_value(names.groups_bucket()).await.unwrap();
     groups.put("train.garbage", garbage.clone()).await.unwrap();
-    let weights = bus.key_value(subjects::WEIGHTS_BUCKET).await.unwrap();
+    let weights = bus.key_value(names.weights_bucket()).await.unwrap();
     weights.put("latest", garbage.clone()).await.unwrap();
     // requests that do not decode get an error reply naming the message type
     let timeout = Duration::from_secs(20);
@@ -117,17 +116,16 @@ async fn malformed_message_on_each_subject_is_counted_set_aside_and_services_kee
             }
         }
     };
-    let sample: SampleResponse = SampleResponse::decode(reply(subjects::BUFFER_SAMPLE).await.as_slice()).unwrap();
+    let sample: SampleResponse = SampleResponse::decode(reply(names.buffer_sample()).await.as_slice()).unwrap();
     assert!(sample.error.contains("SampleRequest"), "{sample:?}");
-    let ann =
-        jetrl_wire::v1::WeightAnnounceResponse::decode(reply(subjects::WEIGHTS_ANNOUNCE).await.as_slice()).unwrap();
+    let ann = jetrl_wire::v1::WeightAnnounceResponse::decode(reply(names.weights_announce()).await.as_slice()).unwrap();
     assert!(ann.error.contains("WeightAnnounce"), "{ann:?}");
-    let rel = jetrl_wire::v1::ReleaseResponse::decode(reply(subjects::BUFFER_RELEASE).await.as_slice()).unwrap();
+    let rel = jetrl_wire::v1::ReleaseResponse::decode(reply(names.buffer_release()).await.as_slice()).unwrap();
     assert!(rel.error.contains("ReleaseRequest"), "{rel:?}");
 
     // The rollout worker sees the undecodable manifest before the trainer announces real weights over it.
     let deadline = Instant::now() + Duration::from_secs(120);
-    while counter(&scrape(&addr("rollout")).await, "jetrl_rollout_malformed_messages_total", subjects::WEIGHTS_BUCKET)
+    while counter(&scrape(&addr("rollout")).await, "jetrl_rollout_malformed_messages_total", names.weights_bucket())
         < 1.0
     {
         assert!(Instant::now() < deadline, "rollout worker never counted the bad manifest:\n{}", job.log("rollout-0"));
@@ -157,25 +155,24 @@ async fn malformed_message_on_each_subject_is_counted_set_aside_and_services_kee
     assert_eq!(job.metrics().len(), 2);
 
     let rollout = scrape(&addr("rollout")).await;
-    assert!(counter(&rollout, "jetrl_rollout_malformed_messages_total", subjects::PROMPTS_STREAM) >= 1.0, "{rollout}");
-    assert!(counter(&rollout, "jetrl_rollout_malformed_messages_total", subjects::WEIGHTS_BUCKET) >= 1.0, "{rollout}");
+    assert!(counter(&rollout, "jetrl_rollout_malformed_messages_total", names.prompts_stream()) >= 1.0, "{rollout}");
+    assert!(counter(&rollout, "jetrl_rollout_malformed_messages_total", names.weights_bucket()) >= 1.0, "{rollout}");
     let reward = scrape(&addr("reward")).await;
-    assert!(counter(&reward, "jetrl_reward_malformed_messages_total", subjects::SCORE_STREAM) >= 1.0, "{reward}");
+    assert!(counter(&reward, "jetrl_reward_malformed_messages_total", names.score_stream()) >= 1.0, "{reward}");
     let buffer = scrape(&addr("buffer")).await;
-    for source in [subjects::REWARDS_STREAM, subjects::GROUPS_BUCKET, subjects::BUFFER_SAMPLE, subjects::BUFFER_RELEASE]
-    {
+    for source in [names.rewards_stream(), names.groups_bucket(), names.buffer_sample(), names.buffer_release()] {
         assert!(counter(&buffer, "jetrl_buffer_malformed_messages_total", source) >= 1.0, "{source}: {buffer}");
     }
     let checkpoint = scrape(&addr("checkpoint")).await;
     assert!(
-        counter(&checkpoint, "jetrl_checkpoint_malformed_messages_total", subjects::WEIGHTS_ANNOUNCE) >= 1.0,
+        counter(&checkpoint, "jetrl_checkpoint_malformed_messages_total", names.weights_announce()) >= 1.0,
         "{checkpoint}"
     );
 
     // and the malformed sample request did not stop the buffer from answering a real one
     let ok: SampleResponse = bus
         .request(
-            subjects::BUFFER_SAMPLE,
+            names.buffer_sample(),
             &SampleRequest {
                 request_id: "probe".into(),
                 step: 99,
@@ -215,7 +212,7 @@ async fn a_killed_rollout_workers_prompts_are_redelivered_and_nothing_is_lost() 
     job.spawn("rollout-a", "jetrl-rollout-worker", &["rollout.instance_id=worker-a"]);
     job.spawn("trainer", "jetrl-trainer", &[]);
 
-    let bus = Bus::connect(&cfg.nats, "fault-test").await.unwrap();
+    let bus = Bus::connect_job(&cfg, "fault-test").await.unwrap();
     bus.declare_topology().await.unwrap();
     let store = GroupStore::open(&bus).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(120);

@@ -1,6 +1,8 @@
 //! The replay buffer against a real nats-server: concurrent producers, retries, crashes, the ledger, long
 //! trajectories. The producer is simulated (tests/src/sim.rs) but writes through the real streams and bucket.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
@@ -11,12 +13,12 @@ use jetrl_wire::v1::{
     GroupState, LedgerRequest, LedgerResponse, ReleaseRequest, ReleaseResponse, ReleasedGroups, SampleRequest,
     SampleResponse,
 };
-use jetrl_wire::{subjects, Message};
+use jetrl_wire::Message;
 
 fn job(url: &str, mode: &str) -> JobConfig {
     let mut cfg = JobConfig::default();
     cfg.nats.url = url.into();
-    cfg.trainer.mode = mode.into();
+    cfg.trainer.mode = mode.parse().unwrap();
     cfg.buffer.max_off_policy_threshold = 2;
     cfg
 }
@@ -36,8 +38,9 @@ fn start_buffer(cfg: JobConfig) -> tokio::sync::oneshot::Sender<()> {
     tx
 }
 
+/// A connection to the default job (the one [`job`] and the buffer process's job file describe).
 async fn connect(url: &str) -> (Bus, GroupStore) {
-    let bus = Bus::connect(&jetrl_config::NatsConfig { url: url.into(), ..Default::default() }, "test").await.unwrap();
+    let bus = Bus::connect_job(&job(url, "sync"), "test").await.unwrap();
     bus.declare_topology().await.unwrap();
     let groups = GroupStore::open(&bus).await.unwrap();
     (bus, groups)
@@ -46,7 +49,7 @@ async fn connect(url: &str) -> (Bus, GroupStore) {
 async fn sample(bus: &Bus, request: &SampleRequest) -> SampleResponse {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        match bus.request::<_, SampleResponse>(subjects::BUFFER_SAMPLE, request, Duration::from_secs(15)).await {
+        match bus.request::<_, SampleResponse>(bus.names().buffer_sample(), request, Duration::from_secs(15)).await {
             Ok(r) if r.not_ready && r.refill == 0 => {}
             Ok(r) => return r,
             Err(_) => {}
@@ -124,7 +127,7 @@ fn spawn_buffer_process(server: &NatsServer, dir: &std::path::Path) -> std::proc
 
 async fn release(bus: &Bus, step: u64, request_id: &str) -> ReleaseResponse {
     let request = ReleaseRequest { step, request_ids: vec![request_id.into()] };
-    bus.request(subjects::BUFFER_RELEASE, &request, Duration::from_secs(10)).await.unwrap()
+    bus.request(bus.names().buffer_release(), &request, Duration::from_secs(10)).await.unwrap()
 }
 
 /// The uid of every reward in REWARDS, with how many it has, once that equals `want` (or fails after 20 s).
@@ -159,12 +162,17 @@ async fn released_rewards_are_purged_below_the_floor_and_stay_released_after_a_k
     assert_eq!(first.groups.iter().map(|g| g.uid.as_str()).collect::<Vec<_>>(), ["g0", "g1"]);
     assert_eq!(release(&bus, 1, "train-1").await.released_trajectories, 4);
     // a late copy of g0's rewards (its score request redelivered after all) lands after the release
-    let late = jetrl_bus::score::reward_message("train", &sim::reward_batch(&specs[0], &seqs[0]), &["g0.late".into()]);
+    let late = jetrl_bus::score::reward_message(
+        bus.names(),
+        "train",
+        &sim::reward_batch(&specs[0], &seqs[0]),
+        &["g0.late".into()],
+    );
     bus.publish_durable(late).await.unwrap();
     // the floor is g2's rewards: g0's and g1's below it go; the late copy, above it, waits
     wait_for_stored_rewards(&bus, &[("g0", 2), ("g2", 2), ("g3", 2)]).await;
-    let rewards = bus.stream(subjects::REWARDS_STREAM).await.unwrap();
-    let marker = rewards.direct_get_last_for_subject(subjects::RELEASED_SUBJECT).await.unwrap();
+    let rewards = bus.stream(bus.names().rewards_stream()).await.unwrap();
+    let marker = rewards.direct_get_last_for_subject(bus.names().released_subject()).await.unwrap();
     let mut marker = ReleasedGroups::decode(marker.payload.as_ref()).unwrap();
     marker.groups.sort();
     assert_eq!((marker.step, marker.groups), (1, vec!["train.g0".to_string(), "train.g1".to_string()]));
@@ -211,7 +219,7 @@ async fn a_retried_request_gets_the_same_groups_even_after_the_buffer_is_killed_
     let next_uids: Vec<String> = next.groups.iter().map(|g| g.uid.clone()).collect();
     assert_eq!(next_uids, vec!["g2", "g3"], "consumed groups are not sampled again");
     // payloads are still where the index says
-    let traj = bus.stream(subjects::TRAJ_STREAM).await.unwrap();
+    let traj = bus.stream(bus.names().traj_stream()).await.unwrap();
     for g in again.groups.iter().chain(&next.groups) {
         for t in &g.trajectories {
             let msg = traj.direct_get(t.traj_seq).await.unwrap();
@@ -234,7 +242,7 @@ async fn the_ledger_says_for_every_group_trained_at_which_step_evicted_why_or_in
     // step 5, threshold 2: "stale" (span 5) is dropped and refilled; "fresh" (span 2) is trained
     let mut req = request("train-5", 5, 1);
     let refill =
-        bus.request::<_, SampleResponse>(subjects::BUFFER_SAMPLE, &req, Duration::from_secs(10)).await.unwrap();
+        bus.request::<_, SampleResponse>(bus.names().buffer_sample(), &req, Duration::from_secs(10)).await.unwrap();
     assert_eq!(refill.refill, 1, "one eviction -> one refill: {refill:?}");
     req.refilled = 1;
     let answer = sample(&bus, &req).await;
@@ -242,7 +250,7 @@ async fn the_ledger_says_for_every_group_trained_at_which_step_evicted_why_or_in
     assert_eq!(answer.metrics.get("training/off_policy/evicted_samples"), Some(&1.0));
     let ledger: LedgerResponse = bus
         .request(
-            subjects::BUFFER_LEDGER,
+            bus.names().buffer_ledger(),
             &LedgerRequest { partition: "train".into(), ..Default::default() },
             Duration::from_secs(10),
         )
@@ -282,7 +290,7 @@ async fn a_two_megabyte_trajectory_round_trips_through_the_reward_service_the_bu
     let answer = sample(&bus, &request("train-1", 1, 1)).await;
     let t = &answer.groups[0].trajectories[0];
     assert!(t.failure_reason.contains("sim"), "{t:?}");
-    let msg = bus.stream(subjects::TRAJ_STREAM).await.unwrap().direct_get(t.traj_seq).await.unwrap();
+    let msg = bus.stream(bus.names().traj_stream()).await.unwrap().direct_get(t.traj_seq).await.unwrap();
     // 2 MiB: twice NATS's default max_payload of 1 MiB
     assert!(msg.payload.len() + 1 >= 2 * 1024 * 1024, "{} bytes", msg.payload.len());
     let decoded = jetrl_wire::v1::Trajectory::decode(msg.payload.as_ref()).unwrap();
@@ -302,7 +310,7 @@ async fn a_waiting_request_is_answered_as_soon_as_its_last_group_completes_not_o
         tokio::spawn(async move {
             let r = bus
                 .request::<_, SampleResponse>(
-                    subjects::BUFFER_SAMPLE,
+                    bus.names().buffer_sample(),
                     &request("train-1", 1, 2),
                     Duration::from_secs(30),
                 )

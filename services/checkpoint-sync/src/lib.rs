@@ -1,21 +1,20 @@
 //! jetrl-checkpoint-sync: the weight-version registry.
 //!
 //! The trainer writes a weight blob (object store or shared filesystem) and announces it on
-//! `jetrl.weights.announce`. This service checks the blob is where the manifest says and of the announced
+//! `jetrl.<ns>.weights.announce`. This service checks the blob is where the manifest says and of the announced
 //! size, writes the manifest to the WEIGHTS bucket (`v.<version>`, then `latest`, which rollout workers
-//! watch), optionally writes a durable HF-format checkpoint directory, and deletes blobs older than
-//! `checkpoint.keep_versions`.
+//! watch), and deletes blobs older than `checkpoint.keep_versions`. Durable checkpoints are the trainer's own
+//! (`global_step_<n>/actor/` is an HF model directory); this service keeps only the versions in flight.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use futures::StreamExt;
-use jetrl_bus::{consume, weights, Bus, BusError};
+use jetrl_bus::{consume, Bus, BusError};
 use jetrl_config::JobConfig;
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::v1::{WeightAnnounce, WeightAnnounceResponse, WeightManifest};
-use jetrl_wire::{subjects, Message};
+use jetrl_wire::Message;
 
 const SERVICE: &str = "checkpoint";
 
@@ -27,8 +26,6 @@ pub enum CheckpointError {
     Metrics(#[from] jetrl_telemetry::TelemetryError),
     #[error("announcement of version {version}: {message}")]
     Announce { version: u64, message: String },
-    #[error("writing checkpoint {path}: {message}")]
-    Write { path: String, message: String },
 }
 
 /// Runs checkpoint-sync until `shutdown` resolves.
@@ -37,16 +34,16 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), CheckpointError> {
     let shutdown = Shutdown::new(shutdown);
-    let bus = Bus::connect(&cfg.nats, "jetrl-checkpoint-sync").await?;
+    let bus = Bus::connect_job(&cfg, "jetrl-checkpoint-sync").await?;
     bus.declare_topology().await?;
     let stop = shutdown.clone();
     jetrl_telemetry::serve_metrics(&cfg.checkpoint.metrics_addr, async move { stop.wait().await }).await?;
     let mut registry = Registry::load(&bus, &cfg).await?;
     let mut announcements = bus
         .client()
-        .queue_subscribe(subjects::WEIGHTS_ANNOUNCE, "checkpoint-sync".into())
+        .queue_subscribe(bus.names().weights_announce().to_string(), "checkpoint-sync".into())
         .await
-        .map_err(|e| BusError::Consume { what: subjects::WEIGHTS_ANNOUNCE.into(), message: e.to_string() })?;
+        .map_err(|e| BusError::Consume { what: bus.names().weights_announce().into(), message: e.to_string() })?;
     tracing::info!(versions = registry.versions.len(), "checkpoint-sync serving");
     loop {
         tokio::select! {
@@ -64,7 +61,7 @@ pub async fn run(
                         }
                     },
                     Err(err) => {
-                        consume::count_malformed(SERVICE, subjects::WEIGHTS_ANNOUNCE);
+                        consume::count_malformed(SERVICE, bus.names().weights_announce());
                         tracing::error!(subject = %msg.subject, error = %err, "malformed weight announcement");
                         WeightAnnounceResponse { version: 0, error: format!("malformed WeightAnnounce: {err}") }
                     }
@@ -88,17 +85,15 @@ struct Registry {
     /// announced versions still stored, oldest first, with their blob location
     versions: BTreeMap<u64, String>,
     keep: usize,
-    checkpoint_dir: PathBuf,
-    model_dir: PathBuf,
 }
 
 impl Registry {
     /// Rebuilds the list of stored versions from the WEIGHTS bucket (so GC survives a restart).
     async fn load(bus: &Bus, cfg: &JobConfig) -> Result<Self, CheckpointError> {
-        let kv = bus.key_value(subjects::WEIGHTS_BUCKET).await?;
+        let kv = bus.key_value(bus.names().weights_bucket()).await?;
         let mut versions = BTreeMap::new();
         let kv_err = |e: &dyn std::fmt::Display| BusError::Kv {
-            bucket: subjects::WEIGHTS_BUCKET.into(),
+            bucket: kv.name.clone(),
             key: "v.*".into(),
             message: e.to_string(),
         };
@@ -112,20 +107,7 @@ impl Registry {
                 }
             }
         }
-        let checkpoint_dir = cfg
-            .checkpoint
-            .dir
-            .clone()
-            .map(PathBuf::from)
-            .unwrap_or_else(|| Path::new(&cfg.run.dir).join("checkpoints"));
-        Ok(Self {
-            bus: bus.clone(),
-            kv,
-            versions,
-            keep: cfg.checkpoint.keep_versions.max(1) as usize,
-            checkpoint_dir,
-            model_dir: PathBuf::from(&cfg.model.path),
-        })
+        Ok(Self { bus: bus.clone(), kv, versions, keep: cfg.checkpoint.keep_versions.max(1) as usize })
     }
 
     async fn accept(&mut self, announce: WeightAnnounce) -> Result<u64, CheckpointError> {
@@ -142,23 +124,20 @@ impl Registry {
                 manifest.location, manifest.total_bytes
             )));
         }
-        if announce.checkpoint {
-            let blob = self.bus.load_weights(&manifest.location).await?;
-            weights::verify(&manifest, &blob)?;
-            self.write_checkpoint(&manifest, &blob).await?;
-        }
         let encoded: bytes::Bytes = manifest.encode_to_vec().into();
         let put = |key: String, value: bytes::Bytes| {
             let kv = self.kv.clone();
             async move {
                 kv.put(&key, value).await.map_err(|e| BusError::Kv {
-                    bucket: subjects::WEIGHTS_BUCKET.into(),
+                    bucket: kv.name.clone(),
                     key,
                     message: e.to_string(),
                 })
             }
         };
         put(format!("v.{version}"), encoded.clone()).await?;
+        // fault injection (inert unless JETRL_CRASH_AT names it): v.<n> written, `latest` and the reply not yet
+        jetrl_telemetry::crash::crash_point("checkpoint.mid_announce", version);
         // `latest` last: a reader that sees it can always find the versioned entry.
         put("latest".into(), encoded).await?;
         self.versions.insert(version, manifest.location.clone());
@@ -182,24 +161,5 @@ impl Registry {
                 let _ = self.kv.purge(format!("v.{v}")).await;
             }
         }
-    }
-
-    /// Writes `<checkpoint_dir>/weights/global_step_<step>/` as an HF model directory.
-    async fn write_checkpoint(&self, manifest: &WeightManifest, blob: &[u8]) -> Result<(), CheckpointError> {
-        let dir = self.checkpoint_dir.join("weights").join(format!("global_step_{}", manifest.step));
-        let write_err =
-            |e: std::io::Error| CheckpointError::Write { path: dir.display().to_string(), message: e.to_string() };
-        tokio::fs::create_dir_all(&dir).await.map_err(write_err)?;
-        tokio::fs::write(dir.join("model.safetensors"), blob).await.map_err(write_err)?;
-        for name in
-            ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
-        {
-            let source = self.model_dir.join(name);
-            if tokio::fs::try_exists(&source).await.unwrap_or(false) {
-                tokio::fs::copy(&source, dir.join(name)).await.map_err(write_err)?;
-            }
-        }
-        tracing::info!(dir = %dir.display(), "checkpoint written");
-        Ok(())
     }
 }

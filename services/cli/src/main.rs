@@ -1,7 +1,11 @@
 //! `jetrl`: launches and inspects jetrl jobs. It owns nothing: the services do the work.
 
+mod broker;
+mod ledger;
 mod run;
 mod status;
+mod supervisor;
+mod threads;
 
 use std::path::PathBuf;
 
@@ -51,13 +55,27 @@ enum Command {
         dtype: String,
     },
     /// Show a running job: group counts, workers, weight version, and optionally the ledger of prompt groups.
+    /// NATS settings (URL, credentials, TLS) come from the `nats` section of --config, `JETRL__NATS__*`
+    /// environment variables and `nats.key=value` overrides, as for the services.
     Status {
-        #[arg(long, default_value = "nats://127.0.0.1:4222")]
-        nats_url: String,
-        /// list what happened to each prompt group (trained at step s, evicted and why, in flight)
+        /// a job file, or just a `nats:` section (deploy/nats/gen.sh writes one per identity: clients/status/nats.yaml)
+        #[arg(long, short = 'c')]
+        config: Option<PathBuf>,
+        /// overrides, `nats.key=value`
+        overrides: Vec<String>,
+        /// the server URL (overrides nats.url)
+        #[arg(long)]
+        nats_url: Option<String>,
+        /// the job's namespace (default: the config's `nats.namespace`, else its `run.name`, else `jetrl`)
+        #[arg(long)]
+        namespace: Option<String>,
+        /// what became of every dataset row drawn: trained (at which step), evicted or failed (why), in flight
         #[arg(long)]
         ledger: bool,
-        /// only these uids
+        /// with --ledger: only the ledger, one JSON object per row (what the trainer writes to ledger.jsonl)
+        #[arg(long, requires = "ledger")]
+        json: bool,
+        /// list these groups' entries in the replay buffer (state, submit and trained step, trajectories)
         #[arg(long)]
         uid: Vec<String>,
     },
@@ -87,10 +105,12 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Status { nats_url, ledger, uid } => {
-            jetrl_telemetry::init_tracing("warn", "text");
+        Command::Status { config, mut overrides, nats_url, namespace, ledger, json, uid } => {
+            jetrl_telemetry::init_tracing("warn", jetrl_config::LogFormat::Text);
+            overrides.extend(nats_url.map(|url| format!("nats.url={url}")));
+            let (nats, namespace) = status::nats_config(config.as_deref(), &overrides, namespace)?;
             let runtime = tokio::runtime::Runtime::new()?;
-            runtime.block_on(status::status(&nats_url, ledger, uid))
+            runtime.block_on(status::status(&nats, &namespace, status::Show { ledger, json, uids: uid }))
         }
     }
 }

@@ -1,21 +1,19 @@
 //! `jetrl run`: one training job on this machine, every service its own process.
 
+use std::ffi::OsString;
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use futures::StreamExt;
 use jetrl_bus::NatsServer;
 use jetrl_config::JobConfig;
-use jetrl_wire::subjects;
-use tokio::process::{Child, Command};
+use serde_json::json;
 
-/// A started service process.
-struct Service {
-    name: String,
-    child: Child,
-}
+use crate::broker;
+use crate::supervisor::{self, Event, RestartHistory, RestartPolicy, ServiceSpec, Supervisor, Verdict};
+use crate::threads;
 
 /// Returns the process exit code: 0 when training completed.
 pub async fn run(
@@ -25,22 +23,33 @@ pub async fn run(
     quiet: bool,
 ) -> anyhow::Result<i32> {
     let started = Instant::now();
-    let cfg = JobConfig::load(Some(config), &overrides)?;
-    if !quiet {
-        jetrl_telemetry::init_tracing("warn", &cfg.log.format);
-    } else {
-        jetrl_telemetry::init_tracing(&cfg.log.level, &cfg.log.format);
+    // colocate_async pairs the trainer with one worker on its device: name it, unless the job does.
+    let merged = jetrl_config::load_value(Some(config), &overrides)?;
+    if merged["trainer"]["mode"] == "colocate_async"
+        && merged["trainer"]["colocate_async"]["rollout_instance"].as_str().is_none_or(str::is_empty)
+    {
+        overrides.push("trainer.colocate_async.rollout_instance=rollout-0".into());
     }
+    let cfg = JobConfig::load(Some(config), &overrides)?;
+    anyhow::ensure!(
+        cfg.trainer.mode != jetrl_config::TrainerMode::ColocateAsync || cfg.rollout.workers == 1,
+        "rollout.workers is {} but colocate_async runs exactly one rollout worker, on the trainer's device",
+        cfg.rollout.workers
+    );
+    // The supervisor says on the console when NATS is lost and back: the client's own reconnect chatter would
+    // only repeat it (and break the progress bar).
+    let level = if quiet { cfg.log.level.as_str() } else { "warn" };
+    jetrl_telemetry::init_tracing(&format!("{level},async_nats=warn,jetrl_bus::connect=error"), cfg.log.format);
     let run_dir = PathBuf::from(&cfg.run.dir);
     std::fs::create_dir_all(run_dir.join("logs")).with_context(|| format!("creating {}", run_dir.display()))?;
 
     // The model: create the preset if the directory has none.
     let model_dir = PathBuf::from(&cfg.model.path);
     if !model_dir.join("config.json").exists() {
-        let preset = cfg.model.init_preset.clone().with_context(|| {
+        let preset = cfg.model.init_preset.map(|p| p.as_str()).with_context(|| {
             format!("model.path {} has no config.json and model.init_preset is not set", model_dir.display())
         })?;
-        jetrl_model::init_model(&preset, &model_dir, cfg.run.seed)
+        jetrl_model::init_model(preset, &model_dir, cfg.run.seed)
             .with_context(|| format!("creating the {preset} model"))?;
         eprintln!("created a random-init `{preset}` model in {}", model_dir.display());
     }
@@ -57,54 +66,60 @@ pub async fn run(
         }
     };
     overrides.push(format!("nats.url={url}"));
+    let omp_num_threads_set = std::env::var_os("OMP_NUM_THREADS").is_some_and(|v| !v.is_empty());
+    overrides.extend(threads::job_thread_overrides(&cfg, jetrl_telemetry::available_cores(), omp_num_threads_set));
     let cfg = JobConfig::load(Some(config), &overrides)?;
     let job_file = run_dir.join("job.yaml");
     std::fs::write(&job_file, serde_yaml::to_string(&cfg)?)
         .with_context(|| format!("writing {}", job_file.display()))?;
 
-    let bus = jetrl_bus::Bus::connect(&cfg.nats, "jetrl-run").await?;
+    let bus = jetrl_bus::Bus::connect_job(&cfg, "jetrl-run").await?;
     bus.declare_topology().await?;
-    let mut progress_sub = bus.client().subscribe(subjects::TRAINER_METRICS).await?;
+    let mut progress_sub = bus.client().subscribe(bus.names().trainer_metrics().to_string()).await?;
 
     let bin_dir = std::env::current_exe()?.parent().map(Path::to_path_buf).context("locating jetrl's directory")?;
-    let mut services = Vec::new();
-    let mut spawn = |name: String, binary: &str, extra: Vec<String>| -> anyhow::Result<()> {
-        let path = bin_dir.join(binary);
-        anyhow::ensure!(path.exists(), "{} not found next to jetrl (build the workspace: cargo build)", path.display());
-        let log = std::fs::File::create(run_dir.join("logs").join(format!("{name}.log")))?;
-        let mut command = Command::new(&path);
-        // If `jetrl run` itself dies (even by SIGKILL), its services get SIGTERM and settle what they hold.
-        #[cfg(target_os = "linux")]
-        // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of the parent.
-        unsafe {
-            command.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
-                Ok(())
-            });
-        }
-        let child = command
-            .arg("--config")
-            .arg(&job_file)
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("starting {}", path.display()))?;
-        services.push(Service { name, child });
-        Ok(())
+    let policy = RestartPolicy::from_config(&cfg.run.supervisor);
+    let mut supervisor = Supervisor::new(policy.clone(), "trainer");
+    let mut journal = Journal::create(&run_dir.join("supervisor.jsonl"), started)?;
+    let service = |name: String, binary: &str, extra: Vec<String>| {
+        let mut args: Vec<OsString> = vec!["--config".into(), job_file.clone().into()];
+        args.extend(extra.into_iter().map(OsString::from));
+        ServiceSpec { binary: bin_dir.join(binary), args, log: run_dir.join("logs").join(format!("{name}.log")), name }
     };
-    spawn("checkpoint-sync".into(), "jetrl-checkpoint-sync", vec![])?;
-    spawn("replay-buffer".into(), "jetrl-replay-buffer", vec![])?;
+    let mut specs = vec![
+        service("checkpoint-sync".into(), "jetrl-checkpoint-sync", vec![]),
+        service("replay-buffer".into(), "jetrl-replay-buffer", vec![]),
+    ];
     for i in 0..cfg.reward.workers.max(1) {
-        spawn(format!("reward-{i}"), "jetrl-reward-service", vec![format!("reward.instance_id=reward-{i}")])?;
+        specs.push(service(
+            format!("reward-{i}"),
+            "jetrl-reward-service",
+            vec![format!("reward.instance_id=reward-{i}")],
+        ));
     }
     for i in 0..cfg.rollout.workers.max(1) {
-        spawn(format!("rollout-{i}"), "jetrl-rollout-worker", vec![format!("rollout.instance_id=rollout-{i}")])?;
+        specs.push(service(
+            format!("rollout-{i}"),
+            "jetrl-rollout-worker",
+            vec![format!("rollout.instance_id=rollout-{i}")],
+        ));
     }
-    spawn("trainer".into(), "jetrl-trainer", vec![])?;
-    eprintln!("run directory: {} (service logs in logs/), NATS at {url}", run_dir.display());
+    specs.push(service("trainer".into(), "jetrl-trainer", vec![]));
+    for spec in specs {
+        anyhow::ensure!(
+            spec.binary.exists(),
+            "{} not found next to jetrl (build the workspace: cargo build)",
+            spec.binary.display()
+        );
+        let name = spec.name.clone();
+        let pid = supervisor.start(spec).with_context(|| format!("starting {name}"))?;
+        journal.record("started", json!({"service": name, "pid": pid}));
+    }
+    eprintln!(
+        "run directory: {} (service logs in logs/), NATS at {url}, job namespace {}",
+        run_dir.display(),
+        bus.names().namespace()
+    );
 
     let bar = if quiet {
         indicatif::ProgressBar::hidden()
@@ -118,14 +133,19 @@ pub async fn run(
         bar.set_message("starting services...");
         bar
     };
+    let console = Console { bar: bar.clone() };
+    let mut broker = broker::watch(bus.clone());
+    if let Some(server) = &embedded {
+        journal.record("started", json!({"service": "nats-server", "pid": server.pid(), "port": server.port()}));
+    }
+    let mut nats = NatsWatch { url: url.clone(), down_since: None, embedded: embedded.map(EmbeddedNats::new) };
 
     // SIGINT (Ctrl-C) or SIGTERM: stop every service cleanly.
     let mut ctrl_c = Box::pin(jetrl_telemetry::shutdown_signal());
     let mut check = tokio::time::interval(Duration::from_millis(500));
-    let trainer_index = services.len() - 1;
     let outcome: Result<(), String> = loop {
         tokio::select! {
-            _ = &mut ctrl_c => break Err("interrupted".into()),
+            _ = &mut ctrl_c => break Err(INTERRUPTED.into()),
             msg = progress_sub.next() => {
                 if let Some(msg) = msg {
                     if let Ok(m) = serde_json::from_slice::<serde_json::Value>(&msg.payload) {
@@ -143,23 +163,38 @@ pub async fn run(
                     }
                 }
             }
+            _ = broker.changed() => nats.on_probe(*broker.borrow_and_update(), &console, &mut journal),
             _ = check.tick() => {
-                if let Ok(Some(status)) = services[trainer_index].child.try_wait() {
-                    break if status.success() { Ok(()) } else { Err(format!("trainer exited with {status}")) };
+                let now = Instant::now();
+                if let Err(reason) = nats.supervise_embedded(&policy, now, &console, &mut journal) {
+                    break Err(reason);
                 }
-                if let Some(dead) = services.iter_mut().find_map(|s| match s.child.try_wait() {
-                    Ok(Some(status)) => Some(format!("{} exited with {status}", s.name)),
-                    _ => None,
-                }) {
-                    break Err(dead);
+                match handle_events(supervisor.poll(now), &policy, &console, &mut journal) {
+                    Some(end) => break end,
+                    None => continue,
                 }
             }
         }
     };
     bar.finish_and_clear();
-    stop_all(&mut services).await;
-    drop(embedded);
+    supervisor.stop_all(Duration::from_secs(20)).await;
+    // Close our connection before the embedded server goes, or the client keeps reconnecting to it.
+    drop(progress_sub);
+    let _ = tokio::time::timeout(Duration::from_secs(2), bus.client().drain()).await;
+    drop(nats);
 
+    let restarts = supervisor.restart_counts();
+    journal.record(
+        "end",
+        json!({
+            "outcome": match &outcome { Ok(()) => "finished", Err(r) if r == INTERRUPTED => "interrupted", Err(_) => "failed" },
+            "restarts": restarts.iter().map(|(name, n)| (name.clone(), json!(n))).collect::<serde_json::Map<_, _>>(),
+        }),
+    );
+    if !restarts.is_empty() {
+        let list: Vec<String> = restarts.iter().map(|(name, n)| format!("{name} ×{n}")).collect();
+        eprintln!("restarts: {} (see {})", list.join(", "), run_dir.join("supervisor.jsonl").display());
+    }
     let summary = std::fs::read_to_string(run_dir.join("summary.json")).ok();
     match &outcome {
         Ok(()) => {
@@ -173,27 +208,245 @@ pub async fn run(
         }
         Err(reason) => {
             eprintln!("job stopped: {reason} (see {}/logs/)", run_dir.display());
-            Ok(if reason == "interrupted" { 130 } else { 1 })
+            Ok(if reason == INTERRUPTED { 130 } else { 1 })
         }
     }
 }
 
-/// SIGTERM to every service, then wait (up to 20 s) so each can settle what it holds; SIGKILL stragglers.
-async fn stop_all(services: &mut [Service]) {
-    for s in services.iter() {
-        if let Some(pid) = s.child.id() {
-            // SAFETY: kill(2) with a pid we spawned and a valid signal has no memory-safety preconditions.
-            unsafe {
-                libc::kill(pid as libc::pid_t, libc::SIGTERM);
+const INTERRUPTED: &str = "interrupted";
+
+/// Shows and records what the supervisor did; `Some` ends the job (the trainer finished, or a crash loop).
+fn handle_events(
+    events: Vec<Event>,
+    policy: &RestartPolicy,
+    console: &Console,
+    journal: &mut Journal,
+) -> Option<Result<(), String>> {
+    let mut end = None;
+    for event in events {
+        match event {
+            Event::TrainerFinished => {
+                journal.record("exit", json!({"service": "trainer", "status": "exit status: 0", "action": "end"}));
+                end = Some(Ok(()));
+            }
+            Event::ExitedCleanly { service } => {
+                console.say(&format!("{service} exited with exit status: 0 on its own; not restarted"));
+                journal.record("exit", json!({"service": service, "status": "exit status: 0", "action": "none"}));
+            }
+            Event::Restarting { service, status, delay, restarts } => {
+                console.say(&format!(
+                    "{service} {}; restarting in {:.1}s (restart {restarts} of at most {} within {:.0}s)",
+                    failure(&status),
+                    delay.as_secs_f64(),
+                    policy.max_restarts,
+                    policy.window.as_secs_f64(),
+                ));
+                journal.record(
+                    "exit",
+                    json!({"service": service, "status": status, "action": "restart", "delay_s": delay.as_secs_f64(),
+                           "restarts_in_window": restarts}),
+                );
+            }
+            Event::Restarted { service, pid } => {
+                console.say(&format!("{service} restarted (pid {})", pid.map_or("?".into(), |p| p.to_string())));
+                journal.record("restarted", json!({"service": service, "pid": pid}));
+            }
+            Event::CrashLoop { service, status, restarts, log, log_tail } => {
+                console.say(&format!(
+                    "{service} is crash-looping: it {} after {restarts} restarts within {:.0}s; the last lines of {}:\n{log_tail}",
+                    failure(&status),
+                    policy.window.as_secs_f64(),
+                    log.display(),
+                ));
+                journal.record("crash_loop", json!({"service": service, "status": status, "restarts": restarts}));
+                end = Some(Err(format!("{service} is crash-looping ({status})")));
             }
         }
     }
-    let deadline = Instant::now() + Duration::from_secs(20);
-    for s in services.iter_mut() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if tokio::time::timeout(left, s.child.wait()).await.is_err() {
-            eprintln!("{} did not stop in time; killing it", s.name);
-            let _ = s.child.kill().await;
+    end
+}
+
+/// `exited with exit status: 1`, `was killed (signal: 9 (SIGKILL))`, `could not be started: ...`.
+fn failure(status: &str) -> String {
+    if status.starts_with("signal") {
+        format!("was killed ({status})")
+    } else if status.starts_with("exit status") {
+        format!("exited with {status}")
+    } else {
+        status.to_string()
+    }
+}
+
+/// Lines above the progress bar (or on stderr when there is none).
+struct Console {
+    bar: indicatif::ProgressBar,
+}
+
+impl Console {
+    fn say(&self, line: &str) {
+        if self.bar.is_hidden() {
+            eprintln!("{line}");
+        } else {
+            self.bar.println(line);
         }
+    }
+}
+
+/// `<run.dir>/supervisor.jsonl`: one JSON object per restart, crash loop, broker outage and the end of the job.
+struct Journal {
+    file: Option<std::fs::File>,
+    started: Instant,
+}
+
+impl Journal {
+    fn create(path: &Path, started: Instant) -> anyhow::Result<Self> {
+        let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(Self { file: Some(file), started })
+    }
+
+    fn record(&mut self, event: &str, fields: serde_json::Value) {
+        let mut line = json!({
+            "t": SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()),
+            "elapsed_s": self.started.elapsed().as_secs_f64(),
+            "event": event,
+        });
+        if let (Some(line), serde_json::Value::Object(fields)) = (line.as_object_mut(), fields) {
+            line.extend(fields);
+        }
+        if let Some(file) = self.file.as_mut() {
+            if writeln!(file, "{line}").is_err() {
+                // a full disk must not stop the job: the console still says everything
+                self.file = None;
+            }
+        }
+    }
+}
+
+/// The broker as `jetrl run` sees it: reachability, and the embedded server when it started one.
+struct NatsWatch {
+    url: String,
+    /// since when the broker has not answered
+    down_since: Option<(Instant, SystemTime)>,
+    embedded: Option<EmbeddedNats>,
+}
+
+/// The nats-server `jetrl run` started, restarted on the same port and store when it dies.
+struct EmbeddedNats {
+    server: NatsServer,
+    history: RestartHistory,
+    started: Instant,
+    restart_at: Option<Instant>,
+}
+
+impl EmbeddedNats {
+    fn new(server: NatsServer) -> Self {
+        Self { server, history: RestartHistory::default(), started: Instant::now(), restart_at: None }
+    }
+}
+
+impl NatsWatch {
+    fn on_probe(&mut self, finding: broker::Unreachable, console: &Console, journal: &mut Journal) {
+        match (finding, self.down_since) {
+            (Some(reason), None) => {
+                let since = SystemTime::now();
+                self.down_since = Some((Instant::now(), since));
+                console.say(&format!("NATS at {} unreachable since {} UTC ({reason})", self.url, utc_time(since)));
+                console.bar.set_message(format!("NATS at {} unreachable", self.url));
+                journal.record("nats_unreachable", json!({"url": self.url, "reason": reason}));
+            }
+            (None, Some((since, _))) => {
+                self.down_since = None;
+                let down = since.elapsed().as_secs_f64();
+                console.say(&format!("NATS at {} reachable again after {down:.0}s", self.url));
+                journal.record("nats_reachable", json!({"url": self.url, "down_s": down}));
+            }
+            _ => {}
+        }
+    }
+
+    /// Restarts the embedded server when it has died; `Err` when it crash-loops.
+    fn supervise_embedded(
+        &mut self,
+        policy: &RestartPolicy,
+        now: Instant,
+        console: &Console,
+        journal: &mut Journal,
+    ) -> Result<(), String> {
+        let Some(nats) = self.embedded.as_mut() else { return Ok(()) };
+        let status = match nats.restart_at {
+            None => match nats.server.exit_status() {
+                Some(status) => supervisor::describe(status),
+                None => return Ok(()),
+            },
+            Some(at) if at <= now => {
+                nats.restart_at = None;
+                // Blocks this thread for the server's start-up (normally well under a second); it must be
+                // this thread, the one that lives as long as the job (PR_SET_PDEATHSIG).
+                match nats.server.restart() {
+                    Ok(()) => {
+                        nats.started = Instant::now();
+                        console.say(&format!(
+                            "nats-server restarted on port {} with its JetStream store ({})",
+                            nats.server.port(),
+                            nats.server.root().display()
+                        ));
+                        journal.record("restarted", json!({"service": "nats-server", "pid": nats.server.pid()}));
+                        return Ok(());
+                    }
+                    Err(e) => format!("could not be started: {e}"),
+                }
+            }
+            Some(_) => return Ok(()),
+        };
+        match nats.history.on_failure(policy, nats.started, now) {
+            Verdict::Restart { delay, restarts_in_window } => {
+                nats.restart_at = Some(now + delay);
+                console.say(&format!(
+                    "nats-server (started by jetrl run) {}; restarting it on port {} with its store in {:.1}s",
+                    failure(&status),
+                    nats.server.port(),
+                    delay.as_secs_f64()
+                ));
+                journal.record(
+                    "exit",
+                    json!({"service": "nats-server", "status": status, "action": "restart",
+                           "delay_s": delay.as_secs_f64(), "restarts_in_window": restarts_in_window}),
+                );
+                Ok(())
+            }
+            Verdict::CrashLoop { restarts } => {
+                let log = nats.server.log_path();
+                console.say(&format!(
+                    "nats-server is crash-looping: it {} after {restarts} restarts; the last lines of {}:\n{}",
+                    failure(&status),
+                    log.display(),
+                    supervisor::log_tail(&log, supervisor::LOG_TAIL_LINES)
+                ));
+                journal.record("crash_loop", json!({"service": "nats-server", "status": status, "restarts": restarts}));
+                Err(format!("nats-server is crash-looping ({status})"))
+            }
+        }
+    }
+}
+
+/// `HH:MM:SS` of a wall-clock time, in UTC.
+fn utc_time(t: SystemTime) -> String {
+    let secs = t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()) % 86_400;
+    format!("{:02}:{:02}:{:02}", secs / 3600, secs / 60 % 60, secs % 60)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_time_is_hours_minutes_seconds_of_the_day() {
+        assert_eq!(utc_time(UNIX_EPOCH + Duration::from_secs(86_400 * 3 + 3600 * 13 + 60 * 5 + 9)), "13:05:09");
+    }
+
+    #[test]
+    fn failures_read_as_sentences() {
+        assert_eq!(failure("signal: 9 (SIGKILL)"), "was killed (signal: 9 (SIGKILL))");
+        assert_eq!(failure("exit status: 1"), "exited with exit status: 1");
     }
 }

@@ -21,13 +21,9 @@ pub enum Mode {
     Async,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Strategy {
-    /// evict finished groups with span > threshold and refill as many
-    Drop,
-    /// never evict; block while an in-flight group has span ≥ threshold
-    Wait,
-}
+/// `buffer.max_off_policy_strategy`: `Drop` evicts finished groups with span > threshold and refills as many;
+/// `Wait` never evicts and blocks while an in-flight group has span ≥ threshold.
+pub use jetrl_config::OffPolicyStrategy as Strategy;
 
 /// The buffer's sampling settings (verl `trainer.v1.sampler.*`, `algorithm.filter_groups.*`).
 #[derive(Debug, Clone)]
@@ -46,9 +42,9 @@ impl SamplerConfig {
     pub fn from_job(cfg: &jetrl_config::JobConfig) -> Self {
         let fg = &cfg.algorithm.filter_groups;
         Self {
-            mode: if cfg.trainer.mode == "sync" { Mode::Sync } else { Mode::Async },
+            mode: if cfg.trainer.mode.is_async() { Mode::Async } else { Mode::Sync },
             max_off_policy_threshold: cfg.buffer.max_off_policy_threshold,
-            strategy: if cfg.buffer.max_off_policy_strategy == "wait" { Strategy::Wait } else { Strategy::Drop },
+            strategy: cfg.buffer.max_off_policy_strategy,
             filter_metric: if fg.enable { fg.metric.clone() } else { None },
             sync_refill_failed_groups: cfg.buffer.sync_refill_failed_groups,
             max_inflight: u64::from(fg.max_inflight_gen_batches.max(1)) * u64::from(cfg.data.train_batch_size),
@@ -89,8 +85,6 @@ pub enum Action {
     Refill(u32),
     /// return these groups (oldest submission first); evict `discard` as surplus first
     Answer { selected: Vec<String>, discard: Vec<String> },
-    /// a peek request: this many groups are sampleable (nothing consumed)
-    Count(u32),
     /// nothing to do until an input changes
     Wait,
     /// the request cannot be answered
@@ -220,10 +214,6 @@ pub fn next_action(
     }
     let validation = partition == "val";
     let dapo = if validation { None } else { cfg.filter_metric.as_deref() };
-    if request.peek && batch == 0 {
-        return Action::Count(sampleable_count(state, cfg, request));
-    }
-
     // eviction reasons, from this one view of the state
     let mut evict: Vec<(String, EvictReason)> = Vec::new();
     if !validation {
@@ -283,9 +273,6 @@ pub fn next_action(
                 }
             }
             if enough {
-                if request.peek {
-                    return Action::Count(sampleable.len() as u32);
-                }
                 return answer(state, partition, batch, Vec::new(), validation);
             }
             Action::Wait
@@ -312,9 +299,6 @@ pub fn next_action(
                 }
             }
             if enough && (dapo.is_none() || inflight.is_empty()) {
-                if request.peek {
-                    return Action::Count(sampleable.len() as u32);
-                }
                 let discard = if dapo.is_some() {
                     sampleable.iter().skip(batch).map(|g| g.status.uid.clone()).collect()
                 } else {
@@ -325,32 +309,6 @@ pub fn next_action(
             Action::Wait
         }
     }
-}
-
-/// verl's `get_sampleable_count`: complete groups minus those that sampling would evict (not evicted here).
-fn sampleable_count(state: &BufferState, cfg: &SamplerConfig, request: &SampleRequest) -> u32 {
-    let partition = request.partition.as_str();
-    if partition == "val" {
-        return state.sampleable(partition).len() as u32;
-    }
-    state
-        .sampleable(partition)
-        .into_iter()
-        .filter(|g| {
-            let stale = cfg.mode == Mode::Async
-                && cfg.strategy == Strategy::Drop
-                && g.state() == GroupState::Finished
-                && span(request.step, g.status.submit_step) > cfg.max_off_policy_threshold;
-            let filtered = g.state() == GroupState::Finished
-                && cfg.filter_metric.as_deref().is_some_and(|m| dapo_filtered(g, m).unwrap_or(false));
-            let failed = g.state() == GroupState::Failure
-                && match cfg.mode {
-                    Mode::Async => true,
-                    Mode::Sync => cfg.sync_refill_failed_groups && g.expected.is_empty(),
-                };
-            !(stale || filtered || failed)
-        })
-        .count() as u32
 }
 
 fn answer(state: &BufferState, partition: &str, batch: usize, discard: Vec<String>, validation: bool) -> Action {
@@ -748,17 +706,5 @@ mod tests {
             Action::Fail(m) => assert!(m.contains("nope"), "{m}"),
             other => panic!("{other:?}"),
         }
-    }
-
-    #[test]
-    fn peek_counts_without_consuming_and_excludes_what_sampling_would_evict() {
-        let mut w = World::new();
-        let cfg = asynchronous(Strategy::Drop, 2);
-        w.group("fresh", GroupState::Finished, 4, &[1.0]);
-        w.group("stale", GroupState::Finished, 1, &[1.0]);
-        let peek = SampleRequest { peek: true, ..req(4, 0) };
-        assert_eq!(next_action(&w.state, &cfg, &peek, &mut Progress::default()), Action::Count(1));
-        assert_eq!(w.state.group("train", "stale").unwrap().state(), GroupState::Finished, "not evicted by a count");
-        assert_eq!(w.state.group("train", "fresh").unwrap().state(), GroupState::Finished, "not consumed");
     }
 }

@@ -12,11 +12,12 @@ use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{consume, Bus, BusError, GroupStore};
 use jetrl_config::JobConfig;
 use jetrl_telemetry::Shutdown;
+use jetrl_wire::subjects::{self, Names};
 use jetrl_wire::v1::{
     GroupState, LedgerRequest, LedgerResponse, ReleaseRequest, ReleaseResponse, ReleasedGroups, RewardBatch,
     SampleRequest, SampleResponse,
 };
-use jetrl_wire::{subjects, Message};
+use jetrl_wire::Message;
 
 use crate::sampler::{next_action, Action, EvictReason, Progress, SamplerConfig};
 use crate::state::BufferState;
@@ -57,7 +58,7 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), BufferError> {
     let shutdown = Shutdown::new(shutdown);
-    let bus = Bus::connect(&cfg.nats, "jetrl-replay-buffer").await?;
+    let bus = Bus::connect_job(&cfg, "jetrl-replay-buffer").await?;
     bus.declare_topology().await?;
     let stop = shutdown.clone();
     jetrl_telemetry::serve_metrics(&cfg.buffer.metrics_addr, async move { stop.wait().await }).await?;
@@ -84,6 +85,8 @@ struct Buffer {
     /// per request id: the sample loop's memory (refill credit, metrics) between iterations
     progress: HashMap<String, Progress>,
     waiting: VecDeque<Waiting>,
+    /// the newest trainer incarnation a sample request came from (0: none named yet)
+    incarnation: u64,
     answers: HashMap<String, SampleResponse>,
     answer_order: VecDeque<String>,
     /// the initial replay of the GROUPS bucket is done
@@ -98,17 +101,17 @@ impl Buffer {
     async fn start(bus: Bus, sampler: SamplerConfig) -> Result<Self, BufferError> {
         let groups = GroupStore::open(&bus).await?;
         let empty_bucket = groups.kv().status().await.map(|s| s.values() == 0).map_err(|e| BusError::Kv {
-            bucket: subjects::GROUPS_BUCKET.into(),
+            bucket: groups.kv().name.clone(),
             key: "*".into(),
             message: e.to_string(),
         })?;
-        let mut rewards = bus.stream(subjects::REWARDS_STREAM).await?;
+        let mut rewards = bus.stream(bus.names().rewards_stream()).await?;
         let empty_stream = rewards
             .info()
             .await
             .map(|i| i.state.messages == 0)
-            .map_err(|e| BusError::Consume { what: subjects::REWARDS_STREAM.into(), message: e.to_string() })?;
-        let traj = bus.stream(subjects::TRAJ_STREAM).await?;
+            .map_err(|e| BusError::Consume { what: bus.names().rewards_stream().into(), message: e.to_string() })?;
+        let traj = bus.stream(bus.names().traj_stream()).await?;
         Ok(Self {
             bus,
             groups,
@@ -122,6 +125,7 @@ impl Buffer {
             sampler,
             progress: HashMap::new(),
             waiting: VecDeque::new(),
+            incarnation: 0,
             answers: HashMap::new(),
             answer_order: VecDeque::new(),
             groups_current: empty_bucket,
@@ -131,29 +135,28 @@ impl Buffer {
     }
 
     async fn serve(mut self, shutdown: Shutdown) -> Result<(), BufferError> {
-        let client = self.bus.client().clone();
+        let (client, names) = (self.bus.client().clone(), self.bus.names().clone());
         let sub_err =
             |e: async_nats::SubscribeError| BusError::Consume { what: "subscribe".into(), message: e.to_string() };
-        let mut sample_sub =
-            client.queue_subscribe(subjects::BUFFER_SAMPLE, "replay-buffer".into()).await.map_err(sub_err)?;
-        let mut release_sub =
-            client.queue_subscribe(subjects::BUFFER_RELEASE, "replay-buffer".into()).await.map_err(sub_err)?;
-        let mut ledger_sub =
-            client.queue_subscribe(subjects::BUFFER_LEDGER, "replay-buffer".into()).await.map_err(sub_err)?;
+        let subscribe = |subject: &str| client.queue_subscribe(subject.to_string(), "replay-buffer".into());
+        let mut sample_sub = subscribe(names.buffer_sample()).await.map_err(sub_err)?;
+        let mut release_sub = subscribe(names.buffer_release()).await.map_err(sub_err)?;
+        let mut ledger_sub = subscribe(names.buffer_ledger()).await.map_err(sub_err)?;
         let mut watch = self.groups.watch().await?;
-        let rewards_stream = self.bus.stream(subjects::REWARDS_STREAM).await?;
+        let rewards_stream = self.bus.stream(names.rewards_stream()).await?;
+        let rewards_err = |e: &dyn std::fmt::Display| BusError::Consume {
+            what: names.rewards_stream().into(),
+            message: e.to_string(),
+        };
         let ordered = rewards_stream
             .create_consumer(consumer::pull::OrderedConfig {
-                filter_subject: format!("{}.>", subjects::REWARDS_SUBJECT),
+                filter_subject: names.rewards_filter(),
                 deliver_policy: DeliverPolicy::All,
                 ..Default::default()
             })
             .await
-            .map_err(|e| BusError::Consume { what: subjects::REWARDS_STREAM.into(), message: e.to_string() })?;
-        let mut rewards = ordered
-            .messages()
-            .await
-            .map_err(|e| BusError::Consume { what: subjects::REWARDS_STREAM.into(), message: e.to_string() })?;
+            .map_err(|e| rewards_err(&e))?;
+        let mut rewards = ordered.messages().await.map_err(|e| rewards_err(&e))?;
         tracing::info!("replay buffer serving");
         let mut gauge_tick = tokio::time::interval(Duration::from_secs(1));
         loop {
@@ -183,7 +186,7 @@ impl Buffer {
                                     self.state.apply_group_at(status, entry.revision);
                                 }
                                 Some(Err(err)) => {
-                                    consume::count_malformed(SERVICE, subjects::GROUPS_BUCKET);
+                                    consume::count_malformed(SERVICE, names.groups_bucket());
                                     tracing::error!(key = %entry.key, error = %err, "malformed group record ignored");
                                 }
                                 None => {
@@ -237,18 +240,18 @@ impl Buffer {
     /// A message of the REWARDS stream: a reward batch (indexed), or a release marker. Returns whether it could
     /// let a waiting request be answered.
     fn on_rewards_message(&mut self, msg: &async_nats::jetstream::Message, seq: u64) -> bool {
-        if msg.subject.as_str() == subjects::RELEASED_SUBJECT {
+        if msg.subject.as_str() == self.bus.names().released_subject() {
             match ReleasedGroups::decode(msg.payload.as_ref()) {
                 Ok(marker) => {
                     // Live, this buffer released these groups itself and this finds none of them. After a
                     // restart it retires them, and purges their payloads again in case that was cut short.
                     let released = self.state.apply_release_marker(&marker.groups);
                     if !released.is_empty() {
-                        tokio::spawn(purge_payloads(self.traj.clone(), released));
+                        tokio::spawn(purge_payloads(self.traj.clone(), self.bus.names().clone(), released));
                     }
                 }
                 Err(err) => {
-                    consume::count_malformed(SERVICE, subjects::REWARDS_STREAM);
+                    consume::count_malformed(SERVICE, self.bus.names().rewards_stream());
                     tracing::error!(subject = %msg.subject, error = %err, "malformed release marker ignored");
                 }
             }
@@ -265,7 +268,7 @@ impl Buffer {
                 }
             }
             Err(err) => {
-                consume::count_malformed(SERVICE, subjects::REWARDS_STREAM);
+                consume::count_malformed(SERVICE, self.bus.names().rewards_stream());
                 tracing::error!(subject = %msg.subject, error = %err, "malformed reward batch ignored");
             }
         }
@@ -302,15 +305,17 @@ impl Buffer {
             return;
         }
         let (rewards, purged_below) = (self.rewards.clone(), Arc::clone(&self.rewards_purged_below));
+        let (batches, markers) =
+            (self.bus.names().reward_batches_filter(), self.bus.names().released_subject().to_string());
         self.rewards_purge = Some(tokio::spawn(async move {
-            match rewards.purge().filter(subjects::REWARD_BATCHES_FILTER).sequence(floor).await {
+            match rewards.purge().filter(batches).sequence(floor).await {
                 Ok(purged) => {
                     metrics::counter!("jetrl_buffer_purged_reward_messages_total").increment(purged.purged);
                     purged_below.store(floor, Ordering::Relaxed);
                 }
                 Err(err) => tracing::warn!(floor, error = %err, "rewards below the floor not purged; retrying"),
             }
-            if let Err(err) = rewards.purge().filter(subjects::RELEASED_SUBJECT).keep(MARKERS_KEPT).await {
+            if let Err(err) = rewards.purge().filter(markers).keep(MARKERS_KEPT).await {
                 tracing::warn!(error = %err, "old release markers not purged");
             }
         }));
@@ -319,13 +324,34 @@ impl Buffer {
     fn on_sample_request(&mut self, msg: async_nats::Message) {
         let Some(reply) = msg.reply.clone() else { return };
         match SampleRequest::decode(msg.payload.as_ref()) {
+            Ok(request) if request.incarnation != 0 && request.incarnation < self.incarnation => {
+                tracing::warn!(
+                    request_id = %request.request_id,
+                    incarnation = request.incarnation,
+                    newest = self.incarnation,
+                    "sample request from a superseded trainer incarnation refused"
+                );
+                let response = SampleResponse {
+                    request_id: request.request_id.clone(),
+                    error: format!(
+                        "trainer incarnation {} is superseded by {} (a newer trainer holds the job)",
+                        request.incarnation, self.incarnation
+                    ),
+                    ..Default::default()
+                };
+                let client = self.bus.client().clone();
+                tokio::spawn(async move { client.publish(reply, response.encode_to_vec().into()).await });
+            }
             Ok(request) => {
+                if request.incarnation > self.incarnation {
+                    self.supersede_incarnations_below(request.incarnation);
+                }
                 let wait = Duration::from_millis(u64::from(request.wait_ms.max(1)));
                 let now = Instant::now();
                 self.waiting.push_back(Waiting { request, reply, deadline: now + wait, received: now });
             }
             Err(err) => {
-                consume::count_malformed(SERVICE, subjects::BUFFER_SAMPLE);
+                consume::count_malformed(SERVICE, self.bus.names().buffer_sample());
                 tracing::error!(subject = %msg.subject, error = %err, "malformed sample request");
                 let response =
                     SampleResponse { error: format!("malformed SampleRequest: {err}"), ..Default::default() };
@@ -333,6 +359,26 @@ impl Buffer {
                 tokio::spawn(async move { client.publish(reply, response.encode_to_vec().into()).await });
             }
         }
+    }
+
+    /// A newer trainer holds the job: the waiting requests of older incarnations are dropped unanswered (their
+    /// sender is gone; groups handed to them would never be trained on, nor given to the new trainer).
+    fn supersede_incarnations_below(&mut self, incarnation: u64) {
+        let (stale, keep): (Vec<_>, Vec<_>) =
+            self.waiting.drain(..).partition(|w| w.request.incarnation != 0 && w.request.incarnation < incarnation);
+        self.waiting = keep.into();
+        for w in &stale {
+            self.progress.remove(&w.request.request_id);
+        }
+        if self.incarnation != 0 || !stale.is_empty() {
+            tracing::info!(
+                incarnation,
+                previous = self.incarnation,
+                dropped_requests = stale.len(),
+                "a new trainer incarnation; requests of older ones dropped"
+            );
+        }
+        self.incarnation = incarnation;
     }
 
     /// Answers every waiting request that can be answered now, in arrival order.
@@ -368,15 +414,6 @@ impl Buffer {
     /// incarnation already consumed for it (retry after a restart), or the sampling policy's verdict
     /// (which may first evict groups and ask the trainer for refills).
     async fn try_answer(&mut self, request: &SampleRequest) -> Option<SampleResponse> {
-        if request.peek {
-            // peeks consume nothing, so they are neither remembered nor found by request id
-            let mut progress = self.progress.remove(&request.request_id).unwrap_or_default();
-            let response = self.run_policy(request, &mut progress).await;
-            if response.as_ref().is_none_or(|r| r.not_ready) {
-                self.progress.insert(request.request_id.clone(), progress);
-            }
-            return response;
-        }
         if let Some(previous) = self.answers.get(&request.request_id) {
             return Some(previous.clone());
         }
@@ -404,7 +441,7 @@ impl Buffer {
             }
             match next_action(&self.state, &self.sampler, request, progress) {
                 Action::Evict(evicted) => {
-                    let done = self.evict(&request.partition, &evicted).await;
+                    let done = self.evict(&request.partition, request.step, &evicted).await;
                     progress.record_eviction(&done);
                 }
                 Action::Refill(n) => {
@@ -421,7 +458,7 @@ impl Buffer {
                 Action::Answer { selected, discard } => {
                     let surplus: Vec<(String, EvictReason)> =
                         discard.into_iter().map(|uid| (uid, EvictReason::DiscardedSurplus)).collect();
-                    let done = self.evict(&request.partition, &surplus).await;
+                    let done = self.evict(&request.partition, request.step, &surplus).await;
                     progress.record_eviction(&done);
                     match self.consume(request, &selected).await {
                         Some(uids) => {
@@ -432,13 +469,6 @@ impl Buffer {
                         }
                         None => return None,
                     }
-                }
-                Action::Count(n) => {
-                    return Some(SampleResponse {
-                        request_id: request.request_id.clone(),
-                        sampleable: n,
-                        ..Default::default()
-                    })
                 }
                 Action::Wait => return None,
                 Action::Fail(error) => {
@@ -454,7 +484,12 @@ impl Buffer {
     }
 
     /// Marks groups evicted (CAS), locally too; returns those actually evicted.
-    async fn evict(&mut self, partition: &str, groups: &[(String, EvictReason)]) -> Vec<(String, EvictReason)> {
+    async fn evict(
+        &mut self,
+        partition: &str,
+        step: u64,
+        groups: &[(String, EvictReason)],
+    ) -> Vec<(String, EvictReason)> {
         // Owned inputs (no borrowed closure arguments) keep this future `Send` for every lifetime.
         let jobs: Vec<(GroupStore, String, String, &'static str)> = groups
             .iter()
@@ -462,7 +497,7 @@ impl Buffer {
             .collect();
         let results = futures::future::join_all(
             jobs.into_iter()
-                .map(|(store, partition, uid, label)| async move { store.evict(&partition, &uid, label).await }),
+                .map(|(store, partition, uid, label)| async move { store.evict(&partition, &uid, label, step).await }),
         )
         .await;
         let mut done = Vec::new();
@@ -480,7 +515,7 @@ impl Buffer {
         // ones do, in the background.
         if !done.is_empty() {
             let evicted = done.iter().map(|(uid, _)| (partition.to_string(), uid.clone(), 0)).collect();
-            tokio::spawn(purge_payloads(self.traj.clone(), evicted));
+            tokio::spawn(purge_payloads(self.traj.clone(), self.bus.names().clone(), evicted));
         }
         done
     }
@@ -513,6 +548,8 @@ impl Buffer {
         for uid in &confirmed {
             self.state.mark_sampled(&request.partition, uid, request.step, &request.request_id);
         }
+        // fault injection (inert unless JETRL_CRASH_AT names it): groups marked sampled, the trainer not answered
+        jetrl_telemetry::crash::crash_point("buffer.mid_sample", request.step);
         (confirmed.len() == selected.len()).then_some(confirmed)
     }
 
@@ -558,7 +595,7 @@ impl Buffer {
         let request = match ReleaseRequest::decode(msg.payload.as_ref()) {
             Ok(r) => r,
             Err(err) => {
-                consume::count_malformed(SERVICE, subjects::BUFFER_RELEASE);
+                consume::count_malformed(SERVICE, self.bus.names().buffer_release());
                 let response =
                     ReleaseResponse { error: format!("malformed ReleaseRequest: {err}"), ..Default::default() };
                 self.reply(&reply, &response).await;
@@ -575,7 +612,7 @@ impl Buffer {
         // The index is gone; the payload purge runs in the background so the trainer's step never waits
         // on storage. A purge that did not happen (a crash) leaves bytes behind for the streams' max age,
         // never a group that can be sampled again (its record says sampled); a restart purges again.
-        tokio::spawn(purge_payloads(self.traj.clone(), groups));
+        tokio::spawn(purge_payloads(self.traj.clone(), self.bus.names().clone(), groups));
         let response = ReleaseResponse { released_trajectories: released as u64, error: String::new() };
         self.reply(&reply, &response).await;
     }
@@ -594,8 +631,8 @@ impl Buffer {
             request_ids: request.request_ids.clone(),
             groups: groups.iter().map(|(partition, uid, _)| subjects::group_key(partition, uid)).collect(),
         };
-        if let Err(err) = self.bus.publish_durable(Outgoing::protobuf(subjects::RELEASED_SUBJECT, None, &marker)).await
-        {
+        let subject = self.bus.names().released_subject();
+        if let Err(err) = self.bus.publish_durable(Outgoing::protobuf(subject, None, &marker)).await {
             tracing::error!(step = request.step, error = %err, "release marker not stored");
             metrics::counter!("jetrl_buffer_release_marker_errors_total").increment(1);
         }
@@ -613,7 +650,7 @@ impl Buffer {
                 }
             }
             Err(err) => {
-                consume::count_malformed(SERVICE, subjects::BUFFER_LEDGER);
+                consume::count_malformed(SERVICE, self.bus.names().buffer_ledger());
                 LedgerResponse { error: format!("malformed LedgerRequest: {err}"), ..Default::default() }
             }
         };
@@ -633,13 +670,16 @@ impl Buffer {
     }
 }
 
-/// Purges released (or evicted) groups' payloads: one TRAJ subject per group (`jetrl.traj.<partition>.<uid>`), so
-/// a whole group goes in one request, many requests in flight. `groups` are (partition, uid, trajectories
+/// Purges released (or evicted) groups' payloads: one TRAJ subject per group (`jetrl.<ns>.traj.<partition>.<uid>`),
+/// so a whole group goes in one request, many requests in flight. `groups` are (partition, uid, trajectories
 /// released). Their rewards go with the floor purge ([`Buffer::purge_rewards`]).
-async fn purge_payloads(traj: async_nats::jetstream::stream::Stream, groups: Vec<(String, String, usize)>) {
+async fn purge_payloads(
+    traj: async_nats::jetstream::stream::Stream,
+    names: Names,
+    groups: Vec<(String, String, usize)>,
+) {
     let trajectories: usize = groups.iter().map(|g| g.2).sum();
-    let subjects: Vec<String> =
-        groups.iter().map(|(partition, uid, _)| subjects::traj_subject(partition, uid)).collect();
+    let subjects: Vec<String> = groups.iter().map(|(partition, uid, _)| names.traj_subject(partition, uid)).collect();
     futures::stream::iter(subjects.into_iter().map(|subject| {
         let traj = traj.clone();
         async move {

@@ -13,8 +13,9 @@ use jetrl_bus::{consume, score, Bus, BusError, Publisher};
 use jetrl_reward::{RewardEngine, ScoreInput, ScoreOutcome, FAILURES_METRIC};
 use jetrl_wire::keys::TrajectoryKey;
 use jetrl_wire::score::{prompt_len, response_len};
+use jetrl_wire::subjects::{self, Names};
 use jetrl_wire::v1::{Reward, RewardBatch, ScoreRequest, Trajectory};
-use jetrl_wire::{subjects, Message};
+use jetrl_wire::Message;
 
 use crate::prompt::PromptSource;
 use crate::pull::{LeaseId, Leases, Pulled, Room};
@@ -65,7 +66,7 @@ impl BatchContext {
     async fn answered_since(&self, since: async_nats::datetime::DateTime) -> HashSet<String> {
         let mut found = HashSet::new();
         let config = OrderedConfig {
-            filter_subject: subjects::REWARD_BATCHES_FILTER.into(),
+            filter_subject: self.bus.names().reward_batches_filter(),
             deliver_policy: DeliverPolicy::ByStartTime { start_time: since },
             headers_only: true,
             ..Default::default()
@@ -235,10 +236,10 @@ async fn decode(context: &BatchContext, held: Pulled) -> Item {
             Item::Decoded { held, request, id }
         }
         Err(err) => {
-            consume::count_malformed(SERVICE, subjects::SCORE_STREAM);
+            consume::count_malformed(SERVICE, context.bus.names().score_stream());
             metrics::counter!(FAILURES_METRIC, "reason" => "malformed_score_request").increment(1);
             tracing::error!(subject = %held.msg.subject, error = %err, "malformed score request terminated");
-            let batch = match subjects::parse_group_subject(&held.msg.subject) {
+            let batch = match context.bus.names().parse_group_subject(&held.msg.subject) {
                 Some((partition, uid)) => {
                     let rewards =
                         context.failed_group(partition, uid, &format!("malformed score request: {err}")).await;
@@ -256,7 +257,7 @@ impl BatchContext {
     /// Failure rewards for every trajectory of group `uid` stored in TRAJ (found by subject, keyed by their
     /// `Nats-Msg-Id`): what a group whose score request cannot be read gets instead of scores.
     async fn failed_group(&self, partition: &str, uid: &str, reason: &str) -> Vec<Reward> {
-        let subject = subjects::traj_subject(partition, uid);
+        let subject = self.bus.names().traj_subject(partition, uid);
         stored_ids(&self.trajectories, &subject, MAX_TRAJECTORIES_PER_GROUP)
             .await
             .into_iter()
@@ -309,7 +310,7 @@ fn chunked<T>(items: Vec<T>, size: usize) -> Vec<Vec<T>> {
 /// Publishes the rewards of the whole micro-batch, one message per partition (split past
 /// [`MAX_MESSAGE_BYTES`]), each naming the requests it answers, pipelined, and waits until all are stored.
 async fn publish(bus: &Bus, items: &mut [Item], outcomes: Vec<ScoreOutcome>) -> Result<(), BusError> {
-    let mut messages = RewardMessages::default();
+    let mut messages = RewardMessages::new(bus.names());
     let mut outcomes = outcomes.into_iter();
     for item in items.iter_mut() {
         match item {
@@ -333,6 +334,8 @@ async fn publish(bus: &Bus, items: &mut [Item], outcomes: Vec<ScoreOutcome>) -> 
         }
     }
     let outgoing = messages.finish();
+    // fault injection (inert unless JETRL_CRASH_AT names it): scored, nothing published or acknowledged yet
+    jetrl_telemetry::crash::crash_point("reward.mid_batch", 0);
     let mut publisher = Publisher::new(bus, outgoing.len().max(1));
     for message in outgoing {
         publisher.publish(message).await?;
@@ -343,14 +346,18 @@ async fn publish(bus: &Bus, items: &mut [Item], outcomes: Vec<ScoreOutcome>) -> 
 
 /// The reward messages of one micro-batch being built: per partition, the open message's rewards and the ids of
 /// the requests they answer.
-#[derive(Default)]
-struct RewardMessages {
+struct RewardMessages<'a> {
+    names: &'a Names,
     /// by partition: the open message's rewards, the requests they answer, and its encoded size so far
     open: BTreeMap<String, (RewardBatch, Vec<String>, usize)>,
     closed: Vec<Outgoing>,
 }
 
-impl RewardMessages {
+impl<'a> RewardMessages<'a> {
+    fn new(names: &'a Names) -> Self {
+        Self { names, open: BTreeMap::new(), closed: Vec::new() }
+    }
+
     /// Adds the rewards of request `id` (all to one message).
     fn add(&mut self, partition: &str, id: &str, rewards: Vec<Reward>) {
         if rewards.is_empty() {
@@ -365,14 +372,14 @@ impl RewardMessages {
         *bytes += id.len() + 1;
         if *bytes >= MAX_MESSAGE_BYTES {
             let (batch, ids, _) = std::mem::take(self.open.get_mut(partition).expect("just added"));
-            self.closed.push(score::reward_message(partition, &batch, &ids));
+            self.closed.push(score::reward_message(self.names, partition, &batch, &ids));
         }
     }
 
     fn finish(mut self) -> Vec<Outgoing> {
         for (partition, (batch, ids, _)) in std::mem::take(&mut self.open) {
             if !ids.is_empty() {
-                self.closed.push(score::reward_message(&partition, &batch, &ids));
+                self.closed.push(score::reward_message(self.names, &partition, &batch, &ids));
             }
         }
         self.closed
@@ -507,24 +514,29 @@ mod tests {
 
     #[test]
     fn a_micro_batch_goes_out_as_one_message_per_partition_naming_its_requests() {
-        let mut messages = RewardMessages::default();
+        let names = Names::new("job-a").unwrap();
+        let mut messages = RewardMessages::new(&names);
         messages.add("train", "a.2.1", rewards("a", "train", 2, 0));
         messages.add("val", "v.1.1", rewards("v", "val", 1, 0));
         messages.add("train", "b.2.1", rewards("b", "train", 2, 0));
         messages.add("train", "empty.0.1", Vec::new());
         let out = messages.finish();
         assert_eq!(out.len(), 2);
-        assert_eq!(out[0].subject, "jetrl.rewards.train.batch");
+        assert_eq!(out[0].subject, "jetrl.job-a.rewards.train.batch");
         assert_eq!(requests_of(&out[0]), ["a.2.1", "b.2.1"]);
         assert_eq!(RewardBatch::decode(out[0].payload.clone()).unwrap().rewards.len(), 4);
         assert_eq!(out[0].msg_id, Some(jetrl_wire::score::reward_batch_id(&["a.2.1", "b.2.1"])));
-        assert_eq!((out[1].subject.as_str(), requests_of(&out[1])), ("jetrl.rewards.val.batch", vec!["v.1.1".into()]));
+        assert_eq!(
+            (out[1].subject.as_str(), requests_of(&out[1])),
+            ("jetrl.job-a.rewards.val.batch", vec!["v.1.1".into()])
+        );
         assert_eq!(out[1].msg_id.as_deref(), Some("v.1.1"), "one request: its own id, as before batching");
     }
 
     #[test]
     fn a_message_is_closed_past_its_size_limit_and_a_request_is_never_split() {
-        let mut messages = RewardMessages::default();
+        let names = Names::new("job-a").unwrap();
+        let mut messages = RewardMessages::new(&names);
         // 8 rewards of ~40 KiB: each request is ~320 KiB, so two fill a message past 512 KiB
         for uid in ["a", "b", "c"] {
             messages.add("train", &format!("{uid}.8.1"), rewards(uid, "train", 8, 40 * 1024));

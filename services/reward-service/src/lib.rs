@@ -18,7 +18,7 @@
 //!   moment it arrives until it is acknowledged, so a slow scorer never has its request redelivered to another
 //!   instance while it works.
 //! - [`batch`]: decodes a micro-batch, scores it with [`jetrl_reward::RewardEngine`], publishes one
-//!   [`RewardBatch`] per partition for the whole micro-batch on `jetrl.rewards.<partition>.batch`, naming the
+//!   [`RewardBatch`] per partition for the whole micro-batch on `jetrl.<ns>.rewards.<partition>.batch`, naming the
 //!   requests it answers in its `Jetrl-Score-Requests` header, and acknowledges the requests only once it is
 //!   durable. Several micro-batches are in flight at once.
 //! - [`prompt`]: what a reward model or a user function reads as the prompt: the trajectory's chat messages, or
@@ -92,7 +92,7 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), RewardServiceError> {
     let shutdown = Shutdown::new(shutdown);
-    let bus = Bus::connect(&cfg.nats, "jetrl-reward-service").await?;
+    let bus = Bus::connect_job(&cfg, "jetrl-reward-service").await?;
     bus.declare_topology().await?;
     let stop = shutdown.clone();
     jetrl_telemetry::serve_metrics(&cfg.reward.metrics_addr, async move { stop.wait().await }).await?;
@@ -101,9 +101,9 @@ pub async fn run(
     let ack_wait = Duration::from_secs_f64(cfg.reward.ack_wait_s.max(1.0));
     let consumer = bus
         .shared_pull_consumer(
-            subjects::SCORE_STREAM,
+            bus.names().score_stream(),
             subjects::REWARD_CONSUMER,
-            &format!("{}.>", subjects::SCORE_SUBJECT),
+            &bus.names().score_filter(),
             ack_wait,
             100_000,
         )
@@ -112,10 +112,10 @@ pub async fn run(
     let batch_size = cfg.reward.batch_size.max(1) as usize;
     let (leases, renewal) = Leases::start(bus.client().clone(), ack_wait);
     let (puller, mut pulled) = Puller::start(consumer.clone(), max_inflight, leases.clone(), shutdown.clone());
-    tokio::spawn(watch_consumer(consumer, bus.stream(subjects::SCORE_STREAM).await?, shutdown.clone()));
+    tokio::spawn(watch_consumer(consumer, bus.stream(bus.names().score_stream()).await?, shutdown.clone()));
     let context = Arc::new(BatchContext {
-        rewards: bus.stream(subjects::REWARDS_STREAM).await?,
-        trajectories: bus.stream(subjects::TRAJ_STREAM).await?,
+        rewards: bus.stream(bus.names().rewards_stream()).await?,
+        trajectories: bus.stream(bus.names().traj_stream()).await?,
         batch_size,
         prompts: PromptSource::new(&cfg, &engine),
         bus,

@@ -1,6 +1,8 @@
 //! A running service exports scores by data source, scorer latency, failures by reason and queue lag on
 //! `/metrics`. (Its own test binary: the Prometheus recorder is process-wide.)
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use std::time::Duration;

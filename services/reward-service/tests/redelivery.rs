@@ -1,6 +1,8 @@
 //! A score request redelivered after its rewards were stored (the instance that scored it died before
 //! acknowledging) is acknowledged without being scored again, whatever the de-duplication window.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use std::time::{Duration, Instant};
@@ -12,9 +14,7 @@ use jetrl_wire::v1::{Reward, RewardBatch};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redelivered_request_whose_rewards_are_stored_is_acknowledged_without_scoring_again() {
-    if !common::python3_available() {
-        return;
-    }
+    common::require_python3();
     let harness = Harness::start().await;
     let ids = harness
         .publish(&[
@@ -34,13 +34,14 @@ async fn redelivered_request_whose_rewards_are_stored_is_acknowledged_without_sc
     };
     let batch =
         RewardBatch { rewards: vec![earlier, Reward { key: "done_1_0".into(), score: 0.5, ..Reward::default() }] };
-    let stored = jetrl_bus::score::reward_message("train", &batch, &[ids["done"].clone()]);
+    let stored = jetrl_bus::score::reward_message(harness.bus.names(), "train", &batch, &[ids["done"].clone()]);
     harness.bus.publish_durable(stored).await.expect("rewards");
     // That instance had received both requests: delivered once, never acknowledged.
     let ack_wait = Duration::from_secs(1);
+    let names = harness.bus.names();
     let consumer = harness
         .bus
-        .shared_pull_consumer(subjects::SCORE_STREAM, subjects::REWARD_CONSUMER, "jetrl.score.>", ack_wait, 100_000)
+        .shared_pull_consumer(names.score_stream(), subjects::REWARD_CONSUMER, &names.score_filter(), ack_wait, 100_000)
         .await
         .expect("consumer");
     let first_delivery = consume::pull_collect(&consumer, 2, Duration::from_secs(2)).await.expect("pull");
@@ -57,7 +58,7 @@ async fn redelivered_request_whose_rewards_are_stored_is_acknowledged_without_sc
         let _ = stopped.await;
     }));
     harness.wait_for_rewards(4, Duration::from_secs(30)).await;
-    let stream = harness.bus.stream(subjects::SCORE_STREAM).await.expect("SCORE");
+    let stream = harness.bus.stream(names.score_stream()).await.expect("SCORE");
     let started = Instant::now();
     loop {
         let mut consumer = stream
@@ -74,7 +75,7 @@ async fn redelivered_request_whose_rewards_are_stored_is_acknowledged_without_sc
     // acknowledged requests are purged from SCORE (in bulk, below the consumer's ack floor)
     let started = Instant::now();
     loop {
-        let info = harness.bus.stream(subjects::SCORE_STREAM).await.expect("SCORE").get_info().await.expect("info");
+        let info = harness.bus.stream(names.score_stream()).await.expect("SCORE").get_info().await.expect("info");
         if info.state.messages == 0 {
             break;
         }

@@ -3,6 +3,8 @@
 //! the policy tokenizer), and without any tokenizer (the response alone). The model is an HTTP server written
 //! here; the tokenizers are `shared/tokenizer`'s word-level fixture (ChatML with a BOS).
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use std::sync::{Arc, Mutex};

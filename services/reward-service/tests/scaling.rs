@@ -1,6 +1,8 @@
 //! Several reward-service processes on one durable consumer of score requests: the work is shared and every
 //! trajectory is scored once; a process killed mid-batch loses nothing and duplicates nothing.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use std::collections::HashMap;
@@ -12,7 +14,7 @@ use jetrl_wire::subjects;
 /// Waits until `count` pull requests of the reward consumer are waiting at the server, i.e. that many instances
 /// are up and asking for work.
 async fn wait_for_waiting_pulls(harness: &Harness, count: usize) {
-    let stream = harness.bus.stream(subjects::SCORE_STREAM).await.expect("SCORE");
+    let stream = harness.bus.stream(harness.bus.names().score_stream()).await.expect("SCORE");
     let started = Instant::now();
     loop {
         if let Ok(mut consumer) =
@@ -62,9 +64,7 @@ async fn two_processes_share_the_work_and_score_every_trajectory_exactly_once() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn process_killed_mid_batch_and_restarted_leaves_exactly_one_reward_per_trajectory() {
-    if !common::python3_available() {
-        return;
-    }
+    common::require_python3();
     let harness = Harness::start().await;
     // 0.3 s per call of two trajectories (one group), at most two groups held: the process is almost always in
     // the middle of a batch.

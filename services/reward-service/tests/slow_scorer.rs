@@ -2,6 +2,8 @@
 //! acks, from the moment it arrives (also while it waits for the function) until it is acknowledged, so no
 //! request is redelivered to the other instance and scored twice.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use std::time::Duration;
@@ -10,9 +12,7 @@ use common::Harness;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scorer_slower_than_ack_wait_scores_each_trajectory_once_across_two_instances() {
-    if !common::python3_available() {
-        return;
-    }
+    common::require_python3();
     let harness = Harness::start().await;
     // Each call takes 2.5 s, against an ack_wait of 1 s; an instance holds 2 groups of 2 trajectories (one call
     // each), so the second waits 2.5 s for the single function process before it is even handed over.

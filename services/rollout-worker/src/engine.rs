@@ -1,17 +1,24 @@
 //! The engine thread. libtorch stays off the async reactor: [`jetrl_model::Engine`] lives on one dedicated thread
 //! fed by a bounded channel, and steps while it holds work. Between two decode steps the thread takes new
-//! requests (they join the running batch), weight swaps (running sequences continue under the new version) and
-//! aborts; a request whose receiver was dropped (its task was cancelled) is aborted so its rows free up at once.
+//! requests (they join the running batch), weight swaps (running sequences continue under the new version),
+//! aborts, and pause / resume; a request whose receiver was dropped (its task was cancelled) is aborted so its
+//! rows free up at once.
+//!
+//! Pause and resume are the co-located worker's half of colocate_async: [`EngineHandle::pause`] aborts every
+//! sequence keeping what it generated (the *prefix*), optionally frees the KV cache so the trainer can use the
+//! memory, and holds new requests; [`EngineHandle::resume`] loads the new weights and resubmits each parked
+//! sequence from its prefix (with its own random stream, so a seeded sequence draws what it would have drawn
+//! uninterrupted). The callers awaiting a [`Generation`] see nothing of it but the version span of their outputs.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use jetrl_model::engine::Detokenizer;
-use jetrl_model::{CausalLm, DType, Engine, EngineConfig, Request, RequestId, SequenceOutput};
+use jetrl_model::{CausalLm, DType, Engine, EngineConfig, Prefix, Request, RequestId, Sampling, SequenceOutput};
+use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::{mpsc, oneshot};
 
 /// Why the engine could not serve a request.
@@ -25,6 +32,8 @@ pub enum EngineError {
     Step(String),
     #[error("weight swap to version {version}: {message}")]
     Swap { version: u64, message: String },
+    #[error("pause: {0}")]
+    Pause(String),
     #[error("the engine thread has stopped")]
     Stopped,
 }
@@ -37,6 +46,7 @@ impl EngineError {
             EngineError::Request(_) => "request",
             EngineError::Step(_) => "step",
             EngineError::Swap { .. } => "swap",
+            EngineError::Pause(_) => "pause",
             EngineError::Stopped => "stopped",
         }
     }
@@ -45,8 +55,8 @@ impl EngineError {
 /// Where the model comes from and the engine's budget.
 pub struct EngineSettings {
     pub model_dir: PathBuf,
-    pub device: String,
-    pub dtype: String,
+    pub device: jetrl_config::DeviceSpec,
+    pub dtype: jetrl_config::ModelDtype,
     pub config: EngineConfig,
     /// For stop strings.
     pub detokenizer: Option<Detokenizer>,
@@ -62,6 +72,8 @@ struct Load {
     kv_usage_ppm: AtomicU64,
     /// generated tokens per second over the last window, as f64 bits
     tokens_per_s: AtomicU64,
+    /// microseconds the thread spent with nothing to decode (idle or paused) since it started
+    idle_us: AtomicU64,
 }
 
 /// A snapshot of [`Load`].
@@ -72,6 +84,17 @@ pub struct LoadSnapshot {
     pub waiting: u64,
     pub kv_usage: f64,
     pub tokens_per_s: f64,
+    /// seconds without anything to decode since the engine started
+    pub idle_seconds: f64,
+}
+
+/// What a pause did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Parked {
+    /// sequences aborted and kept to be resumed
+    pub sequences: usize,
+    /// tokens their prefixes hold
+    pub tokens: u64,
 }
 
 type Results = mpsc::Sender<Result<SequenceOutput, EngineError>>;
@@ -80,12 +103,14 @@ enum Command {
     Submit { id: RequestId, request: Request, results: Results },
     Abort { id: RequestId, reply: oneshot::Sender<Vec<SequenceOutput>> },
     Swap { bytes: bytes::Bytes, version: u64, reply: oneshot::Sender<Result<(), EngineError>> },
+    Pause { free_cache: bool, reply: oneshot::Sender<Result<Parked, EngineError>> },
+    Resume { weights: Option<(bytes::Bytes, u64)>, reply: oneshot::Sender<Result<usize, EngineError>> },
 }
 
 /// Cloneable handle to the engine thread.
 #[derive(Clone)]
 pub struct EngineHandle {
-    tx: SyncSender<Command>,
+    tx: mpsc::Sender<Command>,
     next_id: Arc<AtomicU64>,
     load: Arc<Load>,
     slots: usize,
@@ -133,10 +158,9 @@ impl Generation {
 impl EngineHandle {
     /// Loads the model on a new thread and allocates the KV cache; returns once it is ready (or failed).
     pub fn start(settings: EngineSettings) -> Result<Self, EngineError> {
-        let device = jetrl_model::parse_device(&settings.device).map_err(|e| EngineError::Load(e.to_string()))?;
-        let dtype: DType =
-            settings.dtype.parse().map_err(|e: jetrl_model::ModelError| EngineError::Load(e.to_string()))?;
-        let (tx, rx) = sync_channel::<Command>(1024);
+        let device = jetrl_model::resolve_device(settings.device).map_err(|e| EngineError::Load(e.to_string()))?;
+        let dtype = DType::from(settings.dtype);
+        let (tx, rx) = mpsc::channel::<Command>(1024);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let load = Arc::new(Load::default());
         let thread_load = load.clone();
@@ -157,7 +181,7 @@ impl EngineHandle {
                             None => engine,
                         };
                         let _ = ready_tx.send(Ok((engine.slots(), engine.config().max_model_len, kv_bytes)));
-                        engine_loop(engine, rx, thread_load);
+                        EngineThread::new(engine, thread_load).run(rx);
                     }
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
@@ -195,6 +219,22 @@ impl EngineHandle {
         rx.await.map_err(|_| EngineError::Stopped)?
     }
 
+    /// Aborts every sequence keeping its prefix, frees the KV cache when asked, and holds all requests (new ones
+    /// queue) until [`EngineHandle::resume`].
+    pub async fn pause(&self, free_cache: bool) -> Result<Parked, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Pause { free_cache, reply }).await?;
+        rx.await.map_err(|_| EngineError::Stopped)?
+    }
+
+    /// Loads `weights` (a blob and its version) if given, then continues every parked sequence from its prefix;
+    /// returns how many were resumed. Resuming an engine that is not paused is a no-op apart from the load.
+    pub async fn resume(&self, weights: Option<(bytes::Bytes, u64)>) -> Result<usize, EngineError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Resume { weights, reply }).await?;
+        rx.await.map_err(|_| EngineError::Stopped)?
+    }
+
     /// The weight version new tokens are sampled under.
     pub fn version(&self) -> u64 {
         self.load.version.load(Ordering::SeqCst)
@@ -216,28 +256,24 @@ impl EngineHandle {
             waiting: self.load.waiting.load(Ordering::Relaxed),
             kv_usage: self.load.kv_usage_ppm.load(Ordering::Relaxed) as f64 / 1e6,
             tokens_per_s: f64::from_bits(self.load.tokens_per_s.load(Ordering::Relaxed)),
+            idle_seconds: self.load.idle_us.load(Ordering::Relaxed) as f64 / 1e6,
         }
     }
 
-    async fn send(&self, mut command: Command) -> Result<(), EngineError> {
-        // Bounded channel: wait (without blocking the reactor) while the engine thread is behind.
-        loop {
-            match self.tx.try_send(command) {
-                Ok(()) => return Ok(()),
-                Err(TrySendError::Full(c)) => {
-                    command = c;
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
-                Err(TrySendError::Disconnected(_)) => return Err(EngineError::Stopped),
-            }
-        }
+    /// Bounded channel: waits (without blocking the reactor) while the engine thread is behind.
+    async fn send(&self, command: Command) -> Result<(), EngineError> {
+        self.tx.send(command).await.map_err(|_| EngineError::Stopped)
     }
 }
 
-/// A request the thread is serving: where its outputs go and how many are still due.
+/// A request the thread is serving: where its outputs go, how many are still due, and what it asked for (to
+/// resubmit its unfinished samples from their prefixes after a pause).
 struct Serving {
     results: Results,
     remaining: usize,
+    prompt: Vec<u32>,
+    /// with the seed made explicit, so that a resubmitted sample continues the same random stream
+    sampling: Sampling,
 }
 
 /// Tokens/s over windows of about a second.
@@ -247,131 +283,269 @@ struct Throughput {
     prefill: u64,
 }
 
-fn engine_loop(mut engine: Engine, rx: Receiver<Command>, load: Arc<Load>) {
-    let mut serving: HashMap<RequestId, Serving> = HashMap::new();
-    let stats = engine.stats();
-    let mut window =
-        Throughput { since: Instant::now(), tokens: stats.generated_tokens, prefill: stats.prefill_tokens };
-    load.version.store(engine.version(), Ordering::SeqCst);
-    loop {
-        // Block for work only when idle; otherwise take what is queued and step.
-        if !engine.has_work() {
-            publish_load(&engine, &load, &mut window);
-            match rx.recv() {
-                Ok(command) => handle(&mut engine, &mut serving, &load, command),
-                Err(_) => return,
-            }
+/// The state the engine thread owns besides the engine.
+struct EngineThread {
+    engine: Engine,
+    load: Arc<Load>,
+    /// by the id the caller submitted under
+    serving: HashMap<RequestId, Serving>,
+    /// engine request id → the submitted request it answers (a resubmitted sample runs under its own id)
+    routes: HashMap<RequestId, RequestId>,
+    /// ids for resubmitted samples, far above the handle's counter
+    next_resume_id: RequestId,
+    /// set by a pause: the sequences aborted with their prefixes, by submitted request id
+    paused: Option<Vec<(RequestId, SequenceOutput)>>,
+    window: Throughput,
+}
+
+impl EngineThread {
+    fn new(engine: Engine, load: Arc<Load>) -> Self {
+        let stats = engine.stats();
+        load.version.store(engine.version(), Ordering::SeqCst);
+        Self {
+            engine,
+            load,
+            serving: HashMap::new(),
+            routes: HashMap::new(),
+            next_resume_id: 1 << 62,
+            paused: None,
+            window: Throughput { since: Instant::now(), tokens: stats.generated_tokens, prefill: stats.prefill_tokens },
         }
+    }
+
+    fn run(mut self, mut rx: mpsc::Receiver<Command>) {
         loop {
-            match rx.try_recv() {
-                Ok(command) => handle(&mut engine, &mut serving, &load, command),
-                Err(std::sync::mpsc::TryRecvError::Empty) => break,
-                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
-                    if !engine.has_work() {
-                        return;
-                    }
-                    break;
+            // Block for a command only when there is nothing to decode (idle, or paused).
+            if !self.can_step() {
+                self.publish_load();
+                let idle_since = Instant::now();
+                let command = rx.blocking_recv();
+                self.load.idle_us.fetch_add(idle_since.elapsed().as_micros() as u64, Ordering::Relaxed);
+                match command {
+                    Some(command) => self.handle(command),
+                    None => return,
                 }
             }
-        }
-        // Cancelled tasks dropped their receivers: free their rows now.
-        let gone: Vec<RequestId> = serving.iter().filter(|(_, s)| s.results.is_closed()).map(|(id, _)| *id).collect();
-        for id in gone {
-            serving.remove(&id);
-            if let Err(err) = engine.abort(id) {
-                tracing::warn!(request = id, error = %err, "aborting a cancelled request failed");
+            loop {
+                match rx.try_recv() {
+                    Ok(command) => self.handle(command),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        if !self.can_step() {
+                            return;
+                        }
+                        break;
+                    }
+                }
             }
+            self.abort_cancelled();
+            if self.can_step() {
+                self.step();
+            }
+        }
+    }
+
+    fn can_step(&self) -> bool {
+        self.paused.is_none() && self.engine.has_work()
+    }
+
+    /// Cancelled tasks dropped their receivers: free their rows (or forget their parked prefixes) now.
+    fn abort_cancelled(&mut self) {
+        let gone: Vec<RequestId> =
+            self.serving.iter().filter(|(_, s)| s.results.is_closed()).map(|(id, _)| *id).collect();
+        for id in gone {
+            self.forget(id);
             metrics::counter!("jetrl_rollout_cancelled_requests_total").increment(1);
         }
-        if !engine.has_work() {
-            continue;
+    }
+
+    /// Removes a submitted request wherever it is; returns its sequences aborted with their prefixes.
+    fn forget(&mut self, id: RequestId) -> Vec<SequenceOutput> {
+        self.serving.remove(&id);
+        let engine_ids: Vec<RequestId> =
+            self.routes.iter().filter(|(_, to)| **to == id).map(|(from, _)| *from).chain([id]).collect();
+        let mut out = Vec::new();
+        for engine_id in engine_ids {
+            self.routes.remove(&engine_id);
+            match self.engine.abort(engine_id) {
+                Ok(outputs) => out.extend(outputs),
+                Err(err) => tracing::warn!(request = id, error = %err, "aborting a request failed"),
+            }
         }
+        if let Some(parked) = self.paused.as_mut() {
+            out.extend(parked.iter().filter(|(owner, _)| *owner == id).map(|(_, o)| o.clone()));
+            parked.retain(|(owner, _)| *owner != id);
+        }
+        out.sort_by_key(|o| o.index);
+        out
+    }
+
+    fn step(&mut self) {
         let started = Instant::now();
-        match engine.step() {
+        match self.engine.step() {
             Ok(outputs) => {
                 metrics::histogram!("jetrl_rollout_step_seconds").record(started.elapsed().as_secs_f64());
                 for output in outputs {
-                    deliver(&mut serving, output);
+                    self.deliver(output);
                 }
             }
             Err(err) => {
                 // A failed step leaves the batch in an unknown state: fail everything held and start clean.
                 tracing::error!(error = %err, "decode step failed; failing every request held");
                 metrics::counter!("jetrl_rollout_engine_errors_total", "stage" => "step").increment(1);
-                let _ = engine.abort_all();
-                for (_, s) in serving.drain() {
+                let _ = self.engine.abort_all();
+                self.routes.clear();
+                for (_, s) in self.serving.drain() {
                     let _ = s.results.try_send(Err(EngineError::Step(err.to_string())));
                 }
             }
         }
-        publish_load(&engine, &load, &mut window);
+        self.publish_load();
     }
-}
 
-fn handle(engine: &mut Engine, serving: &mut HashMap<RequestId, Serving>, load: &Load, command: Command) {
-    match command {
-        Command::Submit { id, request, results } => {
-            let n = request.n;
-            match engine.add_request(id, request) {
+    fn handle(&mut self, command: Command) {
+        match command {
+            Command::Submit { id, mut request, results } => {
+                let n = request.n;
+                request.sampling.seed = Some(self.engine.seed_for(id, &request.sampling));
+                let (prompt, sampling) = (request.prompt.clone(), request.sampling.clone());
+                match self.engine.add_request(id, request) {
+                    Ok(()) => {
+                        self.serving.insert(id, Serving { results, remaining: n, prompt, sampling });
+                    }
+                    Err(err) => {
+                        metrics::counter!("jetrl_rollout_engine_errors_total", "stage" => "request").increment(1);
+                        let _ = results.try_send(Err(EngineError::Request(err.to_string())));
+                    }
+                }
+            }
+            Command::Abort { id, reply } => {
+                let _ = reply.send(self.forget(id));
+            }
+            Command::Swap { bytes, version, reply } => {
+                let _ = reply.send(self.load_weights(&bytes, version));
+            }
+            Command::Pause { free_cache, reply } => {
+                let _ = reply.send(self.pause(free_cache));
+            }
+            Command::Resume { weights, reply } => {
+                let loaded = match weights {
+                    Some((bytes, version)) => self.load_weights(&bytes, version),
+                    None => Ok(()),
+                };
+                // The parked sequences resume even when the load failed: they continue under the old weights,
+                // and the caller hears about the failure.
+                let resumed = self.resume();
+                let _ = reply.send(loaded.map(|()| resumed));
+            }
+        }
+    }
+
+    fn load_weights(&mut self, bytes: &[u8], version: u64) -> Result<(), EngineError> {
+        let started = Instant::now();
+        self.engine.load_weights(bytes, version).map_err(|e| EngineError::Swap { version, message: e.to_string() })?;
+        self.load.version.store(version, Ordering::SeqCst);
+        metrics::histogram!("jetrl_rollout_weight_swap_seconds").record(started.elapsed().as_secs_f64());
+        tracing::info!(version, running = self.engine.stats().running, "weights swapped between decode steps");
+        Ok(())
+    }
+
+    fn pause(&mut self, free_cache: bool) -> Result<Parked, EngineError> {
+        if self.paused.is_none() {
+            // Only running sequences hold KV rows: queued samples stay queued and start after the resume.
+            let aborted = self.engine.preempt_running().map_err(|e| EngineError::Pause(e.to_string()))?;
+            let parked: Vec<(RequestId, SequenceOutput)> = aborted
+                .into_iter()
+                .filter_map(|o| {
+                    let owner = self.routes.remove(&o.request).unwrap_or(o.request);
+                    self.serving.contains_key(&owner).then_some((owner, o))
+                })
+                .collect();
+            self.paused = Some(parked);
+        }
+        if free_cache {
+            self.engine.free_cache().map_err(|e| EngineError::Pause(e.to_string()))?;
+        }
+        let parked = self.paused.as_deref().unwrap_or_default();
+        let report =
+            Parked { sequences: parked.len(), tokens: parked.iter().map(|(_, o)| o.tokens.len() as u64).sum() };
+        metrics::counter!("jetrl_rollout_pauses_total").increment(1);
+        tracing::info!(parked = report.sequences, tokens = report.tokens, free_cache, "engine paused");
+        self.publish_load();
+        Ok(report)
+    }
+
+    /// Resubmits every parked sequence from its prefix under a new engine id routed to its request.
+    fn resume(&mut self) -> usize {
+        let Some(parked) = self.paused.take() else { return 0 };
+        let mut resumed = 0;
+        for (owner, output) in parked {
+            let Some(serving) = self.serving.get(&owner) else { continue };
+            let request = Request {
+                prompt: serving.prompt.clone(),
+                n: 1,
+                sampling: serving.sampling.clone(),
+                resume: Some(Prefix {
+                    tokens: output.tokens,
+                    logprobs: output.logprobs,
+                    min_version: output.min_version,
+                    max_version: output.max_version,
+                    version_runs: output.version_runs,
+                }),
+                first_sample: output.index,
+            };
+            let id = self.next_resume_id;
+            self.next_resume_id += 1;
+            match self.engine.add_request(id, request) {
                 Ok(()) => {
-                    serving.insert(id, Serving { results, remaining: n });
+                    self.routes.insert(id, owner);
+                    resumed += 1;
                 }
                 Err(err) => {
-                    metrics::counter!("jetrl_rollout_engine_errors_total", "stage" => "request").increment(1);
-                    let _ = results.try_send(Err(EngineError::Request(err.to_string())));
+                    let _ = serving.results.try_send(Err(EngineError::Request(format!("resuming a sample: {err}"))));
                 }
             }
         }
-        Command::Abort { id, reply } => {
-            serving.remove(&id);
-            let _ = reply.send(engine.abort(id).unwrap_or_default());
-        }
-        Command::Swap { bytes, version, reply } => {
-            let started = Instant::now();
-            let result =
-                engine.load_weights(&bytes, version).map_err(|e| EngineError::Swap { version, message: e.to_string() });
-            if result.is_ok() {
-                load.version.store(version, Ordering::SeqCst);
-                metrics::histogram!("jetrl_rollout_weight_swap_seconds").record(started.elapsed().as_secs_f64());
-                tracing::info!(version, running = engine.stats().running, "weights swapped between decode steps");
-            }
-            let _ = reply.send(result);
-        }
+        metrics::counter!("jetrl_rollout_resumed_sequences_total").increment(resumed as u64);
+        tracing::info!(resumed, version = self.engine.version(), "engine resumed");
+        resumed
     }
-}
 
-fn deliver(serving: &mut HashMap<RequestId, Serving>, output: SequenceOutput) {
-    let id = output.request;
-    if let Some(ttft) = output.time_to_first_token {
-        metrics::histogram!("jetrl_rollout_time_to_first_token_seconds").record(ttft.as_secs_f64());
+    fn deliver(&mut self, output: SequenceOutput) {
+        let owner = self.routes.remove(&output.request).unwrap_or(output.request);
+        if let Some(ttft) = output.time_to_first_token {
+            metrics::histogram!("jetrl_rollout_time_to_first_token_seconds").record(ttft.as_secs_f64());
+        }
+        let Some(entry) = self.serving.get_mut(&owner) else { return };
+        let _ = entry.results.try_send(Ok(SequenceOutput { request: owner, ..output }));
+        entry.remaining = entry.remaining.saturating_sub(1);
+        if entry.remaining == 0 {
+            self.serving.remove(&owner);
+        }
     }
-    let Some(entry) = serving.get_mut(&id) else { return };
-    let _ = entry.results.try_send(Ok(output));
-    entry.remaining = entry.remaining.saturating_sub(1);
-    if entry.remaining == 0 {
-        serving.remove(&id);
-    }
-}
 
-fn publish_load(engine: &Engine, load: &Load, window: &mut Throughput) {
-    let stats = engine.stats();
-    load.running.store(stats.running as u64, Ordering::Relaxed);
-    load.waiting.store(stats.waiting as u64, Ordering::Relaxed);
-    let usage = stats.kv_tokens_used as f64 / stats.kv_tokens_capacity.max(1) as f64;
-    load.kv_usage_ppm.store((usage * 1e6) as u64, Ordering::Relaxed);
-    metrics::gauge!("jetrl_rollout_running_sequences").set(stats.running as f64);
-    metrics::gauge!("jetrl_rollout_queue_depth_sequences").set(stats.waiting as f64);
-    metrics::gauge!("jetrl_rollout_batch_occupancy_ratio").set(stats.running as f64 / stats.slots.max(1) as f64);
-    metrics::gauge!("jetrl_rollout_kv_cache_usage_ratio").set(usage);
-    let elapsed = window.since.elapsed();
-    if elapsed >= Duration::from_secs(1) || (stats.running == 0 && stats.waiting == 0) {
-        let tokens = stats.generated_tokens.saturating_sub(window.tokens);
-        metrics::counter!("jetrl_rollout_generated_tokens_total").increment(tokens);
-        metrics::counter!("jetrl_rollout_prefill_tokens_total")
-            .increment(stats.prefill_tokens.saturating_sub(window.prefill));
-        let rate = if elapsed.as_secs_f64() > 0.0 { tokens as f64 / elapsed.as_secs_f64() } else { 0.0 };
-        metrics::gauge!("jetrl_rollout_generation_tokens_per_second").set(rate);
-        load.tokens_per_s.store(rate.to_bits(), Ordering::Relaxed);
-        *window = Throughput { since: Instant::now(), tokens: stats.generated_tokens, prefill: stats.prefill_tokens };
+    fn publish_load(&mut self) {
+        let stats = self.engine.stats();
+        let load = &self.load;
+        load.running.store(stats.running as u64, Ordering::Relaxed);
+        load.waiting.store(stats.waiting as u64, Ordering::Relaxed);
+        let usage = stats.kv_tokens_used as f64 / stats.kv_tokens_capacity.max(1) as f64;
+        load.kv_usage_ppm.store((usage * 1e6) as u64, Ordering::Relaxed);
+        metrics::gauge!("jetrl_rollout_running_sequences").set(stats.running as f64);
+        metrics::gauge!("jetrl_rollout_queue_depth_sequences").set(stats.waiting as f64);
+        metrics::gauge!("jetrl_rollout_batch_occupancy_ratio").set(stats.running as f64 / stats.slots.max(1) as f64);
+        metrics::gauge!("jetrl_rollout_kv_cache_usage_ratio").set(usage);
+        let elapsed = self.window.since.elapsed();
+        if elapsed >= Duration::from_secs(1) || (stats.running == 0 && stats.waiting == 0) {
+            let tokens = stats.generated_tokens.saturating_sub(self.window.tokens);
+            metrics::counter!("jetrl_rollout_generated_tokens_total").increment(tokens);
+            metrics::counter!("jetrl_rollout_prefill_tokens_total")
+                .increment(stats.prefill_tokens.saturating_sub(self.window.prefill));
+            let rate = if elapsed.as_secs_f64() > 0.0 { tokens as f64 / elapsed.as_secs_f64() } else { 0.0 };
+            metrics::gauge!("jetrl_rollout_generation_tokens_per_second").set(rate);
+            load.tokens_per_s.store(rate.to_bits(), Ordering::Relaxed);
+            self.window =
+                Throughput { since: Instant::now(), tokens: stats.generated_tokens, prefill: stats.prefill_tokens };
+        }
     }
 }

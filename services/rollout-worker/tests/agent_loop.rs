@@ -1,6 +1,8 @@
 //! The tool agent loop against a scripted model: tool calls are parsed and run, tool output is appended as
 //! chat-template tool turns with mask 0, and the loop stops where verl's does. Broken tools never stall it.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use std::collections::VecDeque;
@@ -54,6 +56,7 @@ impl Llm for Script {
                 finish,
                 min_version: 3 + turn.min(1),
                 max_version: 3 + turn.min(1),
+                version_runs: vec![(0, 3 + turn.min(1))],
                 time_to_first_token: Some(Duration::from_millis(1)),
             })
         })
@@ -168,6 +171,10 @@ async fn tool_calls_run_and_their_output_is_appended_with_mask_zero_until_the_mo
     assert_eq!(out.stop_reason, "no_tool_call");
     assert!(!out.truncated);
     assert_eq!((out.min_version, out.max_version), (3, 4), "the version span covers both turns");
+    assert_eq!(out.version_runs.len(), 2, "one version run per turn version: {:?}", out.version_runs);
+    assert_eq!(out.version_runs[0], (0, 3));
+    assert_eq!(out.version_runs[1].1, 4);
+    assert_eq!(out.response_mask[out.version_runs[1].0 as usize], 1, "the second run starts at a generated token");
     assert_eq!(out.session, 3);
 }
 
@@ -235,7 +242,7 @@ async fn long_tool_output_is_truncated_to_max_tool_response_length() {
     let tok = tokenizer();
     let multi_turn = MultiTurnConfig {
         max_tool_response_length: 10,
-        tool_response_truncate_side: "left".into(),
+        tool_response_truncate_side: jetrl_config::TruncateSide::Left,
         ..MultiTurnConfig::default()
     };
     let agent = agent(&tok, multi_turn);

@@ -1,28 +1,28 @@
 //! The sandboxed python tool: runs code, and stops runaway code by time, memory and output size.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::time::{Duration, Instant};
 
 use jetrl_rollout_worker::tools::{PythonLimits, PythonTool, Tool, ToolError};
 use serde_json::json;
 
-fn python() -> Option<PythonTool> {
+/// The tool under test, on `JETRL_TEST_PYTHON` or python3 (a prerequisite of the project: missing is a failure).
+fn python() -> PythonTool {
     let bin = std::env::var("JETRL_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
-    if std::process::Command::new(&bin).arg("-c").arg("pass").status().map(|s| s.success()).unwrap_or(false) {
-        Some(PythonTool::new(PythonLimits {
-            bin,
-            timeout: Duration::from_secs(3),
-            memory_bytes: 256 << 20,
-            max_output_bytes: 1000,
-        }))
-    } else {
-        eprintln!("SKIP: no python3");
-        None
-    }
+    let runs = std::process::Command::new(&bin).arg("-c").arg("pass").status().is_ok_and(|s| s.success());
+    assert!(runs, "{bin} does not run here: the python tool cannot be tested");
+    PythonTool::new(PythonLimits {
+        bin,
+        timeout: Duration::from_secs(3),
+        memory_bytes: 256 << 20,
+        max_output_bytes: 1000,
+    })
 }
 
 #[tokio::test]
 async fn python_runs_the_code_and_returns_what_it_prints() {
-    let Some(py) = python() else { return };
+    let py = python();
     let out = py.call(json!({"code": "import sys\nprint(6 * 7)\nprint('warn', file=sys.stderr)"})).await.unwrap();
     assert_eq!(out.text, "42\nwarn\n");
     assert_eq!(out.reward, 0.0);
@@ -36,7 +36,7 @@ async fn python_runs_the_code_and_returns_what_it_prints() {
 
 #[tokio::test]
 async fn runaway_code_is_stopped_by_the_timeout_memory_and_output_limits() {
-    let Some(py) = python() else { return };
+    let py = python();
     let started = Instant::now();
     let err = py
         .call(json!({"code": "import subprocess\nsubprocess.Popen(['sleep', '100'])\nwhile True: pass"}))

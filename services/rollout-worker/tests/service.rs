@@ -3,6 +3,8 @@
 //! the log-probs the trainer recomputes and the weight version they were sampled under; a stopped worker naks
 //! what it holds and another finishes it.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use std::net::TcpListener;
@@ -16,7 +18,7 @@ use jetrl_bus::{consume, Bus, GroupStore, NatsServer, Publisher};
 use jetrl_config::JobConfig;
 use jetrl_model::{log_probs_of, CausalLm, DType};
 use jetrl_wire::v1::{self, GroupState, GroupStatus, Heartbeat, PromptTask, Trajectory};
-use jetrl_wire::{packed, subjects, Message};
+use jetrl_wire::{packed, Message};
 use tch::Device;
 use tokio::sync::oneshot;
 
@@ -76,7 +78,7 @@ async fn submit(bus: &Bus, groups: &GroupStore, task: PromptTask) {
     status.set_state(GroupState::Pending);
     groups.create(&status).await.unwrap();
     let mut publisher = Publisher::new(bus, 16);
-    let subject = subjects::prompt_subject(&task.partition);
+    let subject = bus.names().prompt_subject(&task.partition);
     publisher.publish(Outgoing::protobuf(subject, Some(task.uid.clone()), &task)).await.unwrap();
     publisher.drain().await.unwrap();
 }
@@ -109,7 +111,13 @@ async fn wait_terminal(groups: &GroupStore, uid: &str, timeout: Duration) -> Gro
 /// Every trajectory stored so far, by key.
 async fn trajectories(bus: &Bus, reader: &str) -> std::collections::BTreeMap<String, Trajectory> {
     let consumer = bus
-        .shared_pull_consumer(subjects::TRAJ_STREAM, reader, "jetrl.traj.>", Duration::from_secs(30), 10_000)
+        .shared_pull_consumer(
+            bus.names().traj_stream(),
+            reader,
+            &bus.names().traj_filter(),
+            Duration::from_secs(30),
+            10_000,
+        )
         .await
         .unwrap();
     let mut out = std::collections::BTreeMap::new();
@@ -138,7 +146,7 @@ async fn groups_become_one_trajectory_per_session_with_trainer_logprobs_and_the_
     jetrl_model::init_model("tiny", dir.path(), 3).unwrap();
     let cfg = config(&nats, dir.path());
     let metrics_addr = cfg.rollout.metrics_addr.clone();
-    let bus = Bus::connect(&cfg.nats, "test").await.unwrap();
+    let bus = Bus::connect_job(&cfg, "test").await.unwrap();
     bus.declare_topology().await.unwrap();
     let groups = GroupStore::open(&bus).await.unwrap();
     let worker = start(cfg);
@@ -213,7 +221,7 @@ async fn groups_become_one_trajectory_per_session_with_trainer_logprobs_and_the_
     assert!(mean <= 1e-4, "mean |Δ| {mean}");
 
     // Heartbeat with the version and the engine's load; metrics on the endpoint.
-    let kv = bus.key_value(subjects::WORKERS_BUCKET).await.unwrap();
+    let kv = bus.key_value(bus.names().workers_bucket()).await.unwrap();
     let mut keys = kv.keys().await.unwrap();
     let key = keys.next().await.unwrap().unwrap();
     let beat = Heartbeat::decode(kv.get(&key).await.unwrap().unwrap().as_ref()).unwrap();
@@ -239,7 +247,7 @@ async fn a_new_weight_version_is_swapped_in_and_stamped_on_the_trajectories_samp
     let dir = tempfile::tempdir().unwrap();
     jetrl_model::init_model("tiny", dir.path(), 4).unwrap();
     let cfg = config(&nats, dir.path());
-    let bus = Bus::connect(&cfg.nats, "test").await.unwrap();
+    let bus = Bus::connect_job(&cfg, "test").await.unwrap();
     bus.declare_topology().await.unwrap();
     let groups = GroupStore::open(&bus).await.unwrap();
     let worker = start(cfg);
@@ -252,10 +260,10 @@ async fn a_new_weight_version_is_swapped_in_and_stamped_on_the_trajectories_samp
     let location =
         bus.store_weights(&WeightTransport::ObjectStore { chunk_bytes: 1 << 20 }, 7, blob.clone()).await.unwrap();
     let manifest = manifest_for(&blob, 7, 7, &location).unwrap();
-    let kv = bus.key_value(subjects::WEIGHTS_BUCKET).await.unwrap();
+    let kv = bus.key_value(bus.names().weights_bucket()).await.unwrap();
     kv.put("latest", manifest.encode_to_vec().into()).await.unwrap();
 
-    let workers = bus.key_value(subjects::WORKERS_BUCKET).await.unwrap();
+    let workers = bus.key_value(bus.names().workers_bucket()).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let mut keys = workers.keys().await.unwrap();
@@ -303,7 +311,7 @@ async fn a_stopped_worker_naks_the_group_it_cannot_finish_and_another_worker_com
     cfg.rollout.max_num_seqs = 64;
     cfg.rollout.ack_wait_s = 1.0;
     cfg.rollout.instance_id = Some("first".into());
-    let bus = Bus::connect(&cfg.nats, "test").await.unwrap();
+    let bus = Bus::connect_job(&cfg, "test").await.unwrap();
     bus.declare_topology().await.unwrap();
     let groups = GroupStore::open(&bus).await.unwrap();
     let first = start(cfg.clone());

@@ -11,62 +11,41 @@
 //! `ppo_epochs` passes over mini-batches of `ppo_mini_batch_size` prompt groups (seeded shuffle), each split
 //! into micro-batches that fit `ppo_max_token_len` tokens, with gradients accumulated and the loss normalised
 //! over the whole mini-batch (so the split does not change the gradient), global-norm clipping and AdamW.
-//! The LR schedules step once per training step, as verl's.
+//! The LR schedules step once per [`Actor::train`] call, as verl's `update_actor` calls do: once per global step
+//! in sync and colocate_async, once per local update in separate_async (whose horizon is therefore
+//! `total_training_steps × parameter_sync_step`).
+//!
+//! separate_async is decoupled PPO: the `parameter_sync_step` local updates of one global step all take π_old
+//! from the policy as it was at the start of the step ([`OldPolicy::CycleStart`]), kept as a copy of the weights
+//! ([`Actor::snapshot`]), while the rollout-correction weights come from the behaviour log-probs the trajectories
+//! carry.
 //!
 //! Everything random in a step draws from seeds derived from (`run.seed`, step), so a resumed run repeats an
 //! uninterrupted one exactly: the checkpoint holds no opaque generator state.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{sync_channel, SyncSender};
 use std::time::Instant;
 
 use jetrl_algos::{
     agg_loss, apply_kl_penalty, compute_actor_loss, compute_advantage, compute_rollout_correction, entropy_from_logits,
     logprobs_from_logits, pf_ppo_resample, sum_pi_squared_from_logits, ActorLossInputs, ActorLossParams,
-    AdvantageConfig, AdvantageEstimator, AdvantageInputs, AggMode, GlobalBatchInfo, KlController, KlPenalty,
-    PfPpoReweight, PolicyLossInputs, RolloutCorrectionParams,
+    AdvantageConfig, AdvantageEstimator, AdvantageInputs, GlobalBatchInfo, KlController, KlPenalty, PfPpoReweight,
+    PolicyLossInputs, RolloutCorrectionParams,
 };
-use jetrl_config::JobConfig;
+use jetrl_config::{JobConfig, ModelDtype};
 use jetrl_model::{CausalLm, DType};
-use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 use tokio::sync::oneshot;
 
 pub use crate::batch::Sample;
 use crate::batch::{gather_rows, groups_of, mini_batches, split_by_token_budget, to_host, MicroBatch};
-use crate::checkpoint::{self, CheckpointError};
+use crate::checkpoint;
 use crate::critic::{Critic, ValueTargets};
-use crate::optim::{AdamW, LrSchedule, OptimError};
+use crate::optim::{AdamW, LrSchedule};
 
-#[derive(Debug, thiserror::Error)]
-pub enum ActorError {
-    #[error("model: {0}")]
-    Model(#[from] jetrl_model::ModelError),
-    #[error("algorithm: {0}")]
-    Algo(#[from] jetrl_algos::AlgoError),
-    #[error("torch: {0}")]
-    Torch(#[from] tch::TchError),
-    #[error(transparent)]
-    Optim(#[from] OptimError),
-    #[error(transparent)]
-    Checkpoint(#[from] CheckpointError),
-    #[error("batch: {0}")]
-    Batch(String),
-    #[error("the actor thread has stopped")]
-    Stopped,
-}
-
-/// What the actor carries from step to step besides tensors (saved in `trainer_state.json`).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct ActorState {
-    /// actor update calls made: the position of the actor's LR schedule
-    pub actor_updates: u64,
-    /// critic update calls made: the position of the critic's LR schedule
-    pub critic_updates: u64,
-    /// the in-reward KL coefficient and its controller (adaptive ones change every step)
-    pub kl_ctrl: Option<KlController>,
-}
+pub use crate::checkpoint::ActorState;
+pub use crate::error::ActorError;
 
 /// Training settings, resolved from the job config once.
 #[derive(Debug, Clone)]
@@ -84,6 +63,9 @@ struct Settings {
     critic_warmup: u64,
     run_seed: u64,
     calculate_sum_pi_squared: bool,
+    /// compute the entropy in the update (`actor.calculate_entropy`, or an entropy bonus): its aggregate is
+    /// reported as `actor/entropy`, replacing the old-log-prob pass's, as verl does
+    calculate_entropy: bool,
     /// reuse the rollout log-probs as π_old (`rollout_correction.bypass_mode`)
     bypass_old_log_prob: bool,
 }
@@ -93,6 +75,16 @@ struct Settings {
 pub struct TrainOutput {
     pub metrics: BTreeMap<String, f64>,
     pub timings: BTreeMap<String, f64>,
+}
+
+/// Which weights give π_old, the log-probs the PPO ratio is taken against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OldPolicy {
+    /// the policy as it is now (sync, colocate_async: one update call per batch)
+    Current,
+    /// the copy taken by the last [`Actor::snapshot`] (separate_async: the policy at the start of the global
+    /// step, for every local update of it)
+    CycleStart,
 }
 
 /// Per-row log-probs, and the entropy and Σπ² when asked, as `[rows, width]` host matrices.
@@ -111,6 +103,9 @@ struct Columns {
 
 pub struct Actor {
     model: CausalLm,
+    /// π_old of decoupled PPO: the weights at the start of the current global step (separate_async), loaded
+    /// on first use
+    cycle_start: Option<CausalLm>,
     optim: AdamW,
     schedule: LrSchedule,
     reference: Option<CausalLm>,
@@ -139,8 +134,8 @@ fn step_seed(run_seed: u64, step: u64) -> i64 {
 /// copies in the optimizer); always f32 on the CPU, where bf16 matmuls are slow and master copies would only
 /// double the memory.
 pub fn compute_dtype(cfg: &JobConfig) -> Result<(Device, DType), ActorError> {
-    let device = jetrl_model::parse_device(&cfg.model.device)?;
-    let requested: DType = cfg.model.dtype.parse()?;
+    let device = jetrl_model::resolve_device(cfg.model.device)?;
+    let requested = DType::from(cfg.model.dtype);
     Ok((device, if device == Device::Cpu { DType::F32 } else { requested }))
 }
 
@@ -149,7 +144,7 @@ impl Actor {
     /// (`global_step_<n>`) and the actor state saved with it.
     pub fn new(cfg: &JobConfig, total_steps: u64, resume: Option<(&Path, &ActorState)>) -> Result<Self, ActorError> {
         let (device, dtype) = compute_dtype(cfg)?;
-        if device == Device::Cpu && cfg.model.dtype != "f32" {
+        if device == Device::Cpu && cfg.model.dtype != ModelDtype::F32 {
             tracing::info!(dtype = %cfg.model.dtype, "training in f32 on the CPU; weights are shipped as {}", cfg.model.dtype);
         }
         tch::manual_seed(cfg.run.seed as i64);
@@ -159,10 +154,7 @@ impl Actor {
         let params: Vec<(String, Tensor)> = model.parameters().into_iter().collect();
         let mut optim = AdamW::new(params, &cfg.actor.optim)?;
         if let Some((dir, _)) = resume {
-            let actor_dir = dir.join("actor");
-            let meta: serde_json::Value = checkpoint::read_json(&actor_dir.join(checkpoint::OPTIMIZER_META_FILE))?;
-            let tensors = checkpoint::read_tensors(&actor_dir.join(checkpoint::OPTIMIZER_FILE))?;
-            optim.load_state_tensors(tensors, meta["step"].as_u64().unwrap_or(0))?;
+            checkpoint::load_optimizer(&dir.join("actor"), &mut optim)?;
         }
         let use_kl_in_reward = cfg.algorithm.use_kl_in_reward;
         let reference = if cfg.actor.use_kl_loss || use_kl_in_reward {
@@ -182,19 +174,19 @@ impl Actor {
             Some(rc) if !rc.bypass_mode => Some(RolloutCorrectionParams::from_config(rc)?),
             _ => None,
         };
-        let estimator: AdvantageEstimator = cfg.algorithm.adv_estimator.parse()?;
+        let estimator = cfg.algorithm.adv_estimator;
         let pf_ppo = (cfg.algorithm.use_pf_ppo && estimator == AdvantageEstimator::Gae)
-            .then(|| PfPpoReweight::from_config(&cfg.algorithm.pf_ppo))
-            .transpose()?;
+            .then(|| PfPpoReweight::from_config(&cfg.algorithm.pf_ppo));
         let temperature = f64::from(cfg.rollout.temperature);
         let mut actor = Self {
             model,
+            cycle_start: None,
             optim,
             schedule: LrSchedule::new(&cfg.actor.optim, total_steps),
             reference,
             critic,
             kl_ctrl: use_kl_in_reward.then(|| KlController::from_config(&cfg.algorithm.kl_ctrl)).transpose()?,
-            kl_penalty: cfg.algorithm.kl_penalty.parse()?,
+            kl_penalty: cfg.algorithm.kl_penalty,
             loss: ActorLossParams::from_config(&cfg.actor, cfg.algorithm.rollout_correction.as_ref())?,
             correction,
             estimator,
@@ -210,16 +202,13 @@ impl Actor {
                 temperature: if temperature > 0.0 { temperature } else { 1.0 },
                 critic_warmup: cfg.trainer.critic_warmup,
                 run_seed: cfg.run.seed,
-                calculate_sum_pi_squared: cfg.actor.calculate_sum_pi_squared
-                    || matches!(
-                        estimator,
-                        AdvantageEstimator::OptimalTokenBaseline | AdvantageEstimator::TirOptimalTokenBaseline
-                    ),
+                calculate_sum_pi_squared: cfg.actor.calculate_sum_pi_squared || estimator.needs_sum_pi_squared(),
+                calculate_entropy: cfg.actor.calculate_entropy || cfg.actor.entropy_coeff != 0.0,
                 bypass_old_log_prob: bypass,
             },
             actor_updates: 0,
             model_dir,
-            ship_dtype: cfg.model.dtype.parse()?,
+            ship_dtype: DType::from(cfg.model.dtype),
             pad_id: 0,
         };
         if let Some((_, state)) = resume {
@@ -274,13 +263,9 @@ impl Actor {
         let actor_dir = dir.join("actor");
         self.model.save(&actor_dir)?;
         checkpoint::copy_model_side_files(&self.model_dir, &actor_dir)?;
-        checkpoint::write_tensors(&actor_dir.join(checkpoint::OPTIMIZER_FILE), &self.optim.state_tensors())?;
-        checkpoint::write_json(
-            &actor_dir.join(checkpoint::OPTIMIZER_META_FILE),
-            &serde_json::json!({"step": self.optim.step}),
-        )?;
+        checkpoint::save_optimizer(&actor_dir, &self.optim)?;
         if let Some(critic) = &self.critic {
-            critic.save(&dir.join("critic"), &self.model_dir)?;
+            critic.save(&dir.join(checkpoint::CRITIC_DIR), &self.model_dir)?;
         }
         Ok(self.state())
     }
@@ -332,8 +317,22 @@ impl Actor {
         Ok((lp, ent, spsq))
     }
 
-    /// One training step on `samples` (the global step `step`); returns verl-named metrics and timings.
-    pub fn train(&mut self, samples: &[Sample], step: u64) -> Result<TrainOutput, ActorError> {
+    /// Copies the current weights as π_old for the local updates that follow (separate_async, at the start of
+    /// every global step).
+    pub fn snapshot(&mut self) -> Result<(), ActorError> {
+        if self.cycle_start.is_none() {
+            let mut copy = CausalLm::load(&self.model_dir, self.model.device(), self.model.dtype())?;
+            copy.var_store_mut().freeze();
+            self.cycle_start = Some(copy);
+        }
+        let copy = self.cycle_start.as_mut().ok_or(ActorError::Stopped)?;
+        tch::no_grad(|| copy.var_store_mut().copy(self.model.var_store()))?;
+        Ok(())
+    }
+
+    /// One training step on `samples` (the global step `step`) with π_old from `old`: old, reference and value
+    /// passes, advantages, critic and actor updates. Returns verl-named metrics and timings.
+    pub fn train(&mut self, samples: &[Sample], step: u64, pi_old: OldPolicy) -> Result<TrainOutput, ActorError> {
         if samples.is_empty() {
             return Err(ActorError::Batch("no trajectories to train on".into()));
         }
@@ -370,8 +369,14 @@ impl Actor {
         let (old, spsq) = if self.settings.bypass_old_log_prob {
             (rollout.clone(), None)
         } else {
+            let policy = match pi_old {
+                OldPolicy::Current => &self.model,
+                OldPolicy::CycleStart => self.cycle_start.as_ref().ok_or_else(|| {
+                    ActorError::Batch("π_old of the cycle start was asked for before any snapshot".into())
+                })?,
+            };
             let (old, entropy, spsq) =
-                self.score_rows(&self.model, &samples, width, true, self.settings.calculate_sum_pi_squared)?;
+                self.score_rows(policy, &samples, width, true, self.settings.calculate_sum_pi_squared)?;
             if let Some(entropy) = entropy {
                 let value = agg_loss(&host_tensor(&entropy, n)?, &mask_t, agg, &full_batch)?;
                 out.metrics.insert("actor/entropy".into(), f64::try_from(value)?);
@@ -509,6 +514,8 @@ impl Actor {
                     *sums.entry(k).or_insert(0.0) += v;
                 }
                 updates += 1.0;
+                // fault injection (inert unless JETRL_CRASH_AT names it): weights changed, step not finished
+                jetrl_telemetry::crash::crash_point("trainer.mid_update", step);
             }
         }
         self.actor_updates += 1;
@@ -554,7 +561,12 @@ impl Actor {
             let weights = cols.is_weights.as_ref().map(|m| gather_rows(m, width, &chunk, r, device)).transpose()?;
             let logits = Self::response_logits(&self.model, &mb, self.settings.temperature)?;
             let log_prob = logprobs_from_logits(&logits, &mb.response_ids);
-            let entropy = (self.loss.entropy_coeff != 0.0).then(|| entropy_from_logits(&logits));
+            let entropy = match (self.settings.calculate_entropy, self.loss.entropy_coeff != 0.0) {
+                (false, _) => None,
+                (true, true) => Some(entropy_from_logits(&logits)),
+                // only a metric: kept out of the backward pass
+                (true, false) => Some(entropy_from_logits(&logits.f_detach()?)),
+            };
             let inputs = ActorLossInputs {
                 policy: PolicyLossInputs {
                     old_log_prob: &old,
@@ -579,6 +591,9 @@ impl Actor {
                 };
                 *metrics.entry(k).or_insert(0.0) += contribution;
             }
+        }
+        if let Some(&entropy) = metrics.get("actor/entropy_loss") {
+            metrics.insert("actor/entropy".into(), entropy);
         }
         let grad_norm = self.optim.clip_grad_norm(self.settings.grad_clip)?;
         if grad_norm.is_finite() {
@@ -702,23 +717,19 @@ pub fn stats(values: &[f64], name: &str, out: &mut BTreeMap<String, f64>) {
     out.insert(format!("{name}/min"), values.iter().copied().fold(f64::MAX, f64::min));
 }
 
-/// The aggregation mode of `actor.loss_agg_mode`, for callers outside the actor.
-pub fn agg_mode(cfg: &JobConfig) -> Result<AggMode, ActorError> {
-    Ok(cfg.actor.loss_agg_mode.parse()?)
-}
-
 type Job = Box<dyn FnOnce(&mut Actor) + Send>;
 
-/// Handle to the actor thread: closures run on the thread, in order, with exclusive access.
+/// Handle to the actor thread: closures run on the thread, in order, with exclusive access. The thread blocks on
+/// its bounded channel; callers wait for room without blocking the reactor.
 #[derive(Clone)]
 pub struct ActorHandle {
-    tx: SyncSender<Job>,
+    tx: tokio::sync::mpsc::Sender<Job>,
 }
 
 impl ActorHandle {
     /// Builds the actor on a new thread; returns once the models are loaded (or failed to load).
     pub fn spawn(cfg: JobConfig, total_steps: u64, resume: Option<(PathBuf, ActorState)>) -> Result<Self, ActorError> {
-        let (tx, rx) = sync_channel::<Job>(16);
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Job>(16);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         std::thread::Builder::new()
             .name("trainer-actor".into())
@@ -734,11 +745,11 @@ impl ActorHandle {
                         return;
                     }
                 };
-                while let Ok(job) = rx.recv() {
+                while let Some(job) = rx.blocking_recv() {
                     job(&mut actor);
                 }
             })
-            .map_err(|e| ActorError::Batch(format!("cannot start the actor thread: {e}")))?;
+            .map_err(ActorError::Spawn)?;
         ready_rx.recv().map_err(|_| ActorError::Stopped)??;
         Ok(Self { tx })
     }
@@ -752,11 +763,7 @@ impl ActorHandle {
         let job: Job = Box::new(move |actor| {
             let _ = reply.send(f(actor));
         });
-        let tx = self.tx.clone();
-        tokio::task::spawn_blocking(move || tx.send(job))
-            .await
-            .map_err(|_| ActorError::Stopped)?
-            .map_err(|_| ActorError::Stopped)?;
+        self.tx.send(job).await.map_err(|_| ActorError::Stopped)?;
         rx.await.map_err(|_| ActorError::Stopped)
     }
 }

@@ -29,6 +29,96 @@ pub struct Sample {
     /// the response hit max_new_tokens
     pub truncated: bool,
     pub num_turns: u32,
+    /// the task's dataloader epoch and dataset row (batches are ordered by them)
+    pub epoch: u64,
+    pub dataset_row: u64,
+    pub session_id: u32,
+    /// `(first response position, version)` of each run of tokens sampled under one weight version
+    pub version_runs: Vec<(u32, u64)>,
+}
+
+/// What a trajectory from the wire may hold before the trainer uses it: the model's vocabulary and context.
+#[derive(Debug, Clone, Copy)]
+pub struct SampleLimits {
+    pub vocab_size: u64,
+    /// prompt + response tokens at most (`max_position_embeddings`)
+    pub max_len: usize,
+}
+
+impl Sample {
+    /// A trajectory payload and its reward as a training row, checked at the boundary: every id inside the
+    /// vocabulary, prompt and response non-empty and within the context, one mask entry and one finite log-prob
+    /// per response token, the version span ordered, the score finite. Any violation names what was wrong; the
+    /// caller fails the trajectory's group instead of training a partial one (or crashing the model thread on an
+    /// out-of-range id).
+    pub fn from_wire(
+        traj: &jetrl_wire::v1::Trajectory,
+        reward: &jetrl_wire::v1::Reward,
+        limits: SampleLimits,
+    ) -> Result<Self, String> {
+        use jetrl_wire::packed;
+        let prompt = packed::unpack_u32(&traj.prompt_ids).map_err(|e| format!("prompt_ids: {e}"))?;
+        let response = packed::unpack_u32(&traj.response_ids).map_err(|e| format!("response_ids: {e}"))?;
+        if prompt.is_empty() || response.is_empty() {
+            return Err(format!("empty prompt ({} ids) or response ({} ids)", prompt.len(), response.len()));
+        }
+        if prompt.len() + response.len() > limits.max_len {
+            return Err(format!(
+                "{} prompt + {} response tokens exceed the model's context of {}",
+                prompt.len(),
+                response.len(),
+                limits.max_len
+            ));
+        }
+        if let Some(bad) = prompt.iter().chain(&response).find(|&&id| u64::from(id) >= limits.vocab_size) {
+            return Err(format!("token id {bad} is outside the vocabulary ({})", limits.vocab_size));
+        }
+        let mut response_mask = traj.response_mask.to_vec();
+        if response_mask.is_empty() {
+            response_mask = vec![1; response.len()];
+        }
+        if response_mask.len() != response.len() || response_mask.iter().any(|&m| m > 1) {
+            return Err(format!(
+                "response_mask has {} entries (each 0 or 1) for {} response tokens",
+                response_mask.len(),
+                response.len()
+            ));
+        }
+        let rollout_logprobs = packed::unpack_f32(&traj.logprobs).map_err(|e| format!("logprobs: {e}"))?;
+        if rollout_logprobs.len() != response.len() {
+            return Err(format!("{} log-probs for {} response tokens", rollout_logprobs.len(), response.len()));
+        }
+        if let Some(bad) = rollout_logprobs.iter().find(|lp| !lp.is_finite() || **lp > 0.0) {
+            return Err(format!("log-prob {bad} is not a finite number <= 0"));
+        }
+        if traj.min_version > traj.max_version {
+            return Err(format!("version span {}..{} is reversed", traj.min_version, traj.max_version));
+        }
+        if !reward.score.is_finite() {
+            return Err(format!("score {} is not finite", reward.score));
+        }
+        Ok(Sample {
+            key: traj.key.clone(),
+            uid: traj.uid.clone(),
+            prompt,
+            response,
+            response_mask,
+            rollout_logprobs,
+            score: reward.score,
+            extra: reward.extra.iter().filter(|(_, v)| v.is_finite()).map(|(k, v)| (k.clone(), *v)).collect(),
+            min_version: traj.min_version,
+            max_version: traj.max_version,
+            submit_step: traj.submit_step,
+            data_source: traj.data_source.clone(),
+            ground_truth: traj.ground_truth.clone(),
+            truncated: traj.finish_reason == jetrl_wire::v1::FinishReason::Length as i32,
+            num_turns: traj.num_turns,
+            epoch: traj.epoch,
+            dataset_row: traj.dataset_row,
+            session_id: traj.session_id,
+            version_runs: traj.version_runs.iter().map(|r| (r.first_token, r.version)).collect(),
+        })
+    }
 }
 
 /// Per-row tensors of a micro-batch: prompts left-padded to `p`, responses right-padded to `r`, so position

@@ -19,9 +19,12 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use jetrl_config::JobConfig;
+use jetrl_config::{JobConfig, ResumeMode};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
+
+use crate::error::ActorError;
+use crate::optim::AdamW;
 
 /// What a checkpoint holds besides tensors: enough to continue exactly where the run stopped.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -32,7 +35,7 @@ pub struct TrainerState {
     /// the dataloader's position after the batch of `global_step` was drawn (verl's `data.pt`)
     pub dataloader: jetrl_data::LoaderState,
     /// update counters and the KL controller
-    pub actor: crate::actor::ActorState,
+    pub actor: ActorState,
     /// The seeds every random choice derives from (with the step number): libtorch's generator is re-seeded
     /// from `run` at every step, mini-batch shuffles from `actor_shuffle`, the dataloader from `data`. Together
     /// with the step they are the complete RNG state.
@@ -52,11 +55,27 @@ impl Seeds {
     }
 }
 
+/// What the actor carries from step to step besides tensors (saved in `trainer_state.json`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ActorState {
+    /// actor update calls made: the position of the actor's LR schedule
+    pub actor_updates: u64,
+    /// critic update calls made: the position of the critic's LR schedule
+    pub critic_updates: u64,
+    /// the in-reward KL coefficient and its controller (adaptive ones change every step)
+    pub kl_ctrl: Option<jetrl_algos::KlController>,
+}
+
 /// verl's tracker file: the newest complete checkpoint's step.
 pub const LATEST_FILE: &str = "latest_checkpointed_iteration.txt";
 pub const TRAINER_STATE_FILE: &str = "trainer_state.json";
+/// The metrics of the checkpoint's step as known when it was saved (a resumed run writes its line from them
+/// when the first incarnation died before writing it).
+pub const STEP_METRICS_FILE: &str = "step_metrics.json";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const OPTIMIZER_META_FILE: &str = "optimizer.json";
+/// The critic's part of a checkpoint.
+pub const CRITIC_DIR: &str = "critic";
 const STEP_PREFIX: &str = "global_step_";
 
 #[derive(Debug, thiserror::Error)]
@@ -111,18 +130,33 @@ pub fn list_steps(root: &Path) -> Vec<u64> {
     steps
 }
 
-/// How many checkpoints to keep: `max_actor_ckpt_to_keep`, else `max_ckpt_to_keep`, else all.
-pub fn keep_count(cfg: &JobConfig) -> Option<usize> {
-    cfg.trainer.max_actor_ckpt_to_keep.or(cfg.trainer.max_ckpt_to_keep).map(|k| k.max(1) as usize)
+/// What [`commit`] keeps, as verl's two retention keys (each role deletes its own part of old checkpoints).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Retention {
+    /// checkpoints kept whole, newest first (`None`: all): a checkpoint without its policy cannot be resumed, so
+    /// the actor's retention deletes the whole directory
+    pub checkpoints: Option<usize>,
+    /// of those, how many keep their `critic/` (`None`: all); older ones keep `actor/` and the trainer state
+    pub critics: Option<usize>,
+}
+
+/// The retention of a job: `max_actor_ckpt_to_keep` (else `max_ckpt_to_keep`) checkpoints, the newest
+/// `max_critic_ckpt_to_keep` of them with their critic (validation refuses more critics than checkpoints).
+pub fn keep_count(cfg: &JobConfig) -> Retention {
+    let keep = |k: u32| k.max(1) as usize;
+    Retention {
+        checkpoints: cfg.trainer.max_actor_ckpt_to_keep.or(cfg.trainer.max_ckpt_to_keep).map(keep),
+        critics: cfg.trainer.max_critic_ckpt_to_keep.map(keep),
+    }
 }
 
 /// The checkpoint to resume from, by `trainer.resume_mode`: `auto` takes the tracker file's step (or the
 /// newest complete directory) under the root, if any; `resume_path`/`path` takes `resume_from_path`, which
 /// must exist; `disable` starts fresh.
 pub fn resolve_resume(cfg: &JobConfig) -> Result<Option<PathBuf>, CheckpointError> {
-    match cfg.trainer.resume_mode.as_str() {
-        "disable" => Ok(None),
-        "resume_path" | "path" => {
+    match cfg.trainer.resume_mode {
+        ResumeMode::Disable => Ok(None),
+        ResumeMode::ResumePath => {
             let path = cfg.trainer.resume_from_path.as_deref().unwrap_or_default();
             let dir = PathBuf::from(path);
             if step_of(&dir).is_none() {
@@ -135,9 +169,15 @@ pub fn resolve_resume(cfg: &JobConfig) -> Result<Option<PathBuf>, CheckpointErro
                     "trainer.resume_from_path {path:?} has no {TRAINER_STATE_FILE} (not a complete checkpoint)"
                 )));
             }
+            if cfg.critic.is_enabled(&cfg.algorithm) && !dir.join(CRITIC_DIR).is_dir() {
+                return Err(CheckpointError::Resume(format!(
+                    "trainer.resume_from_path {path:?} has no {CRITIC_DIR}/ (older than the newest \
+                     trainer.max_critic_ckpt_to_keep checkpoints), and this job trains a critic"
+                )));
+            }
             Ok(Some(dir))
         }
-        _ => {
+        ResumeMode::Auto => {
             let root = root_dir(cfg);
             let tracked = std::fs::read_to_string(root.join(LATEST_FILE))
                 .ok()
@@ -155,8 +195,9 @@ pub fn staging_dir(root: &Path, step: u64) -> PathBuf {
 }
 
 /// Makes a fully written staging directory the checkpoint of `step`, points the tracker file at it, and
-/// deletes the oldest checkpoints beyond `keep`. Returns the final directory.
-pub fn commit(root: &Path, step: u64, keep: Option<usize>) -> Result<PathBuf, CheckpointError> {
+/// deletes what `keep` no longer retains: the oldest checkpoints, and the critics of the older ones kept.
+/// Returns the final directory.
+pub fn commit(root: &Path, step: u64, keep: Retention) -> Result<PathBuf, CheckpointError> {
     let staging = staging_dir(root, step);
     let dir = step_dir(root, step);
     if dir.exists() {
@@ -164,12 +205,20 @@ pub fn commit(root: &Path, step: u64, keep: Option<usize>) -> Result<PathBuf, Ch
     }
     std::fs::rename(&staging, &dir).map_err(|e| CheckpointError::io(&staging, e))?;
     write_atomic(&root.join(LATEST_FILE), step.to_string().as_bytes())?;
-    if let Some(keep) = keep {
-        let steps = list_steps(root);
-        for old in steps.iter().take(steps.len().saturating_sub(keep)) {
-            let old_dir = step_dir(root, *old);
-            if let Err(err) = std::fs::remove_dir_all(&old_dir) {
-                tracing::warn!(dir = %old_dir.display(), error = %err, "old checkpoint not deleted");
+    let expired = |kept: &[u64], limit: Option<usize>| -> Vec<PathBuf> {
+        let excess = limit.map_or(0, |limit| kept.len().saturating_sub(limit));
+        kept.iter().take(excess).map(|&s| step_dir(root, s)).collect()
+    };
+    for old in expired(&list_steps(root), keep.checkpoints) {
+        if let Err(err) = std::fs::remove_dir_all(&old) {
+            tracing::warn!(dir = %old.display(), error = %err, "old checkpoint not deleted");
+        }
+    }
+    for old in expired(&list_steps(root), keep.critics) {
+        let critic = old.join(CRITIC_DIR);
+        if critic.exists() {
+            if let Err(err) = std::fs::remove_dir_all(&critic) {
+                tracing::warn!(dir = %critic.display(), error = %err, "old critic checkpoint not deleted");
             }
         }
     }
@@ -181,6 +230,29 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, bytes).map_err(|e| CheckpointError::io(&tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| CheckpointError::io(path, e))
+}
+
+/// `optimizer.json`: what AdamW's state needs besides its tensors. The step count drives the bias correction, so
+/// a file that does not say it is an error, never a silent restart from step 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OptimizerMeta {
+    /// AdamW steps taken
+    pub step: u64,
+}
+
+/// Writes an optimizer's state into a model directory of a checkpoint (`actor/`, `critic/`).
+pub fn save_optimizer(dir: &Path, optim: &AdamW) -> Result<(), CheckpointError> {
+    write_tensors(&dir.join(OPTIMIZER_FILE), &optim.state_tensors())?;
+    write_json(&dir.join(OPTIMIZER_META_FILE), &OptimizerMeta { step: optim.step })
+}
+
+/// Restores an optimizer's state from a model directory of a checkpoint; a missing or malformed file fails with
+/// its path.
+pub fn load_optimizer(dir: &Path, optim: &mut AdamW) -> Result<(), ActorError> {
+    let meta: OptimizerMeta = read_json(&dir.join(OPTIMIZER_META_FILE))?;
+    let tensors = read_tensors(&dir.join(OPTIMIZER_FILE))?;
+    optim.load_state_tensors(tensors, meta.step)?;
+    Ok(())
 }
 
 pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), CheckpointError> {
@@ -295,17 +367,47 @@ mod tests {
             let staging = staging_dir(root.path(), step);
             std::fs::create_dir_all(&staging).unwrap();
             std::fs::write(staging.join(TRAINER_STATE_FILE), "{}").unwrap();
-            commit(root.path(), step, Some(2)).unwrap();
+            commit(root.path(), step, Retention { checkpoints: Some(2), critics: None }).unwrap();
         }
         assert_eq!(list_steps(root.path()), vec![4, 6]);
         assert_eq!(std::fs::read_to_string(root.path().join(LATEST_FILE)).unwrap(), "6");
         assert!(!staging_dir(root.path(), 6).exists());
     }
 
+    /// verl's `max_critic_ckpt_to_keep`: older checkpoints lose their critic and keep the policy and trainer state;
+    /// resuming a critic job from one of them is refused naming why.
+    #[test]
+    fn critic_retention_removes_the_critic_of_older_checkpoints_and_keeps_their_actor() {
+        let root = tempfile::tempdir().unwrap();
+        let mut cfg = cfg_with(root.path(), "auto", None);
+        cfg.trainer.max_actor_ckpt_to_keep = Some(3);
+        cfg.trainer.max_critic_ckpt_to_keep = Some(1);
+        for step in [1u64, 2, 3, 4] {
+            let staging = staging_dir(root.path(), step);
+            for part in ["actor", CRITIC_DIR] {
+                std::fs::create_dir_all(staging.join(part)).unwrap();
+            }
+            std::fs::write(staging.join(TRAINER_STATE_FILE), "{}").unwrap();
+            commit(root.path(), step, keep_count(&cfg)).unwrap();
+        }
+        assert_eq!(list_steps(root.path()), vec![2, 3, 4]);
+        for step in [2u64, 3, 4] {
+            assert!(step_dir(root.path(), step).join("actor").is_dir(), "step {step} keeps its actor");
+            assert_eq!(step_dir(root.path(), step).join(CRITIC_DIR).exists(), step == 4, "critic of step {step}");
+        }
+        cfg.algorithm.adv_estimator = jetrl_config::AdvantageEstimator::Gae;
+        cfg.trainer.resume_mode = ResumeMode::ResumePath;
+        cfg.trainer.resume_from_path = Some(step_dir(root.path(), 3).display().to_string());
+        let err = resolve_resume(&cfg).unwrap_err().to_string();
+        assert!(err.contains("max_critic_ckpt_to_keep"), "{err}");
+        cfg.trainer.resume_from_path = Some(step_dir(root.path(), 4).display().to_string());
+        assert!(resolve_resume(&cfg).unwrap().is_some());
+    }
+
     fn cfg_with(root: &Path, mode: &str, path: Option<String>) -> JobConfig {
         let mut cfg = JobConfig::default();
         cfg.trainer.default_local_dir = Some(root.display().to_string());
-        cfg.trainer.resume_mode = mode.into();
+        cfg.trainer.resume_mode = mode.parse().unwrap();
         cfg.trainer.resume_from_path = path;
         cfg
     }

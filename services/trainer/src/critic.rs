@@ -11,9 +11,9 @@ use jetrl_model::{CausalLm, DType};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
-use crate::actor::ActorError;
 use crate::batch::{gather_rows, groups_of, mini_batches, split_by_token_budget, to_host, MicroBatch, Sample};
 use crate::checkpoint::{self, CheckpointError};
+use crate::error::ActorError;
 use crate::optim::{AdamW, LrSchedule};
 
 /// Settings of the critic's update, resolved from `critic.*` with verl's inheritance from `actor.*`.
@@ -101,7 +101,7 @@ impl Critic {
             seed: critic.data_loader_seed,
             grad_clip: critic.grad_clip,
             cliprange_value: critic.cliprange_value,
-            agg: critic.loss_agg_mode.as_deref().unwrap_or(&cfg.actor.loss_agg_mode).parse()?,
+            agg: critic.loss_agg_mode.unwrap_or(cfg.actor.loss_agg_mode),
             loss_scale_factor: critic.loss_scale_factor.or(cfg.actor.loss_scale_factor),
         };
         let mut out = Self {
@@ -116,7 +116,7 @@ impl Critic {
             pad_id: 0,
         };
         if let Some(dir) = resume {
-            out.load(&dir.join("critic"))?;
+            out.load(&dir.join(checkpoint::CRITIC_DIR))?;
         }
         Ok(out)
     }
@@ -261,11 +261,7 @@ impl Critic {
         }
         checkpoint::copy_model_side_files(model_dir, dir)?;
         checkpoint::write_json(&dir.join("config.json"), &config)?;
-        checkpoint::write_tensors(&dir.join(checkpoint::OPTIMIZER_FILE), &self.optim.state_tensors())?;
-        checkpoint::write_json(
-            &dir.join(checkpoint::OPTIMIZER_META_FILE),
-            &serde_json::json!({"step": self.optim.step}),
-        )?;
+        checkpoint::save_optimizer(dir, &self.optim)?;
         Ok(())
     }
 
@@ -301,9 +297,6 @@ impl Critic {
                 format!("has {seen} of the critic's {expected} tensors"),
             )));
         }
-        let meta: serde_json::Value = checkpoint::read_json(&dir.join(checkpoint::OPTIMIZER_META_FILE))?;
-        let state = checkpoint::read_tensors(&dir.join(checkpoint::OPTIMIZER_FILE))?;
-        self.optim.load_state_tensors(state, meta["step"].as_u64().unwrap_or(0))?;
-        Ok(())
+        checkpoint::load_optimizer(dir, &mut self.optim)
     }
 }

@@ -1,5 +1,5 @@
 //! Where step metrics go (verl's `trainer.logger`): `metrics.jsonl` in the run directory (one JSON object per
-//! step, verl's names; always written, `jetrl run` and the tests read it), `jetrl.trainer.metrics` on NATS (for
+//! step, verl's names; always written, `jetrl run` and the tests read it), `jetrl.<ns>.trainer.metrics` on NATS (for
 //! `jetrl run`'s progress display), Prometheus gauges, TensorBoard event files (`tensorboard`), a log line per
 //! step (`console`), and the reward-curve picture.
 
@@ -8,8 +8,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use jetrl_bus::Bus;
-use jetrl_config::TrainerConfig;
-use jetrl_wire::subjects;
+use jetrl_config::{Logger, TrainerConfig};
 
 use crate::tensorboard::EventWriter;
 
@@ -21,6 +20,8 @@ pub struct MetricsSink {
     curve: Vec<(u64, f64)>,
     tensorboard: Option<EventWriter>,
     console: bool,
+    /// the step of the last line in the file
+    last_step: Option<u64>,
 }
 
 /// The step a metrics line belongs to.
@@ -42,6 +43,7 @@ impl MetricsSink {
         let path = run_dir.join("metrics.jsonl");
         let mut curve = Vec::new();
         let mut kept = String::new();
+        let mut last_step = None;
         if let Some(resumed) = resumed_from {
             if let Ok(text) = std::fs::read_to_string(&path) {
                 for line in text.lines() {
@@ -52,6 +54,7 @@ impl MetricsSink {
                     if let (Some(s), Some(r)) = (line_step(&v), v["critic/score/mean"].as_f64()) {
                         curve.push((s, r));
                     }
+                    last_step = line_step(&v).max(last_step);
                     kept.push_str(line);
                     kept.push('\n');
                 }
@@ -59,15 +62,15 @@ impl MetricsSink {
         }
         let mut jsonl = std::fs::OpenOptions::new().create(true).write(true).truncate(true).open(&path)?;
         jsonl.write_all(kept.as_bytes())?;
-        let tensorboard = if trainer.logger.iter().any(|l| l == "tensorboard") {
+        let tensorboard = if trainer.logger.contains(&Logger::Tensorboard) {
             let dir = trainer.tensorboard_dir.clone().map(PathBuf::from).unwrap_or_else(|| run_dir.join("tensorboard"));
             Some(EventWriter::create(&dir, resumed_from.map(|s| s + 1))?)
         } else {
             None
         };
         for logger in &trainer.logger {
-            if !["console", "jsonl", "tensorboard"].contains(&logger.as_str()) {
-                tracing::warn!(logger, "trainer.logger backend not supported by jetrl; ignored");
+            if !logger.is_supported() {
+                tracing::warn!(%logger, "trainer.logger backend not supported by jetrl; ignored");
             }
         }
         Ok(Self {
@@ -76,8 +79,14 @@ impl MetricsSink {
             run_dir: run_dir.to_path_buf(),
             curve,
             tensorboard,
-            console: trainer.logger.iter().any(|l| l == "console"),
+            console: trainer.logger.contains(&Logger::Console),
+            last_step,
         })
+    }
+
+    /// The step of the last line kept or written.
+    pub fn last_step(&self) -> Option<u64> {
+        self.last_step
     }
 
     pub async fn record(&mut self, step: u64, metrics: &BTreeMap<String, f64>) {
@@ -88,7 +97,8 @@ impl MetricsSink {
         if let Err(err) = writeln!(self.jsonl, "{line}").and_then(|_| self.jsonl.flush()) {
             tracing::error!(error = %err, "cannot append to metrics.jsonl");
         }
-        if let Err(err) = self.bus.client().publish(subjects::TRAINER_METRICS, line.into_bytes().into()).await {
+        let subject = self.bus.names().trainer_metrics().to_string();
+        if let Err(err) = self.bus.client().publish(subject, line.into_bytes().into()).await {
             tracing::debug!(error = %err, "metrics not published");
         }
         for (name, value) in metrics {
@@ -114,6 +124,7 @@ impl MetricsSink {
         if let Some(score) = metrics.get("critic/score/mean") {
             self.curve.push((step, *score));
         }
+        self.last_step = Some(step).max(self.last_step);
         if step % 10 == 0 {
             self.write_curve();
         }

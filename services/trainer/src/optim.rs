@@ -257,7 +257,7 @@ impl LrSchedule {
             base: cfg.lr,
             warmup,
             total: total_steps.max(1),
-            cosine: cfg.lr_scheduler_type == "cosine",
+            cosine: cfg.lr_scheduler_type == jetrl_config::LrSchedulerType::Cosine,
             min_ratio: cfg.min_lr_ratio,
         }
     }
@@ -379,7 +379,7 @@ mod tests {
         let cfg = OptimConfig {
             lr: 1.0,
             lr_warmup_steps: Some(2),
-            lr_scheduler_type: "cosine".into(),
+            lr_scheduler_type: jetrl_config::LrSchedulerType::Cosine,
             min_lr_ratio: 0.1,
             ..OptimConfig::default()
         };

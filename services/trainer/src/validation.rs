@@ -11,8 +11,81 @@
 //!
 //! numpy's `RandomState` (MT19937 with its legacy seeding and masked rejection sampling) is reproduced here, so
 //! the bootstrap numbers are verl's to the last digit, not merely the same statistic.
+//!
+//! [`validate`] runs verl's `_validate`: every validation prompt generated with `rollout.val_kwargs` (greedy by
+//! default), `n` times, scored; one score per session (its final output); the generations dumped to
+//! `validation_data_dir/<step>.jsonl` and `log_val_generations` of them logged.
 
 use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use jetrl_config::JobConfig;
+use jetrl_data::Example;
+use jetrl_wire::subjects;
+use jetrl_wire::v1::{self, SampleResponse};
+
+use crate::dump;
+use crate::error::TrainerError;
+use crate::rollout_client::RolloutClient;
+
+/// verl's `_validate` at `step` over `val`; returns the `val-core/` and `val-aux/` metrics.
+pub async fn validate(
+    client: &mut RolloutClient,
+    cfg: &JobConfig,
+    val: &[Example],
+    step: u64,
+    incarnation: &str,
+) -> Result<BTreeMap<String, f64>, TrainerError> {
+    let chunk = cfg.data.val_batch_size.map(|b| b as usize).unwrap_or(val.len()).max(1);
+    let mut request_ids = Vec::new();
+    let mut responses = Vec::new();
+    for (i, examples) in val.chunks(chunk).enumerate() {
+        let submitted = client.submit_val(step, (i * chunk) as u64, examples).await?;
+        let request_id = format!("val-{incarnation}-{step}-{i}");
+        let (response, _) = client.sample(&request_id, step, subjects::VAL_PARTITION, submitted as u32).await?;
+        responses.push(response);
+        request_ids.push(request_id);
+    }
+    // one score per session: its final output (the largest output index), as verl
+    let mut finals: BTreeMap<(String, u32), &v1::Reward> = BTreeMap::new();
+    for t in responses.iter().flat_map(|r| r.groups.iter()).flat_map(|g| g.trajectories.iter()) {
+        let slot = finals.entry((t.uid.clone(), t.session_id)).or_insert(t);
+        if t.index > slot.index {
+            *slot = t;
+        }
+    }
+    let samples: Vec<ValSample> = finals
+        .values()
+        .map(|r| ValSample {
+            uid: r.uid.clone(),
+            data_source: r.data_source.clone(),
+            score: r.score,
+            extra: r.extra.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+            pred: r.extra_text.get("pred").cloned(),
+        })
+        .collect();
+    let out = validation_metrics(&samples);
+    let dump_dir = cfg.trainer.validation_data_dir.clone();
+    let log_n = cfg.trainer.log_val_generations as usize;
+    if dump_dir.is_some() || log_n > 0 {
+        let finals_only = SampleResponse {
+            groups: vec![v1::SampledGroup {
+                trajectories: finals.values().map(|r| (*r).clone()).collect(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let generations = client.fetch(&finals_only).await?;
+        let rows =
+            dump::generation_rows(client.tokenizer(), step, &generations.samples, &finals_only.groups[0].trajectories);
+        if let Some(dir) = dump_dir {
+            dump::write_jsonl(&Path::new(&dir).join(format!("{step}.jsonl")), &rows);
+        }
+        dump::log_generations(&rows, log_n, step);
+    }
+    client.release(step, request_ids);
+    Ok(out)
+}
 
 /// One scored validation sample: its prompt group, data source, score, numeric extras and text extras.
 #[derive(Debug, Clone, Default)]

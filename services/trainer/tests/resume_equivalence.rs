@@ -3,11 +3,13 @@
 //! (the real tiny model, every piece of state in play: shuffled mini-batches, micro-batches, warmup + cosine
 //! LR, AdamW moments, the reference model, an adaptive in-reward KL controller, the critic).
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use jetrl_config::JobConfig;
-use jetrl_trainer::actor::{Actor, ActorState, Sample};
+use jetrl_trainer::actor::{Actor, ActorState, OldPolicy, Sample};
 use jetrl_trainer::checkpoint;
 use rand::{Rng, SeedableRng};
 use tch::Tensor;
@@ -47,7 +49,7 @@ fn config(model: &Path, critic: bool) -> JobConfig {
     cfg.actor.optim.lr = 1e-3;
     cfg.actor.optim.weight_decay = 0.01;
     cfg.actor.optim.lr_warmup_steps = Some(1);
-    cfg.actor.optim.lr_scheduler_type = "cosine".into();
+    cfg.actor.optim.lr_scheduler_type = jetrl_config::LrSchedulerType::Cosine;
     cfg.actor.optim.min_lr_ratio = 0.1;
     cfg.actor.ppo_mini_batch_size = Some(2);
     cfg.actor.ppo_epochs = 2;
@@ -56,15 +58,17 @@ fn config(model: &Path, critic: bool) -> JobConfig {
     cfg.actor.entropy_coeff = 0.01;
     cfg.actor.use_kl_loss = true;
     cfg.algorithm.use_kl_in_reward = true;
-    cfg.algorithm.kl_ctrl.kind = "adaptive".into();
+    cfg.algorithm.kl_ctrl.kind = jetrl_config::KlCtrlType::Adaptive;
     cfg.algorithm.kl_ctrl.kl_coef = 0.05;
     if critic {
-        cfg.algorithm.adv_estimator = "gae".into();
+        cfg.algorithm.adv_estimator = jetrl_config::AdvantageEstimator::Gae;
         cfg.algorithm.lam = 0.95;
         cfg.critic.optim.lr = 1e-3;
         cfg.trainer.critic_warmup = 2;
-        cfg.algorithm.rollout_correction =
-            Some(jetrl_config::RolloutCorrectionConfig { rollout_is: Some("token".into()), ..Default::default() });
+        cfg.algorithm.rollout_correction = Some(jetrl_config::RolloutCorrectionConfig {
+            rollout_is: Some(jetrl_config::RolloutIsLevel::Token),
+            ..Default::default()
+        });
     }
     cfg
 }
@@ -82,21 +86,27 @@ fn final_weights(actor: &Actor, scratch: &Path) -> BTreeMap<String, Tensor> {
     out
 }
 
-fn run_and_compare(critic: bool) {
+/// A directory holding the tiny model, and the job of [`config`] on it.
+fn tiny_job(critic: bool) -> (tempfile::TempDir, JobConfig) {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
     jetrl_model::init_model("tiny", &model, 3).unwrap();
     let cfg = config(&model, critic);
+    (dir, cfg)
+}
+
+fn run_and_compare(critic: bool) {
+    let (dir, cfg) = tiny_job(critic);
 
     let mut straight = Actor::new(&cfg, STEPS, None).unwrap();
     let mut straight_metrics = Vec::new();
     for step in 1..=STEPS {
-        straight_metrics.push(straight.train(&batch(step), step).unwrap().metrics);
+        straight_metrics.push(straight.train(&batch(step), step, OldPolicy::Current).unwrap().metrics);
     }
 
     let mut first = Actor::new(&cfg, STEPS, None).unwrap();
     for step in 1..=STEPS / 2 {
-        first.train(&batch(step), step).unwrap();
+        first.train(&batch(step), step, OldPolicy::Current).unwrap();
     }
     let ckpt = dir.path().join("global_step_2");
     let state: ActorState = first.save_checkpoint(&ckpt).unwrap();
@@ -104,7 +114,7 @@ fn run_and_compare(critic: bool) {
     let mut resumed = Actor::new(&cfg, STEPS, Some((&ckpt, &state))).unwrap();
     let mut resumed_metrics = Vec::new();
     for step in STEPS / 2 + 1..=STEPS {
-        resumed_metrics.push(resumed.train(&batch(step), step).unwrap().metrics);
+        resumed_metrics.push(resumed.train(&batch(step), step, OldPolicy::Current).unwrap().metrics);
     }
 
     let a = final_weights(&straight, &dir.path().join("scratch_a"));
@@ -126,12 +136,15 @@ fn run_and_compare(critic: bool) {
     assert!(worst.0 <= 1e-6, "weights differ after resume: max |Δ| {} in {}", worst.0, worst.1);
     assert!(moved > 1e-3, "training barely moved the weights ({moved}): the comparison would prove nothing");
     // the loss curve is the same too, step for step
+    let mut keys = vec!["actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/reward_kl_penalty_coeff"];
+    if critic {
+        keys.push("critic/vf_loss");
+    }
+    assert_eq!(resumed_metrics.len(), STEPS as usize / 2);
     for (s, r) in straight_metrics[STEPS as usize / 2..].iter().zip(&resumed_metrics) {
-        for key in ["actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/reward_kl_penalty_coeff", "critic/vf_loss"] {
-            if let Some(expected) = s.get(key) {
-                let got = r[key];
-                assert!((expected - got).abs() <= 1e-6 * expected.abs().max(1.0), "{key}: {expected} vs {got}");
-            }
+        for key in &keys {
+            let (expected, got) = (s[*key], r[*key]);
+            assert!((expected - got).abs() <= 1e-6 * expected.abs().max(1.0), "{key}: {expected} vs {got}");
         }
     }
     // the adaptive controller moved, so its state mattered
@@ -151,13 +164,10 @@ fn gae_run_with_critic_resumed_at_half_way_ends_with_the_same_actor_and_critic_w
 
 #[test]
 fn checkpoint_holds_hf_model_directories_and_optimizer_state() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("model");
-    jetrl_model::init_model("tiny", &model, 3).unwrap();
-    let cfg = config(&model, true);
+    let (dir, cfg) = tiny_job(true);
     let mut actor = Actor::new(&cfg, STEPS, None).unwrap();
     for step in 1..=2 {
-        actor.train(&batch(step), step).unwrap();
+        actor.train(&batch(step), step, OldPolicy::Current).unwrap();
     }
     let ckpt = dir.path().join("global_step_2");
     actor.save_checkpoint(&ckpt).unwrap();
@@ -179,4 +189,28 @@ fn checkpoint_holds_hf_model_directories_and_optimizer_state() {
     assert!(optim.contains_key("exp_avg_sq.model.norm.weight"));
     // the actor directory is a model the trainer (and transformers) can load as is
     jetrl_model::CausalLm::load(&ckpt.join("actor"), tch::Device::Cpu, jetrl_model::DType::F32).unwrap();
+}
+
+/// AdamW's bias correction depends on its step count: a checkpoint whose `optimizer.json` does not say it (a
+/// missing key, a wrong type, not JSON) must fail the resume naming the file, never restart the count at 0.
+#[test]
+fn resume_with_a_malformed_optimizer_json_fails_naming_the_file() {
+    let (dir, cfg) = tiny_job(true);
+    let mut actor = Actor::new(&cfg, STEPS, None).unwrap();
+    actor.train(&batch(1), 1, OldPolicy::Current).unwrap();
+    let ckpt = dir.path().join("global_step_1");
+    let state = actor.save_checkpoint(&ckpt).unwrap();
+    drop(actor);
+    Actor::new(&cfg, STEPS, Some((&ckpt, &state))).expect("the checkpoint as written resumes");
+    for role in ["actor", "critic"] {
+        let file = ckpt.join(role).join(checkpoint::OPTIMIZER_META_FILE);
+        let written = std::fs::read_to_string(&file).unwrap();
+        for bad in [r#"{"steps": 1}"#, r#"{"step": "1"}"#, r#"{"step": -1}"#, "step: 1"] {
+            std::fs::write(&file, bad).unwrap();
+            let err =
+                Actor::new(&cfg, STEPS, Some((&ckpt, &state))).err().unwrap_or_else(|| panic!("{role}: {bad} resumed"));
+            assert!(err.to_string().contains(&file.display().to_string()), "{role}: {bad}: {err}");
+        }
+        std::fs::write(&file, written).unwrap();
+    }
 }

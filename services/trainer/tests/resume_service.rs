@@ -5,6 +5,8 @@
 //! re-issues the prompt groups the first incarnation left in flight, and the run ends with one metrics line
 //! per step and the final checkpoint.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -33,6 +35,8 @@ fn metric_steps(run_dir: &Path) -> Vec<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
+    // the in-process trainer's log goes to the captured output (shown when the test fails)
+    jetrl_telemetry::init_tracing("info", jetrl_config::LogFormat::Text);
     let mut job = TestJob::new(
         "run: {name: resume}\n\
          data: {task: {name: reverse, min_len: 4, max_len: 4, train_size: 400, val_size: 4}, train_batch_size: 4, \
@@ -46,7 +50,7 @@ async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
     job.spawn("replay-buffer", "jetrl-replay-buffer", &[]);
     job.spawn("reward-0", "jetrl-reward-service", &[]);
     job.spawn("rollout-0", "jetrl-rollout-worker", &["rollout.instance_id=rollout-0"]);
-    let bus = Bus::connect(&cfg.nats, "resume-check").await.unwrap();
+    let bus = Bus::connect_job(&cfg, "resume-check").await.unwrap();
     let groups = GroupStore::open(&bus).await.unwrap();
 
     // first incarnation: once step 2 is checkpointed and logged, the only rollout worker is killed; the
@@ -91,11 +95,11 @@ async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             let all = groups.list("train").await.unwrap();
-            let reissued = all.iter().filter(|g| g.evicted_reason == "reissued").count();
-            if reissued == stranded.len() {
+            let superseded = all.iter().filter(|g| g.evicted_reason == "superseded_by_resume").count();
+            if superseded == stranded.len() {
                 break;
             }
-            assert!(Instant::now() < deadline, "stranded groups never re-issued ({reissued})");
+            assert!(Instant::now() < deadline, "stranded groups never superseded ({superseded})");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         job.spawn("rollout-1", "jetrl-rollout-worker", &["rollout.instance_id=rollout-1"]);
@@ -104,6 +108,14 @@ async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
         tokio::time::timeout(Duration::from_secs(240), jetrl_trainer::run(cfg.clone(), until(&second_rx))),
         new_worker
     );
+    if second.is_err() {
+        // what the records say when the second trainer hangs
+        for g in groups.list("train").await.unwrap() {
+            let (uid, step, state, worker, reason) =
+                (&g.uid, g.submit_step, g.state(), &g.worker_id, &g.evicted_reason);
+            eprintln!("group {uid}: submitted at step {step}, {state:?}, worker {worker:?}, reason {reason:?}");
+        }
+    }
     second.expect("second trainer finishes").unwrap();
 
     assert_eq!(metric_steps(&run_dir), vec![1, 2, 3, 4], "one metrics line per step, the redone ones once");
@@ -120,12 +132,21 @@ async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
         assert!(m["actor/pg_loss"].as_f64().is_some_and(f64::is_finite), "{m}");
     }
 
-    // the stranded groups were evicted under their old uids (their replacements were trained on instead)
+    // the stranded groups were generated after the checkpoint: superseded under their old uids, their rows drawn
+    // again by the restored dataloader and trained on once
     let all = groups.list("train").await.unwrap();
     for uid in &stranded {
         let g = all.iter().find(|g| &g.uid == uid).expect("stranded group record");
-        assert_eq!((g.state(), g.evicted_reason.as_str()), (GroupState::Evicted, "reissued"));
+        assert_eq!((g.state(), g.evicted_reason.as_str()), (GroupState::Evicted, "superseded_by_resume"));
     }
     let sampled = all.iter().filter(|g| g.state() == GroupState::Sampled).count();
     assert_eq!(sampled, 16, "4 steps of 4 groups were trained on");
+    // the ledger by dataset row: the 16 rows the 4 steps drew, each trained exactly once, none twice
+    let (rows, duplicates) = jetrl_bus::ledger::ledger(&all);
+    assert!(duplicates.is_empty(), "rows decided twice: {duplicates:?}");
+    let trained: Vec<_> = rows.iter().filter(|r| r.fate == jetrl_bus::ledger::Fate::Trained).collect();
+    assert_eq!(trained.len(), 16, "{rows:?}");
+    assert_eq!(rows.len(), 16, "no row drawn beyond the 16 trained: {rows:?}");
+    let ledger = std::fs::read_to_string(run_dir.join("ledger.jsonl")).expect("the trainer wrote ledger.jsonl");
+    assert_eq!(ledger.lines().count(), 16);
 }

@@ -7,8 +7,6 @@
 //! f64 (batches are small); the batch whitening runs as tensor ops.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fmt;
-use std::str::FromStr;
 
 use tch::Tensor;
 
@@ -16,107 +14,7 @@ use crate::masked::masked_whiten;
 use crate::util::{check_rows, check_same_2d, mask_like, to_vec_f64};
 use crate::AlgoError;
 
-/// verl's `AdvantageEstimator` (`algorithm.adv_estimator`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum AdvantageEstimator {
-    /// Generalised advantage estimation with a critic's values, whitened over the batch.
-    Gae,
-    /// Group-relative: `(s − mean_g)/(std_g + ε)`, or `s − mean_g` without std normalisation (Dr.GRPO).
-    Grpo,
-    /// GRPO with verl's vectorised group statistics (computed in f32, as verl's `group_mean_std`).
-    GrpoVectorized,
-    /// Pass@k: only the best row of a group gets `r_max − r_second` (optionally over the group std).
-    GrpoPassk,
-    /// Leave-one-out baseline: `s − mean of the other rows`; a singleton keeps `s`.
-    Rloo,
-    /// Vectorised RLOO; a singleton gets 0 (unlike `rloo`).
-    RlooVectorized,
-    /// Length-weighted group baseline.
-    Opo,
-    /// Discounted return-to-go, whitened over the batch.
-    ReinforcePlusPlus,
-    /// `s − mean_g` on every token, whitened over the batch.
-    ReinforcePlusPlusBaseline,
-    /// Return-to-go minus the greedy rollout's score.
-    Remax,
-    /// `α·(s − mean_g)` with α = batch / non-zero scores.
-    Gpg,
-    /// GRPO per reward component, weighted sum, whitened over the batch.
-    Gdpo,
-    /// Per-token baseline weighted by cumulative path variance.
-    OptimalTokenBaseline,
-    /// The optimal token baseline over the valid tokens only (multi-turn with tool outputs).
-    TirOptimalTokenBaseline,
-}
-
-impl AdvantageEstimator {
-    pub const ALL: [AdvantageEstimator; 14] = [
-        Self::Gae,
-        Self::Grpo,
-        Self::GrpoVectorized,
-        Self::GrpoPassk,
-        Self::Rloo,
-        Self::RlooVectorized,
-        Self::Opo,
-        Self::ReinforcePlusPlus,
-        Self::ReinforcePlusPlusBaseline,
-        Self::Remax,
-        Self::Gpg,
-        Self::Gdpo,
-        Self::OptimalTokenBaseline,
-        Self::TirOptimalTokenBaseline,
-    ];
-
-    /// verl's name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Gae => "gae",
-            Self::Grpo => "grpo",
-            Self::GrpoVectorized => "grpo_vectorized",
-            Self::GrpoPassk => "grpo_passk",
-            Self::Rloo => "rloo",
-            Self::RlooVectorized => "rloo_vectorized",
-            Self::Opo => "opo",
-            Self::ReinforcePlusPlus => "reinforce_plus_plus",
-            Self::ReinforcePlusPlusBaseline => "reinforce_plus_plus_baseline",
-            Self::Remax => "remax",
-            Self::Gpg => "gpg",
-            Self::Gdpo => "gdpo",
-            Self::OptimalTokenBaseline => "optimal_token_baseline",
-            Self::TirOptimalTokenBaseline => "tir_optimal_token_baseline",
-        }
-    }
-
-    /// Whether the estimator needs a critic's values (verl's `need_critic` default).
-    pub fn needs_critic(self) -> bool {
-        self == Self::Gae
-    }
-
-    /// Whether rows are compared within their uid group (so `index` is required).
-    pub fn needs_groups(self) -> bool {
-        !matches!(self, Self::Gae | Self::ReinforcePlusPlus | Self::Remax)
-    }
-}
-
-impl fmt::Display for AdvantageEstimator {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for AdvantageEstimator {
-    type Err = AlgoError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::ALL.into_iter().find(|e| e.as_str() == s).ok_or_else(|| AlgoError::UnknownName {
-            what: "advantage estimator",
-            value: s.to_string(),
-            expected: "gae, grpo, grpo_vectorized, grpo_passk, rloo, rloo_vectorized, opo, reinforce_plus_plus, \
-                       reinforce_plus_plus_baseline, remax, gpg, gdpo, optimal_token_baseline, \
-                       tir_optimal_token_baseline",
-        })
-    }
-}
+pub use jetrl_config::AdvantageEstimator;
 
 /// The scalar settings of the estimators (verl `algorithm.*`).
 #[derive(Debug, Clone, PartialEq)]

@@ -2,64 +2,13 @@
 //! global-batch normalisation so that the gradients of the micro-batches of one mini-batch, summed (and
 //! averaged over data-parallel ranks), equal the gradient of the loss over the whole mini-batch.
 
-use std::fmt;
-use std::str::FromStr;
-
 use tch::Tensor;
 
 use crate::masked::{masked_sum, Axis};
 use crate::util::{check_same_2d, mask_like, sum_all, sum_last};
 use crate::AlgoError;
 
-/// How token losses become one scalar (verl `loss_agg_mode`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum AggMode {
-    /// `Σ L·m / batch_num_tokens` (verl's default).
-    #[default]
-    TokenMean,
-    /// `Σ L·m`.
-    TokenSum,
-    /// mean over sequences of the per-sequence token sum.
-    SeqMeanTokenSum,
-    /// as `SeqMeanTokenSum`, divided by `loss_scale_factor` (default: the padded response length), Dr.GRPO.
-    SeqMeanTokenSumNorm,
-    /// mean over sequences of the per-sequence token mean.
-    SeqMeanTokenMean,
-}
-
-impl AggMode {
-    pub const ALL: [AggMode; 5] =
-        [Self::TokenMean, Self::TokenSum, Self::SeqMeanTokenSum, Self::SeqMeanTokenSumNorm, Self::SeqMeanTokenMean];
-
-    /// verl's spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::TokenMean => "token-mean",
-            Self::TokenSum => "token-sum",
-            Self::SeqMeanTokenSum => "seq-mean-token-sum",
-            Self::SeqMeanTokenSumNorm => "seq-mean-token-sum-norm",
-            Self::SeqMeanTokenMean => "seq-mean-token-mean",
-        }
-    }
-}
-
-impl fmt::Display for AggMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for AggMode {
-    type Err = AlgoError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::ALL.into_iter().find(|mode| mode.as_str() == s).ok_or_else(|| AlgoError::UnknownName {
-            what: "loss_agg_mode",
-            value: s.to_string(),
-            expected: "token-mean, token-sum, seq-mean-token-sum, seq-mean-token-sum-norm, seq-mean-token-mean",
-        })
-    }
-}
+pub use jetrl_config::AggMode;
 
 /// The mini-batch a micro-batch belongs to (verl's `global_batch_info`). With the defaults the loss is
 /// normalised by the micro-batch itself, which is right only when the micro-batch is the whole mini-batch.

@@ -3,9 +3,9 @@
 /// What went wrong, and in which stage.
 #[derive(Debug, thiserror::Error)]
 pub enum AlgoError {
-    /// A name in the config (estimator, loss mode, aggregation, KL type, ...) that verl does not define.
-    #[error("unknown {what} {value:?}; expected one of: {expected}")]
-    UnknownName { what: &'static str, value: String, expected: &'static str },
+    /// A name (estimator, loss mode, aggregation, KL type, rejection criterion, ...) that verl does not define.
+    #[error(transparent)]
+    UnknownName(#[from] jetrl_config::UnknownValue),
     #[error("masked statistics: {0}")]
     Masked(String),
     #[error("advantage ({estimator}): {message}")]
@@ -32,7 +32,7 @@ impl AlgoError {
     /// A stable, low-cardinality label for metrics.
     pub fn error_type(&self) -> &'static str {
         match self {
-            Self::UnknownName { .. } => "unknown_name",
+            Self::UnknownName(_) => "unknown_name",
             Self::Masked(_) => "masked",
             Self::Advantage { .. } => "advantage",
             Self::Aggregation { .. } => "aggregation",

@@ -282,7 +282,7 @@ fn policy_params(cx: &Case) -> Result<PolicyLossParams, String> {
         clip_ratio_high: cx.number("clip_ratio_high"),
         clip_ratio_c: cx.number("clip_ratio_c").unwrap_or(defaults.clip_ratio_c),
         loss_agg_mode: match cx.config.get("loss_agg_mode").and_then(Value::as_str) {
-            Some(mode) => mode.parse().map_err(|e: crate::AlgoError| e.to_string())?,
+            Some(mode) => mode.parse().map_err(|e: jetrl_config::UnknownValue| e.to_string())?,
             None => defaults.loss_agg_mode,
         },
         loss_scale_factor: cx.number("loss_scale_factor"),
@@ -376,7 +376,7 @@ fn value_loss(cx: &Case, name: &str) -> Result<Outputs, String> {
         return Err(format!("unknown value_loss variant {name:?} (expected \"clipped\")"));
     }
     let mode = match cx.config.get("loss_agg_mode").and_then(Value::as_str) {
-        Some(mode) => mode.parse().map_err(|e: crate::AlgoError| e.to_string())?,
+        Some(mode) => mode.parse().map_err(|e: jetrl_config::UnknownValue| e.to_string())?,
         None => AggMode::TokenMean,
     };
     let cliprange = cx.number("cliprange_value").ok_or("config cliprange_value is missing")?;

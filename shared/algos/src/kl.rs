@@ -1,9 +1,6 @@
 //! KL estimators between the policy and the reference (verl `kl_penalty`), the KL-in-reward penalty
 //! (`apply_kl_penalty`) and the fixed / adaptive KL coefficient controllers.
 
-use std::fmt;
-use std::str::FromStr;
-
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
@@ -11,72 +8,7 @@ use crate::masked::{masked_mean, Axis};
 use crate::util::{check_same_2d, item};
 use crate::AlgoError;
 
-/// The estimator of KL(π‖π_ref) per token, from Δ = log π − log π_ref (Schulman's k1/k2/k3).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum KlEstimator {
-    /// `kl` / `k1`: Δ.
-    K1,
-    /// `abs`: |Δ|.
-    Abs,
-    /// `mse` / `k2`: ½Δ².
-    K2,
-    /// `low_var_kl` / `k3`: `exp(x) − x − 1` with `x = clamp(−Δ, ±20)`, the result clamped to [−10, 10].
-    K3,
-}
-
-/// A KL type as written in the config: an estimator, optionally with verl's `+` suffix (straight-through:
-/// the value of the estimator with the gradient of k2, which is the unbiased KL gradient).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct KlPenalty {
-    pub estimator: KlEstimator,
-    pub straight_through: bool,
-}
-
-impl KlPenalty {
-    pub const fn new(estimator: KlEstimator) -> Self {
-        Self { estimator, straight_through: false }
-    }
-}
-
-impl FromStr for KlPenalty {
-    type Err = AlgoError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (base, straight_through) = match s.strip_suffix('+') {
-            Some(base) => (base, true),
-            None => (s, false),
-        };
-        let estimator = match base {
-            "kl" | "k1" => KlEstimator::K1,
-            "abs" => KlEstimator::Abs,
-            "mse" | "k2" => KlEstimator::K2,
-            "low_var_kl" | "k3" => KlEstimator::K3,
-            _ => {
-                return Err(AlgoError::UnknownName {
-                    what: "kl penalty",
-                    value: s.to_string(),
-                    expected: "kl, k1, abs, mse, k2, low_var_kl, k3, each optionally with a `+` suffix \
-                               (`full` is not implemented, as in verl)",
-                })
-            }
-        };
-        // k2's gradient is already the one the `+` forms borrow.
-        let straight_through = straight_through && estimator != KlEstimator::K2;
-        Ok(Self { estimator, straight_through })
-    }
-}
-
-impl fmt::Display for KlPenalty {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let base = match self.estimator {
-            KlEstimator::K1 => "k1",
-            KlEstimator::Abs => "abs",
-            KlEstimator::K2 => "k2",
-            KlEstimator::K3 => "k3",
-        };
-        write!(f, "{base}{}", if self.straight_through { "+" } else { "" })
-    }
-}
+pub use jetrl_config::{KlEstimator, KlPenalty};
 
 /// The per-token KL estimate (same shape as the inputs, differentiable in `logprob`).
 ///
@@ -131,14 +63,9 @@ pub enum KlController {
 impl KlController {
     /// A controller from `algorithm.kl_ctrl` (`type: fixed | adaptive`).
     pub fn from_config(cfg: &jetrl_config::KlCtrlConfig) -> Result<Self, AlgoError> {
-        match cfg.kind.as_str() {
-            "fixed" => Ok(Self::Fixed { value: cfg.kl_coef }),
-            "adaptive" => Self::adaptive(cfg.kl_coef, cfg.target_kl, cfg.horizon),
-            other => Err(AlgoError::UnknownName {
-                what: "algorithm.kl_ctrl.type",
-                value: other.to_string(),
-                expected: "fixed, adaptive",
-            }),
+        match cfg.kind {
+            jetrl_config::KlCtrlType::Fixed => Ok(Self::Fixed { value: cfg.kl_coef }),
+            jetrl_config::KlCtrlType::Adaptive => Self::adaptive(cfg.kl_coef, cfg.target_kl, cfg.horizon),
         }
     }
 

@@ -6,6 +6,8 @@ use std::str::FromStr;
 use rand::distributions::{Distribution, WeightedIndex};
 use rand::SeedableRng;
 
+use jetrl_config::PfPpoMethod;
+
 use crate::AlgoError;
 
 /// `algorithm.pf_ppo.reweight_method` with its `weight_pow`.
@@ -20,10 +22,15 @@ pub enum PfPpoReweight {
 }
 
 impl PfPpoReweight {
-    pub fn from_config(cfg: &jetrl_config::PfPpoConfig) -> Result<Self, AlgoError> {
-        match cfg.reweight_method.as_str() {
-            "pow" => Ok(Self::Pow(cfg.weight_pow)),
-            other => other.parse(),
+    pub fn from_config(cfg: &jetrl_config::PfPpoConfig) -> Self {
+        Self::new(cfg.reweight_method, cfg.weight_pow)
+    }
+
+    pub fn new(method: PfPpoMethod, weight_pow: f64) -> Self {
+        match method {
+            PfPpoMethod::Pow => Self::Pow(weight_pow),
+            PfPpoMethod::MaxMin => Self::MaxMin,
+            PfPpoMethod::MaxRandom => Self::MaxRandom,
         }
     }
 }
@@ -33,16 +40,7 @@ impl FromStr for PfPpoReweight {
 
     /// `pow` (with the default power 2), `max_min`, `max_random`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "pow" => Ok(Self::Pow(2.0)),
-            "max_min" => Ok(Self::MaxMin),
-            "max_random" => Ok(Self::MaxRandom),
-            _ => Err(AlgoError::UnknownName {
-                what: "algorithm.pf_ppo.reweight_method",
-                value: s.to_string(),
-                expected: "pow, max_min, max_random",
-            }),
-        }
+        Ok(Self::new(s.parse()?, 2.0))
     }
 }
 

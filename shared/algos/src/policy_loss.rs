@@ -6,8 +6,6 @@
 //! to a per-sequence geometric mean; bypass_mode computes its own).
 
 use std::collections::BTreeMap;
-use std::fmt;
-use std::str::FromStr;
 
 use rand::SeedableRng;
 use tch::{Device, Kind, Tensor};
@@ -19,88 +17,7 @@ use crate::rollout_correction::{compute_rollout_correction, BypassLoss, RolloutC
 use crate::util::{check_same_2d, item, mask_like, sum_last, to_vec_f64};
 use crate::AlgoError;
 
-/// verl's `actor.policy_loss.loss_mode`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum PolicyLossMode {
-    /// PPO clip with dual clip for negative advantages.
-    #[default]
-    Vanilla,
-    /// Sequence-level ratio (GSPO); always aggregated `seq-mean-token-mean`.
-    Gspo,
-    /// Soft sigmoid gate instead of a clip (SAPO); always aggregated `seq-mean-token-mean`.
-    Sapo,
-    /// `−log π·A` (GPG).
-    Gpg,
-    /// PPO clip with a random few high-covariance tokens detached (Clip-Cov).
-    ClipCov,
-    /// `−Aρ` plus `|Δ|` on the top-covariance tokens (KL-Cov).
-    KlCov,
-    /// Geometric-mean ratio per sequence (GMPO).
-    GeoMean,
-    /// Clipped, detached IS weight on `−A·log π` (CISPO).
-    Cispo,
-    /// Divergence-masked policy gradient with the binary total variation (DPPO-TV).
-    DppoTv,
-    /// Divergence-masked policy gradient with the binary KL (DPPO-KL).
-    DppoKl,
-    /// `−(log π·A − ½β·Δ²)` (DRO).
-    Dro,
-    /// Old = rollout log-probs; PPO clip or REINFORCE with rollout correction.
-    BypassMode,
-}
-
-impl PolicyLossMode {
-    pub const ALL: [PolicyLossMode; 12] = [
-        Self::Vanilla,
-        Self::Gspo,
-        Self::Sapo,
-        Self::Gpg,
-        Self::ClipCov,
-        Self::KlCov,
-        Self::GeoMean,
-        Self::Cispo,
-        Self::DppoTv,
-        Self::DppoKl,
-        Self::Dro,
-        Self::BypassMode,
-    ];
-
-    /// verl's registry name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Vanilla => "vanilla",
-            Self::Gspo => "gspo",
-            Self::Sapo => "sapo",
-            Self::Gpg => "gpg",
-            Self::ClipCov => "clip_cov",
-            Self::KlCov => "kl_cov",
-            Self::GeoMean => "geo_mean",
-            Self::Cispo => "cispo",
-            Self::DppoTv => "dppo_tv",
-            Self::DppoKl => "dppo_kl",
-            Self::Dro => "dro",
-            Self::BypassMode => "bypass_mode",
-        }
-    }
-}
-
-impl fmt::Display for PolicyLossMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for PolicyLossMode {
-    type Err = AlgoError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::ALL.into_iter().find(|mode| mode.as_str() == s).ok_or_else(|| AlgoError::UnknownName {
-            what: "policy loss mode",
-            value: s.to_string(),
-            expected: "vanilla, gspo, sapo, gpg, clip_cov, kl_cov, geo_mean, cispo, dppo_tv, dppo_kl, dro, bypass_mode",
-        })
-    }
-}
+pub use jetrl_config::PolicyLossMode;
 
 /// The knobs of the policy losses, named as verl's `actor.*` / `actor.policy_loss.*` keys.
 #[derive(Debug, Clone, PartialEq)]
@@ -162,7 +79,7 @@ impl PolicyLossParams {
             clip_ratio_low: actor.clip_ratio_low,
             clip_ratio_high: actor.clip_ratio_high,
             clip_ratio_c: actor.clip_ratio_c,
-            loss_agg_mode: actor.loss_agg_mode.parse()?,
+            loss_agg_mode: actor.loss_agg_mode,
             loss_scale_factor: actor.loss_scale_factor,
             tau_pos: actor.tau_pos,
             tau_neg: actor.tau_neg,
@@ -595,12 +512,12 @@ impl ActorLossParams {
             policy = policy.with_rollout_correction(cfg)?;
         }
         Ok(Self {
-            mode: actor.policy_loss.loss_mode.parse()?,
+            mode: actor.policy_loss.loss_mode,
             policy,
             entropy_coeff: actor.entropy_coeff,
             use_kl_loss: actor.use_kl_loss,
             kl_loss_coef: actor.kl_loss_coef,
-            kl_loss_type: actor.kl_loss_type.parse()?,
+            kl_loss_type: actor.kl_loss_type,
         })
     }
 }

@@ -17,13 +17,7 @@ use crate::AlgoError;
 const SAFETY_BOUND: f64 = 20.0;
 
 /// The granularity of the IS weights (`rollout_is`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum IsLevel {
-    /// One weight per token (biased, low variance).
-    Token,
-    /// One weight per sequence, the product of its token ratios (unbiased, high variance).
-    Sequence,
-}
+pub use jetrl_config::RolloutIsLevel as IsLevel;
 
 /// What happens to IS weights out of range (`rollout_is_threshold`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -136,8 +130,13 @@ const RS_OPTIONS: &str =
      seq_max_k2, seq_max_k3";
 
 fn parse_rs_option(name: &str) -> Result<(RsLevel, RsStatistic), AlgoError> {
-    let unknown =
-        || AlgoError::UnknownName { what: "rollout_rs option", value: name.to_string(), expected: RS_OPTIONS };
+    let unknown = || {
+        AlgoError::UnknownName(jetrl_config::UnknownValue {
+            what: "rollout_rs option",
+            value: name.to_string(),
+            expected: RS_OPTIONS.into(),
+        })
+    };
     let (level, statistic) = name.rsplit_once('_').ok_or_else(unknown)?;
     let level = match level {
         "token" => RsLevel::Token,
@@ -225,14 +224,7 @@ pub fn parse_rejection(options: &str, threshold: Option<&ThresholdSpec>) -> Resu
 }
 
 /// The loss used in bypass mode (old log-probs = rollout log-probs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum BypassLoss {
-    /// PPO clip on π_θ/π_rollout; the ratio already corrects, so no IS weights are applied.
-    #[default]
-    PpoClip,
-    /// `−A·log π·w_IS`.
-    Reinforce,
-}
+pub use jetrl_config::BypassLossType as BypassLoss;
 
 /// Parsed `algorithm.rollout_correction`.
 #[derive(Debug, Clone, PartialEq)]
@@ -263,33 +255,12 @@ impl Default for RolloutCorrectionParams {
 
 impl RolloutCorrectionParams {
     pub fn from_config(cfg: &RolloutCorrectionConfig) -> Result<Self, AlgoError> {
-        let rollout_is = match cfg.rollout_is.as_deref() {
-            None => None,
-            Some("token") => Some(IsLevel::Token),
-            Some("sequence") => Some(IsLevel::Sequence),
-            Some(other) => {
-                return Err(AlgoError::UnknownName {
-                    what: "algorithm.rollout_correction.rollout_is",
-                    value: other.to_string(),
-                    expected: "token, sequence, null",
-                })
-            }
-        };
+        let rollout_is = cfg.rollout_is;
         let rejection = match cfg.rollout_rs.as_deref() {
             None => Vec::new(),
             Some(options) => parse_rejection(options, cfg.rollout_rs_threshold.as_ref())?,
         };
-        let loss_type = match cfg.loss_type.as_str() {
-            "ppo_clip" => BypassLoss::PpoClip,
-            "reinforce" => BypassLoss::Reinforce,
-            other => {
-                return Err(AlgoError::UnknownName {
-                    what: "algorithm.rollout_correction.loss_type",
-                    value: other.to_string(),
-                    expected: "ppo_clip, reinforce",
-                })
-            }
-        };
+        let loss_type = cfg.loss_type;
         Ok(Self {
             rollout_is,
             is_threshold: IsThreshold::parse(&cfg.rollout_is_threshold)?,

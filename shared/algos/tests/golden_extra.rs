@@ -2,6 +2,8 @@
 //! sample does not: every estimator and loss, singleton groups, empty rows, global-batch normalisation,
 //! gradients, bypass mode, rollout correction and float32 cases.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use serde_json::Value;
 
 const EXTRA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden_extra.json");

@@ -1,5 +1,7 @@
 //! Every case of `tests/golden/algos_sample.json` (verl's reference implementation, float64) must pass.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use serde_json::Value;
 
 const SAMPLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/golden/algos_sample.json");

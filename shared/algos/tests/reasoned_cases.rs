@@ -1,6 +1,8 @@
 //! Cases worked out by hand from verl's definitions: the edges the random golden vectors rarely hit
 //! (singleton groups, empty rows, each dual-clip branch, multi-output sessions, micro-batch splits).
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use jetrl_algos::*;
 use tch::{Device, Kind, Tensor};
 
@@ -169,16 +171,16 @@ fn grouped_estimator_without_uids_names_the_missing_input() {
 
 #[test]
 fn estimator_names_round_trip_and_unknown_names_are_reported() {
-    for estimator in AdvantageEstimator::ALL {
+    for &estimator in AdvantageEstimator::ALL {
         assert_eq!(estimator.as_str().parse::<AdvantageEstimator>().unwrap(), estimator);
     }
     let err = "grpo++".parse::<AdvantageEstimator>().unwrap_err();
     assert!(err.to_string().contains("grpo++"), "{err}");
-    for mode in PolicyLossMode::ALL {
+    for &mode in PolicyLossMode::ALL {
         assert_eq!(mode.as_str().parse::<PolicyLossMode>().unwrap(), mode);
     }
     assert!("ppo".parse::<PolicyLossMode>().unwrap_err().to_string().contains("\"ppo\""));
-    for mode in AggMode::ALL {
+    for &mode in AggMode::ALL {
         assert_eq!(mode.as_str().parse::<AggMode>().unwrap(), mode);
     }
 }
@@ -243,8 +245,6 @@ fn clip_ratio_bounds_fall_back_to_clip_ratio_from_the_actor_config() {
     let actor = jetrl_config::ActorConfig { clip_ratio: 0.3, clip_ratio_high: Some(0.28), ..Default::default() };
     let params = PolicyLossParams::from_config(&actor).unwrap();
     assert_eq!((params.low(), params.high()), (0.3, 0.28));
-    let bad = jetrl_config::ActorConfig { loss_agg_mode: "mean".into(), ..Default::default() };
-    assert!(PolicyLossParams::from_config(&bad).unwrap_err().to_string().contains("mean"));
 }
 
 #[test]
@@ -260,7 +260,7 @@ fn policy_loss_is_differentiable_in_f32_and_stays_f32() {
         response_mask: &mask,
         rollout_is_weights: None,
     };
-    for mode in PolicyLossMode::ALL {
+    for &mode in PolicyLossMode::ALL {
         if matches!(mode, PolicyLossMode::BypassMode | PolicyLossMode::Dro) {
             continue;
         }
@@ -399,7 +399,7 @@ fn fully_masked_row_is_excluded_from_the_sequence_mean() {
 fn batch_without_valid_tokens_aggregates_to_zero_instead_of_nan() {
     let loss = t2(&[&[1.0, 2.0]]);
     let mask = t2(&[&[0.0, 0.0]]);
-    for mode in AggMode::ALL {
+    for &mode in AggMode::ALL {
         assert_eq!(scalar(&agg_loss(&loss, &mask, mode, &GlobalBatchInfo::default()).unwrap()), 0.0, "{mode}");
     }
 }
@@ -412,7 +412,7 @@ fn micro_batches_with_global_counts_sum_to_the_whole_batch_loss_and_gradient() {
     let mask = Tensor::from_slice(&mask_values).reshape([4, 6]);
     let tokens = scalar(&mask.sum(Kind::Double));
     let sequences = 4.0;
-    for mode in AggMode::ALL {
+    for &mode in AggMode::ALL {
         let info_whole = GlobalBatchInfo { loss_scale_factor: Some(6.0), ..GlobalBatchInfo::default() };
         let full = agg_loss(&whole, &mask, mode, &info_whole).unwrap();
         let full_grad = Tensor::run_backward(&[&full], &[&whole], false, false).remove(0);
@@ -484,7 +484,7 @@ fn kl_in_reward_penalises_valid_tokens_and_updates_the_controller() {
 #[test]
 fn kl_controller_state_survives_a_serde_round_trip() {
     let mut controller = KlController::from_config(&jetrl_config::KlCtrlConfig {
-        kind: "adaptive".into(),
+        kind: jetrl_config::KlCtrlType::Adaptive,
         kl_coef: 0.05,
         horizon: 1000.0,
         target_kl: 0.1,
@@ -495,7 +495,8 @@ fn kl_controller_state_survives_a_serde_round_trip() {
     let restored: KlController = serde_json::from_str(&json).unwrap();
     assert_eq!(restored, controller);
     assert!(json.contains("\"type\":\"adaptive\""), "{json}");
-    let bad = jetrl_config::KlCtrlConfig { kind: "adaptive".into(), horizon: 0.0, ..Default::default() };
+    let bad =
+        jetrl_config::KlCtrlConfig { kind: jetrl_config::KlCtrlType::Adaptive, horizon: 0.0, ..Default::default() };
     assert!(KlController::from_config(&bad).unwrap_err().to_string().contains("horizon"));
 }
 
@@ -596,16 +597,4 @@ fn pf_ppo_max_min_draws_only_the_extreme_rows() {
     assert_eq!(rows.len(), 4);
     assert!(rows.iter().all(|r| *r == 1 || *r == 3), "{rows:?}");
     assert_eq!(rows, pf_ppo_resample(&scores, PfPpoReweight::MaxMin, 3).unwrap());
-}
-
-#[test]
-fn config_validation_accepts_exactly_the_names_this_crate_implements() {
-    let names = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-    assert_eq!(names(jetrl_config::ADV_ESTIMATORS), AdvantageEstimator::ALL.map(|e| e.as_str().to_string()));
-    assert_eq!(names(jetrl_config::POLICY_LOSS_MODES), PolicyLossMode::ALL.map(|m| m.as_str().to_string()));
-    assert_eq!(names(jetrl_config::LOSS_AGG_MODES), AggMode::ALL.map(|m| m.as_str().to_string()));
-    for name in jetrl_config::KL_PENALTIES {
-        name.parse::<KlPenalty>().unwrap();
-        format!("{name}+").parse::<KlPenalty>().unwrap();
-    }
 }

@@ -1,26 +1,23 @@
 //! Helpers for `build.rs` scripts of crates that link libtorch through `tch`.
 //!
 //! `.cargo/config.toml` points `LIBTORCH` at `.venv/libtorch` (a link to the PyTorch wheel that
-//! `scripts/setup.sh` installs). [`link_libtorch`] gives every binary and test of the calling package an
-//! rpath to that `lib/` folder, so nothing needs `LD_LIBRARY_PATH`, and keeps `libtorch_cuda` linked in
-//! binaries when the wheel has it: without `--no-as-needed` the linker drops it (no symbol of it is used
-//! directly) and `tch::Cuda::is_available()` is then false even on a GPU host.
+//! `scripts/setup.sh` installs). [`link_libtorch`] gives every binary, test, example and benchmark of the calling
+//! package an rpath to that `lib/` folder, so nothing needs `LD_LIBRARY_PATH`, and keeps `libtorch_cuda` linked
+//! in all of them when the wheel has it: without `--no-as-needed` the linker drops it (no symbol of it is used
+//! directly) and `tch::Cuda::is_available()` is then false even on a GPU host — a test of the RL math run on a
+//! GPU machine would silently run on the CPU.
 
 use std::path::PathBuf;
 
-/// For packages without binaries: an rpath for their tests and examples.
+/// The rpath, and `libtorch_cuda` kept linked, for every target of the package that is linked (binaries,
+/// tests, examples, benchmarks; a library alone is not linked).
 pub fn link_libtorch() {
-    libtorch_lib_dir();
-}
-
-/// For packages with binaries: the rpath, and `libtorch_cuda` kept linked in the binaries.
-pub fn link_libtorch_bins() {
     let lib = libtorch_lib_dir();
     if lib.join("libtorch_cuda.so").exists() {
-        println!("cargo:rustc-link-arg-bins=-Wl,--no-as-needed");
-        println!("cargo:rustc-link-arg-bins=-L{}", lib.display());
-        println!("cargo:rustc-link-arg-bins=-ltorch_cuda");
-        println!("cargo:rustc-link-arg-bins=-Wl,--as-needed");
+        println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
+        println!("cargo:rustc-link-arg=-L{}", lib.display());
+        println!("cargo:rustc-link-arg=-ltorch_cuda");
+        println!("cargo:rustc-link-arg=-Wl,--as-needed");
     }
 }
 

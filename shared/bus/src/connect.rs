@@ -1,45 +1,72 @@
-//! Connecting to NATS: retries with backoff and an error that names the URL.
+//! Connecting to NATS: credentials and TLS from [`NatsConfig`], retries with backoff, an error that names the
+//! URL (and the user, when the server refuses the credentials: that is not retried), and the subjects the server
+//! refused this connection ([`Refusals`]) so a refused publish or request fails at once instead of timing out.
 
+use std::collections::VecDeque;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
-use jetrl_config::NatsConfig;
+use async_nats::rustls;
+use jetrl_config::{JobConfig, NatsConfig};
+use jetrl_wire::subjects::Names;
 
 use crate::BusError;
 
-/// A NATS connection plus its JetStream context. Cheap to clone.
+/// A NATS connection plus its JetStream context, for one job. Cheap to clone.
 #[derive(Clone)]
 pub struct Bus {
     client: async_nats::Client,
     js: jetstream::Context,
     /// default timeout for request/reply calls
     request_timeout: Duration,
+    /// subjects the server refused this connection (empty for a client not made by [`Bus::connect`])
+    refusals: Refusals,
+    /// the job's stream, bucket and subject names: every name this connection uses comes from here
+    names: Arc<Names>,
 }
 
 impl Bus {
+    /// Connects for the job `job` describes (its namespace: `nats.namespace`, else `run.name`).
+    pub async fn connect_job(job: &JobConfig, client_name: &str) -> Result<Self, BusError> {
+        let namespace = job.namespace().map_err(|e| BusError::Namespace(e.to_string()))?;
+        let names = Names::new(namespace).map_err(|e| BusError::Namespace(e.to_string()))?;
+        Self::connect(&job.nats, &names, client_name).await
+    }
+
     /// Connects, retrying with exponential backoff (0.2 s doubling to 5 s) until `connect_timeout_s` has
-    /// passed; each failed attempt is logged with the URL. Once connected the client reconnects forever.
-    pub async fn connect(cfg: &NatsConfig, client_name: &str) -> Result<Self, BusError> {
+    /// passed; each failed attempt is logged with the URL. Refused credentials and TLS failures are permanent
+    /// and fail at once. Once connected the client reconnects forever.
+    pub async fn connect(cfg: &NatsConfig, names: &Names, client_name: &str) -> Result<Self, BusError> {
         let started = Instant::now();
         let deadline = Duration::from_secs_f64(cfg.connect_timeout_s.max(0.0));
         let mut delay = Duration::from_millis(200);
         let mut attempts = 0u32;
+        let refusals = Refusals::default();
         loop {
             attempts += 1;
-            let options = Self::options(cfg, client_name).await?;
+            let options = Self::options(cfg, client_name, &refusals).await?;
             match options.connect(cfg.url.as_str()).await {
                 Ok(client) => {
-                    tracing::info!(url = %cfg.url, attempts, "connected to NATS");
-                    return Ok(Self::from_client(client, Duration::from_secs_f64(cfg.request_timeout_s)));
+                    tracing::info!(url = %cfg.url, namespace = names.namespace(), attempts, "connected to NATS");
+                    let request_timeout = Duration::from_secs_f64(cfg.request_timeout_s);
+                    let mut bus = Self::from_client(client, request_timeout, names.clone());
+                    bus.refusals = refusals;
+                    return Ok(bus);
                 }
                 Err(err) => {
                     let waited = started.elapsed();
-                    if waited + delay > deadline {
+                    let permanent = permanent_connect_failure(&err);
+                    if permanent.is_some() || waited + delay > deadline {
                         return Err(BusError::Connect {
                             url: cfg.url.clone(),
                             attempts,
                             waited_s: waited.as_secs_f64(),
-                            message: err.to_string(),
+                            message: match permanent {
+                                Some(why) => format!("{err} ({why}, as {}; not retried)", identity(cfg)),
+                                None => err.to_string(),
+                            },
                         });
                     }
                     tracing::warn!(url = %cfg.url, attempt = attempts, retry_in_ms = delay.as_millis() as u64, error = %err, "NATS not reachable yet");
@@ -50,42 +77,111 @@ impl Bus {
         }
     }
 
-    async fn options(cfg: &NatsConfig, client_name: &str) -> Result<async_nats::ConnectOptions, BusError> {
-        let mut options = async_nats::ConnectOptions::new()
+    /// The connection's options: name, timeouts, reconnect forever, credentials and TLS from `cfg`, and an
+    /// event callback that logs and counts what the server refuses (recorded in `refusals`). A setting that
+    /// cannot work (a missing file, a key without its certificate) is an error naming the key, never retried.
+    async fn options(
+        cfg: &NatsConfig,
+        client_name: &str,
+        refusals: &Refusals,
+    ) -> Result<async_nats::ConnectOptions, BusError> {
+        let invalid = |message: String| BusError::Connect { url: cfg.url.clone(), attempts: 0, waited_s: 0.0, message };
+        let mut options = match &cfg.creds_file {
+            Some(path) => async_nats::ConnectOptions::with_credentials_file(path.as_str())
+                .await
+                .map_err(|e| invalid(format!("nats.creds_file {path}: {e}")))?,
+            None => async_nats::ConnectOptions::new(),
+        };
+        options = options
             .name(client_name)
             .connection_timeout(Duration::from_secs(5))
-            .max_reconnects(None);
-        if let Some(path) = &cfg.creds_file {
-            options = async_nats::ConnectOptions::with_credentials_file(path.as_str())
-                .await
-                .map_err(|e| BusError::Connect {
-                    url: cfg.url.clone(),
-                    attempts: 0,
-                    waited_s: 0.0,
-                    message: format!("credentials file {path}: {e}"),
-                })?
-                .name(client_name)
-                .connection_timeout(Duration::from_secs(5))
-                .max_reconnects(None);
+            .max_reconnects(None)
+            .event_callback(connection_events(cfg.url.clone(), identity(cfg), refusals.clone()));
+        match (&cfg.user, &cfg.password, &cfg.password_file) {
+            (Some(_), Some(_), Some(_)) => {
+                return Err(invalid("set nats.password or nats.password_file, not both".into()));
+            }
+            (Some(user), Some(password), None) => options = options.user_and_password(user.clone(), password.clone()),
+            (Some(user), None, Some(path)) => {
+                let password = read_secret(path).map_err(|e| invalid(format!("nats.password_file {path}: {e}")))?;
+                options = options.user_and_password(user.clone(), password);
+            }
+            (Some(user), None, None) => {
+                return Err(invalid(format!(
+                    "nats.user is {user:?} but neither nats.password nor nats.password_file is set"
+                )));
+            }
+            (None, Some(_), _) | (None, _, Some(_)) => {
+                return Err(invalid("nats.password / nats.password_file is set without nats.user".into()));
+            }
+            (None, None, None) => {}
         }
-        if let (Some(user), Some(password)) = (&cfg.user, &cfg.password) {
-            options = options.user_and_password(user.clone(), password.clone());
+        match (&cfg.token, &cfg.token_file) {
+            (Some(_), Some(_)) => return Err(invalid("set nats.token or nats.token_file, not both".into())),
+            (Some(token), None) => options = options.token(token.clone()),
+            (None, Some(path)) => {
+                let token = read_secret(path).map_err(|e| invalid(format!("nats.token_file {path}: {e}")))?;
+                options = options.token(token);
+            }
+            (None, None) => {}
         }
-        if let Some(token) = &cfg.token {
-            options = options.token(token.clone());
+        if let Some(path) = &cfg.nkey_seed_file {
+            let seed = read_secret(path).map_err(|e| invalid(format!("nats.nkey_seed_file {path}: {e}")))?;
+            options = options.nkey(seed);
+        }
+        let tls_files = [&cfg.tls_ca_file, &cfg.tls_cert_file, &cfg.tls_key_file, &cfg.tls_server_name];
+        if cfg.tls_required || tls_files.iter().any(|f| f.is_some()) {
+            options = options.require_tls(true);
+        }
+        match (&cfg.tls_ca_file, &cfg.tls_cert_file, &cfg.tls_key_file) {
+            (_, Some(_), None) | (_, None, Some(_)) => {
+                return Err(invalid(
+                    "nats.tls_cert_file and nats.tls_key_file go together: set both or neither".into(),
+                ));
+            }
+            (Some(ca), cert, key) => {
+                let client_auth = cert.as_deref().zip(key.as_deref());
+                options = options.tls_client_config(
+                    tls_client_config(ca, client_auth, cfg.tls_server_name.as_deref()).map_err(invalid)?,
+                );
+            }
+            (None, cert, key) => {
+                if cfg.tls_server_name.is_some() {
+                    return Err(invalid(
+                        "nats.tls_server_name needs nats.tls_ca_file (the CA that signed the server's certificate)"
+                            .into(),
+                    ));
+                }
+                if let (Some(cert), Some(key)) = (cert, key) {
+                    for (key_name, path) in [("nats.tls_cert_file", cert), ("nats.tls_key_file", key)] {
+                        if !Path::new(path).is_file() {
+                            return Err(invalid(format!("{key_name} {path}: not a readable file")));
+                        }
+                    }
+                    options = options.add_client_certificate(cert.into(), key.into());
+                }
+            }
+        }
+        if let Some(prefix) = &cfg.inbox_prefix {
+            options = options.custom_inbox_prefix(prefix);
         }
         Ok(options)
     }
 
-    /// Wraps an existing client.
-    pub fn from_client(client: async_nats::Client, request_timeout: Duration) -> Self {
+    /// Wraps an existing client, for the job named by `names`.
+    pub fn from_client(client: async_nats::Client, request_timeout: Duration, names: Names) -> Self {
         let js = jetstream::ContextBuilder::new()
             .timeout(Duration::from_secs(10))
             // stay below the client's own 5000-future cap; Publisher bounds its in-flight acks further
             .max_ack_inflight(4096)
             .backpressure_on_inflight(true)
             .build(client.clone());
-        Self { client, js, request_timeout }
+        Self { client, js, request_timeout, refusals: Refusals::default(), names: Arc::new(names) }
+    }
+
+    /// The job's stream, bucket and subject names.
+    pub fn names(&self) -> &Names {
+        &self.names
     }
 
     pub fn client(&self) -> &async_nats::Client {
@@ -114,13 +210,257 @@ impl Bus {
     ) -> Result<Resp, BusError> {
         let payload = bytes::Bytes::from(request.encode_to_vec());
         let req = async_nats::Request::new().payload(payload).timeout(Some(timeout));
-        let reply = self
-            .client
-            .send_request(subject.to_string(), req)
-            .await
-            .map_err(|e| BusError::Request { subject: subject.to_string(), message: e.to_string() })?;
+        let since = Instant::now();
+        let reply = tokio::select! {
+            reply = self.client.send_request(subject.to_string(), req) => reply.map_err(|e| e.to_string()),
+            refused = self.refusals.refused(subject, since) => Err(refused),
+        }
+        .map_err(|message| BusError::Request { subject: subject.to_string(), message })?;
         Resp::decode(reply.payload.as_ref())
             .map_err(|e| BusError::Decode { what: format!("reply on {subject}"), message: e.to_string() })
+    }
+
+    /// The permissions violations the server reports on this connection (cheap to clone).
+    pub(crate) fn refusals(&self) -> Refusals {
+        self.refusals.clone()
+    }
+}
+
+/// Who the configuration connects as, for errors and logs: the user name, or which kind of credential, never a
+/// secret.
+fn identity(cfg: &NatsConfig) -> String {
+    if let Some(user) = &cfg.user {
+        format!("user {user:?}")
+    } else if let Some(path) = &cfg.creds_file {
+        format!("the credentials in {path}")
+    } else if let Some(path) = &cfg.nkey_seed_file {
+        format!("the nkey in {path}")
+    } else if cfg.token.is_some() || cfg.token_file.is_some() {
+        "a token".into()
+    } else {
+        "no credentials".into()
+    }
+}
+
+/// Why a failed connection attempt can never succeed by retrying (`None`: it may, e.g. the server is not up yet).
+fn permanent_connect_failure(err: &async_nats::ConnectError) -> Option<&'static str> {
+    use async_nats::ConnectErrorKind as Kind;
+    match err.kind() {
+        Kind::AuthorizationViolation => Some("the server refused these credentials"),
+        Kind::Authentication => Some("the credentials could not be used"),
+        Kind::Tls | Kind::ServerParse => Some("TLS or address misconfigured"),
+        // rustls reports a certificate the client cannot trust (or the server's refusal of ours) as an I/O
+        // error; no retry fixes either
+        Kind::Io if err.to_string().to_lowercase().contains("certificate") => Some("TLS certificate rejected"),
+        _ => None,
+    }
+}
+
+/// The first line of a secret file, without surrounding whitespace.
+fn read_secret(path: &str) -> Result<String, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    let secret = text.lines().next().unwrap_or_default().trim().to_string();
+    if secret.is_empty() {
+        return Err("empty".into());
+    }
+    Ok(secret)
+}
+
+/// A TLS client configuration that trusts only the CA in `ca_file`, presents `client_auth` (certificate, key)
+/// if given, and checks the server's certificate against `server_name` instead of the URL's host if given.
+fn tls_client_config(
+    ca_file: &str,
+    client_auth: Option<(&str, &str)>,
+    server_name: Option<&str>,
+) -> Result<rustls::ClientConfig, String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+
+    let certificates = |key: &str, path: &str| -> Result<Vec<CertificateDer<'static>>, String> {
+        let certs = CertificateDer::pem_file_iter(path)
+            .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
+            .map_err(|e| format!("{key} {path}: {e}"))?;
+        if certs.is_empty() {
+            return Err(format!("{key} {path}: no PEM certificate in it"));
+        }
+        Ok(certs)
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in certificates("nats.tls_ca_file", ca_file)? {
+        roots.add(cert).map_err(|e| format!("nats.tls_ca_file {ca_file}: {e}"))?;
+    }
+    let roots = Arc::new(roots);
+    let builder = match server_name {
+        None => rustls::ClientConfig::builder().with_root_certificates(roots),
+        Some(name) => {
+            let name =
+                ServerName::try_from(name.to_string()).map_err(|e| format!("nats.tls_server_name {name:?}: {e}"))?;
+            let inner = rustls::client::WebPkiServerVerifier::builder(roots)
+                .build()
+                .map_err(|e| format!("nats.tls_ca_file {ca_file}: {e}"))?;
+            rustls::ClientConfig::builder()
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(ExpectServerName { inner, name }))
+        }
+    };
+    match client_auth {
+        None => Ok(builder.with_no_client_auth()),
+        Some((cert, key)) => {
+            let chain = certificates("nats.tls_cert_file", cert)?;
+            let key_der = PrivateKeyDer::from_pem_file(key).map_err(|e| format!("nats.tls_key_file {key}: {e}"))?;
+            builder
+                .with_client_auth_cert(chain, key_der)
+                .map_err(|e| format!("nats.tls_cert_file {cert} with nats.tls_key_file {key}: {e}"))
+        }
+    }
+}
+
+/// The standard WebPKI verification of the server's chain, against a configured name instead of the URL's host
+/// (`nats.tls_server_name`: a URL by IP address, or a name the certificate was not issued for).
+#[derive(Debug)]
+struct ExpectServerName {
+    inner: Arc<rustls::client::WebPkiServerVerifier>,
+    name: rustls::pki_types::ServerName<'static>,
+}
+
+impl rustls::client::danger::ServerCertVerifier for ExpectServerName {
+    fn verify_server_cert(
+        &self,
+        end_entity: &rustls::pki_types::CertificateDer<'_>,
+        intermediates: &[rustls::pki_types::CertificateDer<'_>],
+        _url_host: &rustls::pki_types::ServerName<'_>,
+        ocsp_response: &[u8],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        self.inner.verify_server_cert(end_entity, intermediates, &self.name, ocsp_response, now)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+}
+
+/// The connection's event callback: logs disconnects and reconnects, counts them
+/// (`jetrl_bus_connection_events_total{event}`), and logs, counts (`jetrl_bus_permission_violations_total
+/// {operation}`) and records every permissions violation the server reports.
+fn connection_events(
+    url: String,
+    identity: String,
+    refusals: Refusals,
+) -> impl Fn(async_nats::Event) -> futures::future::Ready<()> + Send + Sync + 'static {
+    move |event| {
+        match &event {
+            async_nats::Event::Disconnected => {
+                metrics::counter!("jetrl_bus_connection_events_total", "event" => "disconnected").increment(1);
+                tracing::warn!(%url, "disconnected from NATS; reconnecting");
+            }
+            async_nats::Event::Connected => {
+                metrics::counter!("jetrl_bus_connection_events_total", "event" => "connected").increment(1);
+                tracing::info!(%url, "NATS connection (re)established");
+            }
+            async_nats::Event::ServerError(async_nats::ServerError::AuthorizationViolation) => {
+                metrics::counter!("jetrl_bus_connection_events_total", "event" => "authorization_violation")
+                    .increment(1);
+                tracing::error!(%url, as_ = %identity, "the NATS server refused these credentials (rotated?): restart with the current ones");
+            }
+            async_nats::Event::ServerError(async_nats::ServerError::Other(text)) => match parse_violation(text) {
+                Some((operation, subject)) => {
+                    metrics::counter!("jetrl_bus_permission_violations_total", "operation" => operation).increment(1);
+                    tracing::error!(%url, as_ = %identity, operation, subject, "the NATS server refused: permissions violation");
+                    refusals.record(operation, subject);
+                }
+                None => tracing::warn!(%url, error = %text, "NATS server error"),
+            },
+            other => tracing::debug!(%url, event = %other, "NATS connection event"),
+        }
+        futures::future::ready(())
+    }
+}
+
+/// `Permissions Violation for Publish to "subject"` → ("publish", "subject"); subscriptions likewise.
+fn parse_violation(text: &str) -> Option<(&'static str, &str)> {
+    let rest = text.strip_prefix("Permissions Violation for ")?;
+    let operation = if rest.starts_with("Publish") {
+        "publish"
+    } else if rest.starts_with("Subscription") {
+        "subscribe"
+    } else {
+        "other"
+    };
+    let subject = rest.split('"').nth(1)?;
+    Some((operation, subject))
+}
+
+/// The last permissions violations the server reported on one connection, and a way to wait for one.
+#[derive(Clone, Default)]
+pub(crate) struct Refusals {
+    inner: Arc<RefusalsInner>,
+}
+
+#[derive(Default)]
+struct RefusalsInner {
+    recent: Mutex<VecDeque<Refusal>>,
+    changed: tokio::sync::Notify,
+}
+
+struct Refusal {
+    at: Instant,
+    operation: &'static str,
+    subject: String,
+}
+
+/// Refusals kept: a waiter only looks for refusals since it sent, so a short history is enough.
+const REFUSALS_KEPT: usize = 64;
+
+impl Refusals {
+    fn record(&self, operation: &'static str, subject: &str) {
+        if let Ok(mut recent) = self.inner.recent.lock() {
+            if recent.len() == REFUSALS_KEPT {
+                recent.pop_front();
+            }
+            recent.push_back(Refusal { at: Instant::now(), operation, subject: subject.to_string() });
+        }
+        self.inner.changed.notify_waiters();
+    }
+
+    fn find(&self, subject: &str, since: Instant) -> Option<String> {
+        let recent = self.inner.recent.lock().ok()?;
+        recent.iter().rev().take_while(|r| r.at >= since).find(|r| r.subject == subject).map(|r| {
+            format!("permissions violation: the server refuses {} on {subject:?} for this identity", r.operation)
+        })
+    }
+
+    /// Resolves (with a description) once the server reports a permissions violation for `subject` after
+    /// `since`; pending forever otherwise.
+    pub(crate) async fn refused(&self, subject: &str, since: Instant) -> String {
+        loop {
+            // registered before the check, so a refusal recorded between the two still wakes us
+            let changed = self.inner.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if let Some(description) = self.find(subject, since) {
+                return description;
+            }
+            changed.await;
+        }
     }
 }
 
@@ -132,7 +472,8 @@ mod tests {
     async fn unreachable_url_fails_with_an_error_naming_it_after_retrying() {
         let cfg = NatsConfig { url: "nats://127.0.0.1:1".into(), connect_timeout_s: 0.9, ..NatsConfig::default() };
         let started = Instant::now();
-        let err = Bus::connect(&cfg, "test").await.err().expect("port 1 has no NATS server");
+        let names = Names::new("test").unwrap();
+        let err = Bus::connect(&cfg, &names, "test").await.err().expect("port 1 has no NATS server");
         let text = err.to_string();
         assert!(text.contains("nats://127.0.0.1:1"), "{text}");
         match err {
@@ -140,5 +481,64 @@ mod tests {
             other => panic!("unexpected error {other}"),
         }
         assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[tokio::test]
+    async fn settings_that_cannot_work_fail_before_connecting_naming_the_key() {
+        let base = NatsConfig { url: "nats://127.0.0.1:1".into(), connect_timeout_s: 30.0, ..NatsConfig::default() };
+        let names = Names::new("jetrl").unwrap();
+        let user = || Some("svc".to_string());
+        let cases = [
+            (NatsConfig { user: user(), ..base.clone() }, "nats.password_file is set"),
+            (
+                NatsConfig {
+                    user: user(),
+                    password: Some("p".into()),
+                    password_file: Some("/p".into()),
+                    ..base.clone()
+                },
+                "not both",
+            ),
+            (NatsConfig { password: Some("p".into()), ..base.clone() }, "without nats.user"),
+            (
+                NatsConfig { user: user(), password_file: Some("/nonexistent/jetrl-password".into()), ..base.clone() },
+                "nats.password_file /nonexistent/jetrl-password",
+            ),
+            (NatsConfig { token_file: Some("/nonexistent/token".into()), ..base.clone() }, "nats.token_file"),
+            (NatsConfig { nkey_seed_file: Some("/nonexistent/seed".into()), ..base.clone() }, "nats.nkey_seed_file"),
+            (NatsConfig { tls_cert_file: Some("/c.pem".into()), ..base.clone() }, "go together"),
+            (NatsConfig { tls_server_name: Some("nats".into()), ..base.clone() }, "needs nats.tls_ca_file"),
+            (NatsConfig { tls_ca_file: Some("/nonexistent/ca.pem".into()), ..base.clone() }, "nats.tls_ca_file"),
+            (NatsConfig { creds_file: Some("/nonexistent/x.creds".into()), ..base.clone() }, "nats.creds_file"),
+        ];
+        for (cfg, expected) in cases {
+            let started = Instant::now();
+            let text = Bus::connect(&cfg, &names, "test").await.err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(text.contains(expected) && text.contains("nats://127.0.0.1:1"), "{cfg:?}: {text}");
+            assert!(started.elapsed() < Duration::from_secs(1), "{cfg:?} was retried");
+        }
+    }
+
+    #[test]
+    fn a_secret_file_gives_its_first_line_trimmed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("secret");
+        std::fs::write(&path, "  s3cret \nsecond line\n").expect("write");
+        assert_eq!(read_secret(&path.display().to_string()), Ok("s3cret".to_string()));
+        std::fs::write(&path, "\n").expect("write");
+        assert_eq!(read_secret(&path.display().to_string()), Err("empty".to_string()));
+    }
+
+    #[test]
+    fn permission_violations_are_parsed_from_the_server_error() {
+        assert_eq!(
+            parse_violation("Permissions Violation for Publish to \"jetrl.prompts.train\""),
+            Some(("publish", "jetrl.prompts.train"))
+        );
+        assert_eq!(
+            parse_violation("Permissions Violation for Subscription to \"_INBOX.x.*\""),
+            Some(("subscribe", "_INBOX.x.*"))
+        );
+        assert_eq!(parse_violation("Maximum Payload Violation"), None);
     }
 }

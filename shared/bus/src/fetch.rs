@@ -1,7 +1,7 @@
 //! Reading stored payloads back by stream sequence, many at a time.
 //!
 //! A sampled batch names its trajectories by TRAJ stream sequence, and a group's trajectories share one subject
-//! (`jetrl.traj.<partition>.<uid>`). One batched direct get per group (ADR-31: `seq`, `next_by_subj`, `batch`;
+//! (`jetrl.<ns>.traj.<partition>.<uid>`). One batched direct get per group (ADR-31: `seq`, `next_by_subj`, `batch`;
 //! nats-server ≥ 2.11) returns all of them in one request instead of one round trip per trajectory. Anything a
 //! batch did not return (an older server, messages in between on the same subject) is fetched one by one.
 

@@ -2,8 +2,12 @@
 //!
 //! Every transition is a compare-and-set on the entry's revision (verl's TransferQueue does a
 //! read-merge-write that two writers can interleave). The legal transitions are checked here, once:
-//! `pending → running → finished | failure`, and `finished | failure → sampled | evicted` (plus
-//! `pending | running → evicted` when a resumed trainer discards in-flight work).
+//! `pending → running → finished | failure` (a redelivered task sets `running` again), and
+//! `finished | failure → sampled | evicted`, plus three the trainer's bookkeeping writes: `pending | running →
+//! evicted` (a resumed trainer retires in-flight work; a row submitted again gets a new record under a new uid, so
+//! no record ever returns to `pending`), `sampled → evicted` (a resume rolls back training after its checkpoint; a
+//! sampled group the trainer cannot train on is rejected) and `evicted → evicted` (an eviction's reason amended by a
+//! rollback).
 
 use std::time::Duration;
 
@@ -32,8 +36,8 @@ pub struct GroupStore {
     kv: kv::Store,
 }
 
-fn kv_err(key: &str, err: impl std::fmt::Display) -> BusError {
-    BusError::Kv { bucket: subjects::GROUPS_BUCKET.into(), key: key.into(), message: err.to_string() }
+fn kv_err(kv: &kv::Store, key: &str, err: impl std::fmt::Display) -> BusError {
+    BusError::Kv { bucket: kv.name.clone(), key: key.into(), message: err.to_string() }
 }
 
 /// Whether `from → to` is a legal group transition.
@@ -43,16 +47,20 @@ pub fn transition_allowed(from: GroupState, to: GroupState) -> bool {
         (from, to),
         (Pending, Running)
             | (Running, Running) // a redelivered task restarts the group
-            | (Pending | Running, Finished | Failure)
+            | (Running, Finished | Failure)
             | (Finished | Failure, Sampled | Evicted)
             | (Pending | Running, Evicted)
-            | (Pending | Running, Pending) // re-issue on resume
+            // a resumed trainer rolls back what was trained after its checkpoint; a trainer rejects a sampled group
+            // it cannot train on (a payload missing or invalid): both are recorded as evictions with a reason
+            | (Sampled, Evicted)
+            // an eviction's reason amended: a resume rolls back an eviction made after its checkpoint
+            | (Evicted, Evicted)
     )
 }
 
 impl GroupStore {
     pub async fn open(bus: &Bus) -> Result<Self, BusError> {
-        Ok(Self { kv: bus.key_value(subjects::GROUPS_BUCKET).await? })
+        Ok(Self { kv: bus.key_value(bus.names().groups_bucket()).await? })
     }
 
     pub fn kv(&self) -> &kv::Store {
@@ -62,7 +70,7 @@ impl GroupStore {
     /// Creates a new group record; fails if the key exists.
     pub async fn create(&self, status: &GroupStatus) -> Result<u64, BusError> {
         let key = subjects::group_key(&status.partition, &status.uid);
-        self.kv.create(&key, status.encode_to_vec().into()).await.map_err(|e| kv_err(&key, e))
+        self.kv.create(&key, status.encode_to_vec().into()).await.map_err(|e| kv_err(&self.kv, &key, e))
     }
 
     /// Creates many records with all requests in flight at once.
@@ -74,7 +82,7 @@ impl GroupStore {
     /// Current record and revision.
     pub async fn get(&self, partition: &str, uid: &str) -> Result<Option<(GroupStatus, u64)>, BusError> {
         let key = subjects::group_key(partition, uid);
-        let Some(entry) = self.kv.entry(&key).await.map_err(|e| kv_err(&key, e))? else { return Ok(None) };
+        let Some(entry) = self.kv.entry(&key).await.map_err(|e| kv_err(&self.kv, &key, e))? else { return Ok(None) };
         if entry.operation != kv::Operation::Put {
             return Ok(None);
         }
@@ -131,15 +139,15 @@ impl GroupStore {
                         tokio::time::sleep(Duration::from_millis(1 << attempt.min(6))).await;
                     }
                 }
-                Err(err) => return Err(kv_err(&key, err).into()),
+                Err(err) => return Err(kv_err(&self.kv, &key, err).into()),
             }
         }
-        Err(kv_err(&key, "too much contention").into())
+        Err(kv_err(&self.kv, &key, "too much contention").into())
     }
 
     /// Watches every record: first the current value of each key, then every change.
     pub async fn watch(&self) -> Result<kv::Watch, BusError> {
-        self.kv.watch_with_history(">").await.map_err(|e| kv_err(">", e))
+        self.kv.watch_with_history(">").await.map_err(|e| kv_err(&self.kv, ">", e))
     }
 }
 
@@ -154,22 +162,14 @@ pub fn decode_entry(entry: &kv::Entry) -> Option<Result<GroupStatus, BusError>> 
     )
 }
 
-/// A group re-issued after a trainer restart: the old record is evicted (`reissued`), the task gets a
-/// fresh uid and the resume step, and a new `pending` record exists for it. The caller publishes `task`.
-#[derive(Debug, Clone)]
-pub struct Reissued {
-    pub old_uid: String,
-    pub task: jetrl_wire::v1::PromptTask,
-}
-
 impl GroupStore {
     /// All records of `partition` (current values).
     pub async fn list(&self, partition: &str) -> Result<Vec<GroupStatus>, BusError> {
         use futures::StreamExt;
-        let mut keys = self.kv.keys().await.map_err(|e| kv_err("*", e))?;
+        let mut keys = self.kv.keys().await.map_err(|e| kv_err(&self.kv, "*", e))?;
         let mut names = Vec::new();
         while let Some(key) = keys.next().await {
-            let key = key.map_err(|e| kv_err("*", e))?;
+            let key = key.map_err(|e| kv_err(&self.kv, "*", e))?;
             if subjects::parse_group_key(&key).is_some_and(|(p, _)| p == partition) {
                 names.push(key);
             }
@@ -177,7 +177,7 @@ impl GroupStore {
         let fetched = futures::future::join_all(names.iter().map(|k| self.kv.entry(k))).await;
         let mut out = Vec::new();
         for (key, entry) in names.iter().zip(fetched) {
-            if let Some(entry) = entry.map_err(|e| kv_err(key, e))? {
+            if let Some(entry) = entry.map_err(|e| kv_err(&self.kv, key, e))? {
                 if let Some(Ok(status)) = decode_entry(&entry) {
                     out.push(status);
                 }
@@ -186,52 +186,73 @@ impl GroupStore {
         Ok(out)
     }
 
-    /// Re-issues every `pending` or `running` group of `partition` with submit step `step` (verl's
-    /// `_reissue_inflight_prompts`). Their partial trajectories are discarded: the old uid is evicted with
-    /// reason `reissued` (so the buffer never samples it, and the ledger says why), and the task is
-    /// re-created under a fresh uid — new trajectory keys, so stream de-duplication cannot confuse the new
-    /// generation with the partial old one. Finished and failed groups are kept as they are.
-    pub async fn reissue_inflight(&self, partition: &str, step: u64) -> Result<Vec<Reissued>, GroupUpdateError> {
-        let mut out = Vec::new();
-        for status in self.list(partition).await? {
-            if !status.state().is_inflight() {
-                continue;
-            }
-            let Some(mut task) = status.task.clone() else {
-                tracing::warn!(uid = %status.uid, "in-flight group without a stored task cannot be re-issued; evicting it");
-                self.evict(partition, &status.uid, "reissue_without_task").await?;
-                continue;
-            };
-            self.evict(partition, &status.uid, "reissued").await?;
-            task.uid = jetrl_wire::keys::new_uid();
-            task.submit_step = step;
-            let mut fresh = GroupStatus {
-                uid: task.uid.clone(),
-                partition: partition.to_string(),
-                submit_step: step,
-                n: task.n,
-                task: Some(task.clone()),
-                updated_unix_ms: jetrl_wire::now_unix_ms(),
-                ..Default::default()
-            };
-            fresh.set_state(GroupState::Pending);
-            self.create(&fresh).await?;
-            out.push(Reissued { old_uid: status.uid.clone(), task });
-        }
-        Ok(out)
-    }
-
-    /// Marks a group evicted with `reason` (ledger), whatever its non-final state.
-    pub async fn evict(&self, partition: &str, uid: &str, reason: &str) -> Result<(), GroupUpdateError> {
+    /// Marks a group evicted at trainer step `step` with `reason` (ledger), whatever its non-final state.
+    pub async fn evict(&self, partition: &str, uid: &str, reason: &str, step: u64) -> Result<(), GroupUpdateError> {
         let reason = reason.to_string();
         self.update(partition, uid, |s| {
             if matches!(s.state(), GroupState::Sampled | GroupState::Evicted) {
                 return None;
             }
             s.evicted_reason = reason.clone();
+            s.evicted_step = step;
             Some(GroupState::Evicted)
         })
         .await
         .map(|_| ())
+    }
+
+    /// Marks a group evicted at `step` with `reason` whatever state it is in: a sampled one (a rollback after a
+    /// resume, a group the trainer rejected) or an evicted one (its reason amended by a rollback).
+    pub async fn retract(&self, partition: &str, uid: &str, reason: &str, step: u64) -> Result<(), GroupUpdateError> {
+        let reason = reason.to_string();
+        self.update(partition, uid, |s| {
+            if s.state() == GroupState::Evicted && s.evicted_reason == reason {
+                return None;
+            }
+            s.evicted_reason = reason.clone();
+            s.evicted_step = step;
+            Some(GroupState::Evicted)
+        })
+        .await
+        .map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Exactly the lifecycle of the module doc: a row submitted again gets a new record under a new uid (the old one
+    /// is evicted), so nothing ever moves back to `pending`; a sampled group can only be retracted (a rollback after
+    /// a resume, a rejection), and an eviction's reason amended.
+    #[test]
+    fn only_the_documented_transitions_are_allowed() {
+        use GroupState::*;
+        let all = [Unspecified, Pending, Running, Finished, Failure, Sampled, Evicted];
+        let documented = [
+            (Pending, Running),
+            (Running, Running),
+            (Running, Finished),
+            (Running, Failure),
+            (Finished, Sampled),
+            (Finished, Evicted),
+            (Failure, Sampled),
+            (Failure, Evicted),
+            (Pending, Evicted),
+            (Running, Evicted),
+            (Sampled, Evicted),
+            (Evicted, Evicted),
+        ];
+        for from in all {
+            for to in all {
+                assert_eq!(
+                    transition_allowed(from, to),
+                    documented.contains(&(from, to)),
+                    "{} -> {}",
+                    from.label(),
+                    to.label()
+                );
+            }
+        }
     }
 }

@@ -62,6 +62,7 @@ impl NatsServer {
         {
             use std::os::unix::process::CommandExt;
             // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of the parent.
+            #[allow(unsafe_code)]
             unsafe {
                 command.pre_exec(|| {
                     libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
@@ -122,6 +123,17 @@ impl NatsServer {
     /// The directory holding the store, config and log.
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// How the server ended, once it has died on its own (a crash, an OOM kill); `None` while it runs and
+    /// after `kill` or `stop`. A supervisor polls this and calls `restart`.
+    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.as_mut().and_then(|child| child.try_wait().ok().flatten())
+    }
+
+    /// The server's log file (rewritten at each start).
+    pub fn log_path(&self) -> PathBuf {
+        self.root.join("nats.log")
     }
 
     /// Kills the server (SIGKILL, as a crash would) and starts it again on the same port and store.
@@ -201,21 +213,4 @@ pub fn find_binary() -> Result<PathBuf, BusError> {
     Err(BusError::Server(
         "nats-server not found: run scripts/setup.sh (installs it into .venv) or set JETRL_NATS_SERVER".into(),
     ))
-}
-
-/// CPU seconds (user + system) used so far by process `pid` (this process for `None`), from /proc; 0 elsewhere.
-pub fn cpu_seconds(pid: Option<u32>) -> f64 {
-    let path = pid.map_or_else(|| "/proc/self/stat".to_string(), |pid| format!("/proc/{pid}/stat"));
-    let Ok(stat) = std::fs::read_to_string(path) else { return 0.0 };
-    // fields after the command name (which may hold spaces): state is field 3, utime 14, stime 15
-    let fields: Vec<&str> = stat.rsplit_once(')').map_or("", |(_, rest)| rest).split_whitespace().collect();
-    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    // USER_HZ is 100 on Linux
-    let hz = 100.0;
-    (ticks(11) + ticks(12)) / hz
-}
-
-/// CPU seconds used so far by this process and by process `server` (a benchmark's two sides of one run).
-pub fn cpu_seconds_here_and(server: Option<u32>) -> (f64, f64) {
-    (cpu_seconds(None), cpu_seconds(server))
 }

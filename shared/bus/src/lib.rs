@@ -1,13 +1,16 @@
 //! NATS JetStream plumbing shared by every jetrl service.
 //!
-//! - [`Bus`] ([`connect`]): a connection with retries and backoff, the JetStream context, and the
-//!   declaration of every stream, consumer, KV bucket and object store the services use ([`topology`]).
+//! - [`Bus`] ([`connect`]): a connection with retries and backoff, the JetStream context, the job's names
+//!   ([`jetrl_wire::subjects::Names`]: every stream, bucket and subject belongs to one job), and the declaration
+//!   of every stream, consumer, KV bucket and object store the services use ([`topology`]).
 //! - [`Publisher`] ([`publish`]): JetStream publishes with `Nats-Msg-Id` de-duplication and pipelined,
 //!   bounded, retried acknowledgements.
 //! - [`consume`]: pull consumption helpers; a message that does not decode is counted, logged with its
 //!   subject and terminated, never redelivered forever.
 //! - [`score`]: the score request a group's trajectories hand to the reward service.
 //! - [`groups`]: the prompt-group control records (KV, compare-and-set on revision).
+//! - [`ledger`]: the exactly-once ledger: the fate of every dataset row drawn, from the group records.
+//! - [`lease`]: one holder per job of a role (the trainer), by a refreshed key in the job's LEASE bucket.
 //! - [`harness`]: starts a real `nats-server -js` on a free port with a temporary store directory (tests,
 //!   and `jetrl run` when no URL is given), killed on drop.
 
@@ -16,6 +19,8 @@ pub mod consume;
 pub mod fetch;
 pub mod groups;
 pub mod harness;
+pub mod lease;
+pub mod ledger;
 pub mod publish;
 pub mod score;
 pub mod topology;
@@ -24,6 +29,7 @@ pub mod weights;
 pub use connect::Bus;
 pub use groups::GroupStore;
 pub use harness::NatsServer;
+pub use lease::Lease;
 pub use publish::Publisher;
 pub use score::ScoreRequestBuilder;
 
@@ -50,6 +56,16 @@ pub enum BusError {
     Decode { what: String, message: String },
     #[error("nats-server: {0}")]
     Server(String),
+    #[error("job namespace: {0}")]
+    Namespace(String),
+    #[error(
+        "job {job}: another {key} is running: the lease {key:?} in {bucket} is held by {holder} since {since} and \
+         was kept alive while this one waited; stop that {key} first, or give this job another run.name or \
+         nats.namespace"
+    )]
+    LeaseHeld { job: String, bucket: String, key: String, holder: String, since: String },
+    #[error("job {job}: the lease {key:?} in {bucket} was lost: {message}")]
+    LeaseLost { job: String, bucket: String, key: String, message: String },
 }
 
 impl BusError {
@@ -66,6 +82,9 @@ impl BusError {
             BusError::Object { .. } => "object",
             BusError::Decode { .. } => "decode",
             BusError::Server(_) => "server",
+            BusError::Namespace(_) => "namespace",
+            BusError::LeaseHeld { .. } => "lease_held",
+            BusError::LeaseLost { .. } => "lease_lost",
         }
     }
 }

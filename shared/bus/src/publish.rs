@@ -3,7 +3,8 @@
 //! Awaiting each publish ack in turn caps a publisher at one round trip per message (~5k msg/s on
 //! loopback); keeping a bounded window of acks in flight gives the broker's full rate (60–70k msg/s)
 //! while still knowing, for each message, that it is durable. A failed or timed-out ack is retried with
-//! the same `Nats-Msg-Id`, so the stream stores the message once.
+//! the same `Nats-Msg-Id`, so the stream stores the message once. A publish the server refuses (a permissions
+//! violation: it sends no ack, only an error) fails at once and is not retried.
 
 use std::future::IntoFuture;
 use std::pin::Pin;
@@ -68,7 +69,13 @@ pub struct Acked {
     pub duplicate: bool,
 }
 
-type AckFuture = Pin<Box<dyn std::future::Future<Output = (Outgoing, u32, Result<Acked, String>)> + Send>>;
+/// Why a publish was not acknowledged: a refusal (permissions violation) is permanent and not retried.
+enum NotAcked {
+    Failed(String),
+    Refused(String),
+}
+
+type AckFuture = Pin<Box<dyn std::future::Future<Output = (Outgoing, u32, Result<Acked, NotAcked>)> + Send>>;
 
 /// Publishes with a bounded window of acknowledgements in flight.
 pub struct Publisher {
@@ -110,14 +117,15 @@ impl Publisher {
                 self.done.push(acked);
                 Ok(())
             }
-            Err(err) if attempt < MAX_ATTEMPTS => {
+            Err(NotAcked::Refused(why)) => Err(BusError::Publish { subject: message.subject, message: why }),
+            Err(NotAcked::Failed(err)) if attempt < MAX_ATTEMPTS => {
                 tracing::warn!(subject = %message.subject, attempt, error = %err, "publish not acknowledged; retrying");
                 metrics::counter!("jetrl_bus_publish_retries_total").increment(1);
                 let future = send(&self.bus, message, attempt + 1).await?;
                 self.inflight.push(future);
                 Ok(())
             }
-            Err(err) => Err(BusError::Publish {
+            Err(NotAcked::Failed(err)) => Err(BusError::Publish {
                 subject: message.subject,
                 message: format!("{err} (after {attempt} attempts)"),
             }),
@@ -135,26 +143,36 @@ impl Publisher {
     pub fn inflight(&self) -> usize {
         self.inflight.len()
     }
+
+    /// The connection (and job) this publisher writes to.
+    pub fn bus(&self) -> &Bus {
+        &self.bus
+    }
 }
 
 /// Puts one message on the wire; the returned future resolves with its ack. A free function (not a
 /// method) so that a `&Publisher` is never held across an await: `Publisher` is `Send` but not `Sync`.
 async fn send(bus: &Bus, message: Outgoing, attempt: u32) -> Result<AckFuture, BusError> {
+    let (refusals, sent) = (bus.refusals(), std::time::Instant::now());
     let ack: PublishAckFuture = bus
         .jetstream()
         .publish_with_headers(message.subject.clone(), message.header_map(), message.payload.clone())
         .await
         .map_err(|e| BusError::Publish { subject: message.subject.clone(), message: e.to_string() })?;
     Ok(Box::pin(async move {
-        let result = ack.into_future().await;
-        let acked = result
-            .map(|ack| Acked {
-                subject: message.subject.clone(),
-                msg_id: message.msg_id.clone(),
-                sequence: ack.sequence,
-                duplicate: ack.duplicate,
-            })
-            .map_err(|e| e.to_string());
+        // A subject this identity may not publish to gets no ack, only the server's permissions violation: wait
+        // for either, so a refusal fails now rather than after every attempt's timeout.
+        let acked = tokio::select! {
+            result = ack.into_future() => result
+                .map(|ack| Acked {
+                    subject: message.subject.clone(),
+                    msg_id: message.msg_id.clone(),
+                    sequence: ack.sequence,
+                    duplicate: ack.duplicate,
+                })
+                .map_err(|e| NotAcked::Failed(e.to_string())),
+            refused = refusals.refused(&message.subject, sent) => Err(NotAcked::Refused(refused)),
+        };
         (message, attempt, acked)
     }))
 }

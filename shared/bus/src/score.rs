@@ -5,8 +5,9 @@
 use std::collections::HashMap;
 
 use jetrl_wire::score::{factor_common, request_id, reward_batch_id, score_view};
+use jetrl_wire::subjects::{self, Names};
 use jetrl_wire::v1::{Reward, RewardBatch, ScoreRequest, Trajectory};
-use jetrl_wire::{subjects, Message};
+use jetrl_wire::Message;
 
 use crate::publish::{Acked, Outgoing};
 use crate::{Bus, BusError, Publisher};
@@ -53,7 +54,7 @@ impl ScoreRequestBuilder {
         for view in &mut self.request.trajectories {
             let Some(ack) = by_key.get(view.key.as_str()) else {
                 return Err(BusError::Publish {
-                    subject: subjects::score_subject(&self.request.partition, &self.request.uid),
+                    subject: bus.names().score_subject(&self.request.partition, &self.request.uid),
                     message: format!("trajectory {} has no publish acknowledgement", view.key),
                 });
             };
@@ -61,7 +62,7 @@ impl ScoreRequestBuilder {
             if ack.duplicate {
                 let stream = match &traj_stream {
                     Some(stream) => stream,
-                    None => traj_stream.insert(bus.stream(subjects::TRAJ_STREAM).await?),
+                    None => traj_stream.insert(bus.stream(bus.names().traj_stream()).await?),
                 };
                 match stream.direct_get(ack.sequence).await.map(|m| Trajectory::decode(m.payload.as_ref())) {
                     Ok(Ok(stored)) if stored.key == view.key => *view = score_view(&stored, ack.sequence),
@@ -70,7 +71,7 @@ impl ScoreRequestBuilder {
                     }
                     Err(err) => {
                         return Err(BusError::Consume {
-                            what: format!("{} seq {}", subjects::TRAJ_STREAM, ack.sequence),
+                            what: format!("{} seq {}", bus.names().traj_stream(), ack.sequence),
                             message: err.to_string(),
                         })
                     }
@@ -81,7 +82,7 @@ impl ScoreRequestBuilder {
         self.request.trajectories.sort_by(|a, b| a.key.cmp(&b.key));
         factor_common(&mut self.request);
         let id = request_id(&self.request);
-        let subject = subjects::score_subject(&self.request.partition, &self.request.uid);
+        let subject = bus.names().score_subject(&self.request.partition, &self.request.uid);
         bus.publish_durable(Outgoing::protobuf(subject, Some(id.clone()), &self.request)).await?;
         Ok(Some(id))
     }
@@ -100,7 +101,7 @@ pub async fn publish_group(
     let mut publisher = Publisher::new(bus, trajectories.len().max(1));
     let mut scoring = ScoreRequestBuilder::new(partition, uid);
     for traj in trajectories {
-        let subject = subjects::traj_subject(partition, uid);
+        let subject = bus.names().traj_subject(partition, uid);
         publisher.publish(Outgoing::protobuf(subject, Some(traj.key.clone()), traj)).await?;
         scoring.add(traj);
     }
@@ -109,22 +110,22 @@ pub async fn publish_group(
     Ok((acks, id))
 }
 
-/// One reward message: the batch on its partition's subject, the answered requests' ids in
+/// One reward message of job `names`: the batch on its partition's subject, the answered requests' ids in
 /// [`subjects::SCORE_REQUESTS_HEADER`], and a `Nats-Msg-Id` derived from them (the same requests answered again
 /// are stored once).
-pub fn reward_message(partition: &str, batch: &RewardBatch, request_ids: &[String]) -> Outgoing {
+pub fn reward_message(names: &Names, partition: &str, batch: &RewardBatch, request_ids: &[String]) -> Outgoing {
     let ids: Vec<&str> = request_ids.iter().map(String::as_str).collect();
     let msg_id = reward_batch_id(&ids);
-    Outgoing::protobuf(subjects::reward_batch_subject(partition), Some(msg_id), batch)
+    Outgoing::protobuf(names.reward_batch_subject(partition), Some(msg_id), batch)
         .header(subjects::SCORE_REQUESTS_HEADER, ids.join(" "))
 }
 
 /// Every reward stored in REWARDS now, in stream order (release markers and batches that do not decode are
 /// skipped): for tests and benchmarks, which check what the reward services wrote.
 pub async fn stored_rewards(bus: &Bus) -> Result<Vec<Reward>, BusError> {
-    let stream = bus.stream(subjects::REWARDS_STREAM).await?;
+    let stream = bus.stream(bus.names().rewards_stream()).await?;
     let config = async_nats::jetstream::consumer::pull::OrderedConfig {
-        filter_subject: subjects::REWARD_BATCHES_FILTER.into(),
+        filter_subject: bus.names().reward_batches_filter(),
         ..Default::default()
     };
     let mut rewards = Vec::new();

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::AckKind;
 use jetrl_config::NatsConfig;
-use jetrl_wire::subjects;
+use jetrl_wire::subjects::Names;
 use jetrl_wire::v1::{GroupState, GroupStatus, Trajectory};
 
 use crate::consume::{decode_or_term, pull_collect};
@@ -12,11 +12,17 @@ use crate::groups::GroupUpdateError;
 use crate::publish::Outgoing;
 use crate::*;
 
-async fn bus(server: &NatsServer) -> Bus {
+/// A connection for job `namespace`, its topology declared.
+async fn job_bus(server: &NatsServer, namespace: &str) -> Bus {
     let cfg = NatsConfig { url: server.url(), ..NatsConfig::default() };
-    let bus = Bus::connect(&cfg, "bus-test").await.expect("connect");
+    let names = Names::new(namespace).expect("namespace");
+    let bus = Bus::connect(&cfg, &names, "bus-test").await.expect("connect");
     bus.declare_topology().await.expect("declare");
     bus
+}
+
+async fn bus(server: &NatsServer) -> Bus {
+    job_bus(server, "test").await
 }
 
 #[tokio::test]
@@ -31,20 +37,21 @@ async fn topology_declaration_is_idempotent() {
 async fn a_stream_declared_with_another_retention_by_an_earlier_version_is_named_with_the_way_out() {
     let server = NatsServer::start().unwrap();
     let cfg = NatsConfig { url: server.url(), ..NatsConfig::default() };
-    let bus = Bus::connect(&cfg, "bus-test").await.expect("connect");
+    let bus = Bus::connect(&cfg, &Names::new("test").unwrap(), "bus-test").await.expect("connect");
+    let score = bus.names().score_stream();
     // an earlier jetrl declared SCORE as a work queue
     bus.jetstream()
         .create_stream(async_nats::jetstream::stream::Config {
-            name: subjects::SCORE_STREAM.into(),
-            subjects: vec![format!("{}.>", subjects::SCORE_SUBJECT)],
+            name: score.into(),
+            subjects: vec![bus.names().score_filter()],
             retention: async_nats::jetstream::stream::RetentionPolicy::WorkQueue,
             ..Default::default()
         })
         .await
         .expect("old stream");
     let err = bus.declare_topology().await.expect_err("retention cannot change in place").to_string();
-    assert!(err.contains(subjects::SCORE_STREAM) && err.contains("WorkQueue"), "{err}");
-    assert!(err.contains(&format!("nats stream rm {}", subjects::SCORE_STREAM)), "{err}");
+    assert!(err.contains(score) && err.contains("WorkQueue"), "{err}");
+    assert!(err.contains(&format!("nats stream rm {score}")), "{err}");
 }
 
 #[tokio::test]
@@ -52,13 +59,13 @@ async fn same_msg_id_is_stored_once() {
     let server = NatsServer::start().unwrap();
     let bus = bus(&server).await;
     let traj = Trajectory { key: "u1_0_0".into(), uid: "u1".into(), ..Default::default() };
-    let subject = subjects::traj_subject("train", "u1");
+    let subject = bus.names().traj_subject("train", "u1");
     let first = bus.publish_durable(Outgoing::protobuf(&subject, Some(traj.key.clone()), &traj)).await.unwrap();
     let second = bus.publish_durable(Outgoing::protobuf(&subject, Some(traj.key.clone()), &traj)).await.unwrap();
     assert!(!first.duplicate);
     assert!(second.duplicate);
     assert_eq!(first.sequence, second.sequence);
-    let mut stream = bus.stream(subjects::TRAJ_STREAM).await.unwrap();
+    let mut stream = bus.stream(bus.names().traj_stream()).await.unwrap();
     assert_eq!(stream.info().await.unwrap().state.messages, 1);
 }
 
@@ -70,7 +77,11 @@ async fn pipelined_publisher_acks_every_message_with_distinct_sequences() {
     for i in 0..3000u32 {
         let key = format!("u{i}_0_0");
         publisher
-            .publish(Outgoing::new(subjects::traj_subject("train", &format!("u{i}")), Some(key), vec![7u8; 512].into()))
+            .publish(Outgoing::new(
+                bus.names().traj_subject("train", &format!("u{i}")),
+                Some(key),
+                vec![7u8; 512].into(),
+            ))
             .await
             .unwrap();
         assert!(publisher.inflight() <= 256);
@@ -87,15 +98,21 @@ async fn malformed_message_is_counted_terminated_and_not_redelivered() {
     let bus = bus(&server).await;
     let metrics_addr = jetrl_telemetry::serve_metrics("127.0.0.1:0", std::future::pending()).await.unwrap();
     let consumer = bus
-        .shared_pull_consumer(subjects::TRAJ_STREAM, "t", "jetrl.traj.>", Duration::from_millis(1000), 100)
+        .shared_pull_consumer(
+            bus.names().traj_stream(),
+            "t",
+            &bus.names().traj_filter(),
+            Duration::from_millis(1000),
+            100,
+        )
         .await
         .unwrap();
     // 0xff is an invalid protobuf tag: this cannot decode as a Trajectory
-    bus.publish_durable(Outgoing::new(subjects::traj_subject("train", "bad"), None, vec![0xff, 0xff, 0xff].into()))
+    bus.publish_durable(Outgoing::new(bus.names().traj_subject("train", "bad"), None, vec![0xff, 0xff, 0xff].into()))
         .await
         .unwrap();
     let good = Trajectory { key: "ok_0_0".into(), ..Default::default() };
-    bus.publish_durable(Outgoing::protobuf(subjects::traj_subject("train", "ok"), None, &good)).await.unwrap();
+    bus.publish_durable(Outgoing::protobuf(bus.names().traj_subject("train", "ok"), None, &good)).await.unwrap();
 
     let msgs = pull_collect(&consumer, 2, Duration::from_millis(500)).await.unwrap();
     assert_eq!(msgs.len(), 2);
@@ -112,7 +129,7 @@ async fn malformed_message_is_counted_terminated_and_not_redelivered() {
     let again = pull_collect(&consumer, 10, Duration::from_millis(500)).await.unwrap();
     assert!(again.is_empty(), "got {} redeliveries", again.len());
     let body = jetrl_telemetry::scrape(metrics_addr).await.unwrap();
-    assert!(body.contains("jetrl_bustest_malformed_messages_total{source=\"JETRL_TRAJ\"} 1"), "{body}");
+    assert!(body.contains("jetrl_bustest_malformed_messages_total{source=\"JETRL_test_TRAJ\"} 1"), "{body}");
 }
 
 #[tokio::test]
@@ -160,17 +177,18 @@ async fn two_megabyte_payload_round_trips() {
     let payload: Vec<u8> = (0..2 * 1024 * 1024).map(|i| (i % 251) as u8).collect();
     let ack = bus
         .publish_durable(Outgoing::new(
-            subjects::traj_subject("train", "big"),
+            bus.names().traj_subject("train", "big"),
             Some("big_0_0".into()),
             payload.clone().into(),
         ))
         .await
         .unwrap();
-    let stream = bus.stream(subjects::TRAJ_STREAM).await.unwrap();
+    let stream = bus.stream(bus.names().traj_stream()).await.unwrap();
     let msg = stream.direct_get(ack.sequence).await.unwrap();
     assert_eq!(msg.payload.as_ref(), payload.as_slice());
     let too_big = vec![0u8; harness::MAX_PAYLOAD_BYTES + 1];
-    let err = bus.publish_durable(Outgoing::new("jetrl.traj.train.x", None, too_big.into())).await.unwrap_err();
+    let subject = bus.names().traj_subject("train", "x");
+    let err = bus.publish_durable(Outgoing::new(subject, None, too_big.into())).await.unwrap_err();
     assert!(matches!(err, BusError::PayloadTooLarge { .. }), "{err}");
 }
 
@@ -183,7 +201,7 @@ async fn stored_messages_survive_a_server_crash() {
         for i in 0..100 {
             publisher
                 .publish(Outgoing::new(
-                    subjects::traj_subject("train", "u"),
+                    bus.names().traj_subject("train", "u"),
                     Some(format!("u_{i}_0")),
                     vec![1u8; 64].into(),
                 ))
@@ -194,7 +212,7 @@ async fn stored_messages_survive_a_server_crash() {
     }
     server.restart().unwrap();
     let bus = bus(&server).await;
-    let mut stream = bus.stream(subjects::TRAJ_STREAM).await.unwrap();
+    let mut stream = bus.stream(bus.names().traj_stream()).await.unwrap();
     assert_eq!(stream.info().await.unwrap().state.messages, 100);
 }
 
@@ -233,51 +251,6 @@ async fn weight_blob_round_trips_through_both_transports_and_is_verified() {
 }
 
 #[tokio::test]
-async fn reissue_evicts_inflight_groups_and_recreates_them_with_the_resume_step() {
-    let server = NatsServer::start().unwrap();
-    let bus = bus(&server).await;
-    let groups = GroupStore::open(&bus).await.unwrap();
-    for (uid, state) in [("p", GroupState::Pending), ("r", GroupState::Running), ("f", GroupState::Finished)] {
-        let task = jetrl_wire::v1::PromptTask {
-            uid: uid.into(),
-            partition: "train".into(),
-            n: 2,
-            submit_step: 3,
-            ..Default::default()
-        };
-        let mut s = GroupStatus {
-            uid: uid.into(),
-            partition: "train".into(),
-            submit_step: 3,
-            task: Some(task),
-            ..Default::default()
-        };
-        s.set_state(GroupState::Pending);
-        groups.create(&s).await.unwrap();
-        if state != GroupState::Pending {
-            groups.update("train", uid, |_| Some(GroupState::Running)).await.unwrap();
-        }
-        if state == GroupState::Finished {
-            groups.update("train", uid, |_| Some(GroupState::Finished)).await.unwrap();
-        }
-    }
-    let reissued = groups.reissue_inflight("train", 7).await.unwrap();
-    let old: std::collections::HashSet<String> = reissued.iter().map(|r| r.old_uid.clone()).collect();
-    assert_eq!(old, ["p".to_string(), "r".to_string()].into_iter().collect());
-    for r in &reissued {
-        assert_eq!(r.task.submit_step, 7);
-        assert_ne!(r.task.uid, r.old_uid);
-        let (fresh, _) = groups.get("train", &r.task.uid).await.unwrap().unwrap();
-        assert_eq!(fresh.state(), GroupState::Pending);
-        let (old, _) = groups.get("train", &r.old_uid).await.unwrap().unwrap();
-        assert_eq!(old.state(), GroupState::Evicted);
-        assert_eq!(old.evicted_reason, "reissued");
-    }
-    let (kept, _) = groups.get("train", "f").await.unwrap().unwrap();
-    assert_eq!(kept.state(), GroupState::Finished, "finished groups are kept");
-}
-
-#[tokio::test]
 async fn payloads_are_fetched_by_sequence_one_batch_per_subject() {
     let server = NatsServer::start().unwrap();
     let bus = bus(&server).await;
@@ -286,7 +259,7 @@ async fn payloads_are_fetched_by_sequence_one_batch_per_subject() {
     let mut unwanted = 0;
     for i in 0..20u32 {
         let uid = if i % 2 == 0 { "a" } else { "b" };
-        let subject = subjects::traj_subject("train", uid);
+        let subject = bus.names().traj_subject("train", uid);
         let ack = bus
             .publish_durable(Outgoing::new(
                 subject.clone(),
@@ -303,14 +276,14 @@ async fn payloads_are_fetched_by_sequence_one_batch_per_subject() {
     }
     let seqs: Vec<u64> = want.iter().filter(|w| w.0.ends_with(".a")).map(|w| w.1).collect();
     let batch =
-        bus.direct_get_batch(subjects::TRAJ_STREAM, &subjects::traj_subject("train", "a"), &seqs).await.unwrap();
+        bus.direct_get_batch(bus.names().traj_stream(), &bus.names().traj_subject("train", "a"), &seqs).await.unwrap();
     assert_eq!(batch.len(), seqs.len(), "one batched request returns the whole group");
     assert!(!batch.contains_key(&unwanted));
 
     // a sequence that is gone is absent, the rest are there with their bytes
     let mut wanted: Vec<(String, u64)> = want.iter().map(|w| (w.0.clone(), w.1)).collect();
-    wanted.push((subjects::traj_subject("train", "b"), 10_000));
-    let found = bus.fetch_by_sequence(subjects::TRAJ_STREAM, &wanted).await.unwrap();
+    wanted.push((bus.names().traj_subject("train", "b"), 10_000));
+    let found = bus.fetch_by_sequence(bus.names().traj_stream(), &wanted).await.unwrap();
     assert_eq!(found.len(), want.len());
     for (_, seq, i) in &want {
         assert_eq!(found[seq].as_ref(), i.to_le_bytes());
@@ -336,7 +309,7 @@ async fn a_score_request_carries_what_was_stored_even_for_a_trajectory_an_earlie
     use jetrl_wire::Message;
     let server = NatsServer::start().unwrap();
     let bus = bus(&server).await;
-    let subject = subjects::traj_subject("train", "u");
+    let subject = bus.names().traj_subject("train", "u");
     // a first attempt at the group stored session 0, then its worker died
     let earlier = scored_trajectory("u_0_0", "first attempt", &[7, 7, 7]);
     let stored = bus.publish_durable(Outgoing::protobuf(&subject, Some(earlier.key.clone()), &earlier)).await.unwrap();
@@ -351,8 +324,8 @@ async fn a_score_request_carries_what_was_stored_even_for_a_trajectory_an_earlie
     let acks = publisher.drain().await.unwrap();
     let id = scoring.publish(&bus, &acks).await.unwrap().expect("a request");
 
-    let score = bus.stream(subjects::SCORE_STREAM).await.unwrap();
-    let msg = score.direct_get_last_for_subject(subjects::score_subject("train", "u")).await.unwrap();
+    let score = bus.stream(bus.names().score_stream()).await.unwrap();
+    let msg = score.direct_get_last_for_subject(bus.names().score_subject("train", "u")).await.unwrap();
     assert_eq!(msg.headers.get(async_nats::header::NATS_MESSAGE_ID).map(|v| v.as_str()), Some(id.as_str()));
     let mut request = jetrl_wire::v1::ScoreRequest::decode(msg.payload.as_ref()).unwrap();
     assert_eq!(request.common.as_ref().map(|c| c.ground_truth.as_str()), Some("42"), "shared fields travel once");
@@ -369,4 +342,118 @@ async fn a_score_request_carries_what_was_stored_even_for_a_trajectory_an_earlie
     assert_eq!(request.trajectories.iter().map(|t| t.prompt_ids.len()).collect::<Vec<_>>(), [8, 8]);
     // an empty group publishes nothing
     assert_eq!(ScoreRequestBuilder::new("train", "empty").publish(&bus, &[]).await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn two_jobs_on_one_server_see_none_of_each_others_records() {
+    use crate::weights::WeightTransport;
+    let server = NatsServer::start().unwrap();
+    let (a, b) = (job_bus(&server, "job-a").await, job_bus(&server, "job-b").await);
+    // the same group uid and trajectory key in both jobs: each job stores its own
+    for bus in [&a, &b] {
+        let traj = Trajectory { key: "u_0_0".into(), uid: "u".into(), ..Default::default() };
+        let subject = bus.names().traj_subject("train", "u");
+        let ack = bus.publish_durable(Outgoing::protobuf(subject, Some(traj.key.clone()), &traj)).await.unwrap();
+        assert!(!ack.duplicate, "job {} saw another job's trajectory", bus.names().namespace());
+        let mut status = GroupStatus { uid: "u".into(), partition: "train".into(), ..Default::default() };
+        status.set_state(GroupState::Pending);
+        GroupStore::open(bus).await.unwrap().create(&status).await.unwrap();
+    }
+    for bus in [&a, &b] {
+        let mut traj = bus.stream(bus.names().traj_stream()).await.unwrap();
+        assert_eq!(traj.info().await.unwrap().state.messages, 1);
+    }
+    // a weight location of job a is not readable through job b
+    let transport = WeightTransport::ObjectStore { chunk_bytes: 1 << 20 };
+    let location = a.store_weights(&transport, 1, bytes::Bytes::from_static(b"weights of a")).await.unwrap();
+    assert!(location.contains("JETRL_job-a_BLOBS"), "{location}");
+    assert_eq!(a.load_weights(&location).await.unwrap().as_ref(), b"weights of a");
+    let refused = b.load_weights(&location).await.unwrap_err().to_string();
+    assert!(refused.contains("JETRL_job-b_BLOBS"), "{refused}");
+}
+
+#[tokio::test]
+async fn a_job_with_an_invalid_namespace_is_refused_before_connecting_and_the_error_names_the_key() {
+    let mut job = jetrl_config::JobConfig::default();
+    job.nats.url = "nats://127.0.0.1:1".into();
+    job.run.name = "two words".into();
+    let err = Bus::connect_job(&job, "test").await.err().expect("invalid namespace").to_string();
+    assert!(err.contains("run.name") && err.contains("two words"), "{err}");
+    job.nats.namespace = Some("a.b".into());
+    let err = Bus::connect_job(&job, "test").await.err().expect("invalid namespace").to_string();
+    assert!(err.contains("nats.namespace") && err.contains("a.b"), "{err}");
+}
+
+/// Declares job `namespace`'s LEASE bucket with a short max age before anything else does, so a dead holder's
+/// lease expires quickly.
+async fn short_lease_bucket(bus: &Bus, max_age: Duration) {
+    bus.jetstream()
+        .create_key_value(async_nats::jetstream::kv::Config {
+            bucket: bus.names().lease_bucket().into(),
+            history: 1,
+            max_age,
+            ..Default::default()
+        })
+        .await
+        .expect("lease bucket");
+}
+
+#[tokio::test]
+async fn a_second_holder_is_refused_while_the_first_is_alive_and_takes_the_lease_once_it_is_released() {
+    let server = NatsServer::start().unwrap();
+    let cfg = NatsConfig { url: server.url(), ..NatsConfig::default() };
+    let bus = Bus::connect(&cfg, &Names::new("exp-1").unwrap(), "bus-test").await.unwrap();
+    short_lease_bucket(&bus, Duration::from_secs(2)).await;
+    let first = Lease::acquire(&bus, "trainer").await.unwrap();
+
+    let started = std::time::Instant::now();
+    let err = Lease::acquire(&bus, "trainer").await.err().expect("the lease is held");
+    let waited = started.elapsed();
+    let text = err.to_string();
+    assert!(matches!(err, BusError::LeaseHeld { .. }), "{text}");
+    assert!(text.contains("job exp-1") && text.contains("JETRL_exp-1_LEASE"), "{text}");
+    assert!(text.contains(&format!("trainer pid {}", std::process::id())) && text.contains(" ago)"), "{text}");
+    // refused as soon as the holder refreshed (every 0.4 s here), not after waiting out the max age
+    assert!(waited < Duration::from_secs(2), "refused after {waited:?}");
+
+    first.release().await.unwrap();
+    let started = std::time::Instant::now();
+    let second = Lease::acquire(&bus, "trainer").await.expect("a released lease is free");
+    assert!(started.elapsed() < Duration::from_millis(500), "took {:?}", started.elapsed());
+    second.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_dead_holders_lease_expires_and_a_newcomer_takes_it() {
+    let server = NatsServer::start().unwrap();
+    let cfg = NatsConfig { url: server.url(), ..NatsConfig::default() };
+    let bus = Bus::connect(&cfg, &Names::new("exp-2").unwrap(), "bus-test").await.unwrap();
+    short_lease_bucket(&bus, Duration::from_secs(1)).await;
+    // dropped without a release: refreshing stops, as when the holder's process dies
+    drop(Lease::acquire(&bus, "trainer").await.unwrap());
+    let started = std::time::Instant::now();
+    let lease = Lease::acquire(&bus, "trainer").await.expect("the dead holder's lease expires");
+    let waited = started.elapsed();
+    assert!(waited > Duration::from_millis(300) && waited < Duration::from_secs(3), "took {waited:?}");
+    lease.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_holder_whose_lease_was_taken_over_learns_it_and_its_release_fails() {
+    let server = NatsServer::start().unwrap();
+    let cfg = NatsConfig { url: server.url(), ..NatsConfig::default() };
+    let bus = Bus::connect(&cfg, &Names::new("exp-3").unwrap(), "bus-test").await.unwrap();
+    short_lease_bucket(&bus, Duration::from_secs(1)).await;
+    let lease = Lease::acquire(&bus, "trainer").await.unwrap();
+    // another holder overwrites the entry (as one would after this holder missed refreshing past the max age)
+    let kv = bus.key_value(bus.names().lease_bucket()).await.unwrap();
+    let other = serde_json::json!({ "holder": "trainer pid 1 on elsewhere", "since_unix_ms": 0 }).to_string();
+    kv.put("trainer", other.into()).await.unwrap();
+    let stopped = tokio::time::timeout(Duration::from_secs(2), lease.or_lost(std::future::pending())).await;
+    assert!(stopped.is_ok(), "the holder did not learn it lost the lease");
+    let err = lease.release().await.expect_err("a lost lease").to_string();
+    assert!(err.contains("exp-3") && err.contains("trainer pid 1 on elsewhere"), "{err}");
+    // the other holder's entry stays
+    let entry = kv.entry("trainer").await.unwrap().expect("entry");
+    assert_eq!(entry.operation, async_nats::jetstream::kv::Operation::Put);
 }

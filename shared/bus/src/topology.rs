@@ -1,10 +1,10 @@
 //! The streams, consumers, KV buckets and object store of a jetrl job, declared idempotently: every
-//! service declares what it touches at start-up, so the order in which services start does not matter.
+//! service declares what it touches at start-up, so the order in which services start does not matter. Every name
+//! comes from the bus's [`jetrl_wire::subjects::Names`]: one job's topology never touches another's.
 
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer, kv, object_store, stream};
-use jetrl_wire::subjects;
 
 use crate::{Bus, BusError};
 
@@ -17,6 +17,10 @@ const PAYLOAD_MAX_AGE: Duration = Duration::from_secs(24 * 3600);
 /// Heartbeats older than this disappear from the WORKERS bucket.
 pub const HEARTBEAT_MAX_AGE: Duration = Duration::from_secs(15);
 
+/// A lease not refreshed for this long disappears from the LEASE bucket (its holder died): how long a restarted
+/// trainer may wait for the lease of the one that crashed.
+pub const LEASE_TTL: Duration = Duration::from_secs(10);
+
 fn declare_err(what: &str, err: impl std::fmt::Display) -> BusError {
     BusError::Declare { what: what.to_string(), message: err.to_string() }
 }
@@ -24,10 +28,10 @@ fn declare_err(what: &str, err: impl std::fmt::Display) -> BusError {
 /// A stream of the data path (TRAJ, SCORE, REWARDS): kept until purged (by the buffer on release or eviction, or
 /// by the reward services below their ack floor), at most [`PAYLOAD_MAX_AGE`]; de-duplicated by `Nats-Msg-Id`;
 /// readable by direct get.
-fn payload_stream(name: &str, subject: &str) -> stream::Config {
+fn payload_stream(name: &str, filter: String) -> stream::Config {
     stream::Config {
         name: name.into(),
-        subjects: vec![format!("{subject}.>")],
+        subjects: vec![filter],
         retention: stream::RetentionPolicy::Limits,
         storage: stream::StorageType::File,
         duplicate_window: DEDUP_WINDOW,
@@ -40,21 +44,21 @@ fn payload_stream(name: &str, subject: &str) -> stream::Config {
 impl Bus {
     /// Declares every stream, bucket and object store (idempotent; existing configs are updated).
     pub async fn declare_topology(&self) -> Result<(), BusError> {
-        let js = self.jetstream();
+        let (js, names) = (self.jetstream(), self.names());
         let streams = [
             stream::Config {
-                name: subjects::PROMPTS_STREAM.into(),
-                subjects: vec![format!("{}.>", subjects::PROMPTS_SUBJECT)],
+                name: names.prompts_stream().into(),
+                subjects: vec![names.prompts_filter()],
                 retention: stream::RetentionPolicy::WorkQueue,
                 storage: stream::StorageType::File,
                 duplicate_window: DEDUP_WINDOW,
                 ..Default::default()
             },
-            payload_stream(subjects::TRAJ_STREAM, subjects::TRAJ_SUBJECT),
+            payload_stream(names.traj_stream(), names.traj_filter()),
             // A limits stream, not a work queue: the reward services purge acknowledged requests in bulk (below
             // their consumer's ack floor), which costs the broker far less than deleting each one on its ack.
-            payload_stream(subjects::SCORE_STREAM, subjects::SCORE_SUBJECT),
-            payload_stream(subjects::REWARDS_STREAM, subjects::REWARDS_SUBJECT),
+            payload_stream(names.score_stream(), names.score_filter()),
+            payload_stream(names.rewards_stream(), names.rewards_filter()),
         ];
         for config in streams {
             let (name, retention) = (config.name.clone(), config.retention);
@@ -76,10 +80,11 @@ impl Bus {
                 return Err(declare_err(&format!("stream {name}"), message));
             }
         }
-        self.key_value(subjects::GROUPS_BUCKET).await?;
-        self.key_value(subjects::WEIGHTS_BUCKET).await?;
-        self.key_value(subjects::WORKERS_BUCKET).await?;
-        self.object_store(subjects::WEIGHTS_OBJECTS).await?;
+        self.key_value(names.groups_bucket()).await?;
+        self.key_value(names.weights_bucket()).await?;
+        self.key_value(names.workers_bucket()).await?;
+        self.key_value(names.lease_bucket()).await?;
+        self.object_store(names.blobs_store()).await?;
         Ok(())
     }
 
@@ -89,17 +94,26 @@ impl Bus {
         if let Ok(store) = js.get_key_value(bucket).await {
             return Ok(store);
         }
+        let names = self.names();
         let config = match bucket {
-            b if b == subjects::WORKERS_BUCKET => kv::Config {
+            b if b == names.workers_bucket() => kv::Config {
                 bucket: bucket.into(),
                 history: 1,
                 max_age: HEARTBEAT_MAX_AGE,
                 storage: stream::StorageType::Memory,
                 ..Default::default()
             },
-            b if b == subjects::WEIGHTS_BUCKET => kv::Config {
+            b if b == names.weights_bucket() => kv::Config {
                 bucket: bucket.into(),
                 history: 4,
+                storage: stream::StorageType::File,
+                ..Default::default()
+            },
+            // File storage: a lease outlives a restart of the NATS server, as its holder does.
+            b if b == names.lease_bucket() => kv::Config {
+                bucket: bucket.into(),
+                history: 1,
+                max_age: LEASE_TTL,
                 storage: stream::StorageType::File,
                 ..Default::default()
             },

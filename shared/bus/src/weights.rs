@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use async_nats::jetstream::object_store::ObjectMetadata;
 use bytes::Bytes;
 use jetrl_wire::v1::{TensorInfo, WeightManifest};
-use jetrl_wire::{subjects, Message};
+use jetrl_wire::Message;
 use tokio::io::AsyncReadExt;
 
 use crate::{Bus, BusError};
@@ -24,8 +24,8 @@ pub enum WeightTransport {
     SharedFs { dir: PathBuf },
 }
 
-fn obj_err(name: &str, err: impl std::fmt::Display) -> BusError {
-    BusError::Object { bucket: subjects::WEIGHTS_OBJECTS.into(), name: name.into(), message: err.to_string() }
+fn obj_err(bucket: &str, name: &str, err: impl std::fmt::Display) -> BusError {
+    BusError::Object { bucket: bucket.into(), name: name.into(), message: err.to_string() }
 }
 
 fn blob_err(location: &str, err: impl std::fmt::Display) -> BusError {
@@ -101,14 +101,15 @@ impl Bus {
     ) -> Result<String, BusError> {
         match transport {
             WeightTransport::ObjectStore { chunk_bytes } => {
-                let store = self.object_store(subjects::WEIGHTS_OBJECTS).await?;
+                let bucket = self.names().blobs_store();
+                let store = self.object_store(bucket).await?;
                 let name = object_name(version);
                 // Each chunk is one acknowledged publish, awaited in turn: big chunks are what make this fast.
                 let chunk = (*chunk_bytes).min(self.max_payload().saturating_sub(64 * 1024)).max(64 * 1024);
                 let meta = ObjectMetadata { name: name.clone(), chunk_size: Some(chunk), ..Default::default() };
                 let mut reader = bytes.as_ref();
-                store.put(meta, &mut reader).await.map_err(|e| obj_err(&name, e))?;
-                Ok(format!("object://{}/{}", subjects::WEIGHTS_OBJECTS, name))
+                store.put(meta, &mut reader).await.map_err(|e| obj_err(bucket, &name, e))?;
+                Ok(format!("object://{bucket}/{name}"))
             }
             WeightTransport::SharedFs { dir } => {
                 tokio::fs::create_dir_all(dir).await.map_err(|e| blob_err(&dir.display().to_string(), e))?;
@@ -122,15 +123,26 @@ impl Bus {
         }
     }
 
+    /// A weight location in another job's object store (a forged or misrouted manifest) is refused.
+    fn check_own_blobs(&self, bucket: &str, location: &str) -> Result<(), BusError> {
+        let own = self.names().blobs_store();
+        if bucket == own {
+            Ok(())
+        } else {
+            Err(blob_err(location, format!("not in this job's object store {own}")))
+        }
+    }
+
     /// Reads a weight blob from its location.
     pub async fn load_weights(&self, location: &str) -> Result<Bytes, BusError> {
         if let Some(rest) = location.strip_prefix("object://") {
             let (bucket, name) =
                 rest.split_once('/').ok_or_else(|| blob_err(location, "expected object://bucket/name"))?;
+            self.check_own_blobs(bucket, location)?;
             let store = self.object_store(bucket).await?;
-            let mut object = store.get(name).await.map_err(|e| obj_err(name, e))?;
+            let mut object = store.get(name).await.map_err(|e| obj_err(bucket, name, e))?;
             let mut out = Vec::with_capacity(object.info().size);
-            object.read_to_end(&mut out).await.map_err(|e| obj_err(name, e))?;
+            object.read_to_end(&mut out).await.map_err(|e| obj_err(bucket, name, e))?;
             Ok(Bytes::from(out))
         } else if let Some(path) = location.strip_prefix("file://") {
             let bytes = tokio::fs::read(Path::new(path)).await.map_err(|e| blob_err(location, e))?;
@@ -145,8 +157,9 @@ impl Bus {
         if let Some(rest) = location.strip_prefix("object://") {
             let (bucket, name) =
                 rest.split_once('/').ok_or_else(|| blob_err(location, "expected object://bucket/name"))?;
+            self.check_own_blobs(bucket, location)?;
             let store = self.object_store(bucket).await?;
-            let info = store.info(name).await.map_err(|e| obj_err(name, e))?;
+            let info = store.info(name).await.map_err(|e| obj_err(bucket, name, e))?;
             Ok(info.size as u64)
         } else if let Some(path) = location.strip_prefix("file://") {
             let meta = tokio::fs::metadata(path).await.map_err(|e| blob_err(location, e))?;
@@ -161,8 +174,9 @@ impl Bus {
         if let Some(rest) = location.strip_prefix("object://") {
             let (bucket, name) =
                 rest.split_once('/').ok_or_else(|| blob_err(location, "expected object://bucket/name"))?;
+            self.check_own_blobs(bucket, location)?;
             let store = self.object_store(bucket).await?;
-            store.delete(name).await.map_err(|e| obj_err(name, e))
+            store.delete(name).await.map_err(|e| obj_err(bucket, name, e))
         } else if let Some(path) = location.strip_prefix("file://") {
             tokio::fs::remove_file(path).await.map_err(|e| blob_err(location, e))
         } else {
@@ -172,9 +186,10 @@ impl Bus {
 
     /// The latest announced manifest, if any.
     pub async fn latest_manifest(&self) -> Result<Option<WeightManifest>, BusError> {
-        let kv = self.key_value(subjects::WEIGHTS_BUCKET).await?;
+        let bucket = self.names().weights_bucket();
+        let kv = self.key_value(bucket).await?;
         let value = kv.get("latest").await.map_err(|e| BusError::Kv {
-            bucket: subjects::WEIGHTS_BUCKET.into(),
+            bucket: bucket.into(),
             key: "latest".into(),
             message: e.to_string(),
         })?;

@@ -3,56 +3,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{ensure, ConfigError};
-
-/// verl's advantage estimators (`algorithm.adv_estimator`).
-pub const ADV_ESTIMATORS: &[&str] = &[
-    "gae",
-    "grpo",
-    "grpo_vectorized",
-    "grpo_passk",
-    "rloo",
-    "rloo_vectorized",
-    "opo",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "remax",
-    "gpg",
-    "gdpo",
-    "optimal_token_baseline",
-    "tir_optimal_token_baseline",
-];
-
-/// verl's policy losses (`actor.policy_loss.loss_mode`).
-pub const POLICY_LOSS_MODES: &[&str] = &[
-    "vanilla",
-    "gspo",
-    "sapo",
-    "gpg",
-    "clip_cov",
-    "kl_cov",
-    "geo_mean",
-    "cispo",
-    "dppo_tv",
-    "dppo_kl",
-    "dro",
-    "bypass_mode",
-];
-
-/// verl's loss aggregations (`actor.loss_agg_mode`, `critic.loss_agg_mode`).
-pub const LOSS_AGG_MODES: &[&str] =
-    &["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"];
-
-/// verl's KL estimators (`algorithm.kl_penalty`, `actor.kl_loss_type`); each may end in `+` (straight-through).
-pub const KL_PENALTIES: &[&str] = &["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"];
-
-fn one_of(value: &str, allowed: &[&str], path: &str) -> Result<(), ConfigError> {
-    ensure(allowed.contains(&value), path, format!("unknown value {value:?} (expected one of: {})", allowed.join(", ")))
-}
-
-fn kl_type(value: &str, path: &str) -> Result<(), ConfigError> {
-    one_of(value.strip_suffix('+').unwrap_or(value), KL_PENALTIES, path)
-}
+use crate::{
+    ensure, AdvantageEstimator, AggMode, BypassLossType, ConfigError, KlCtrlType, KlEstimator, KlPenalty,
+    LrSchedulerType, PfPpoMethod, PolicyLossMode, RolloutIsLevel,
+};
 
 fn positive(value: f64, path: &str) -> Result<(), ConfigError> {
     ensure(value > 0.0, path, format!("must be > 0, got {value}"))
@@ -61,9 +15,8 @@ fn positive(value: f64, path: &str) -> Result<(), ConfigError> {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct KlCtrlConfig {
-    /// `fixed` or `adaptive`
     #[serde(rename = "type")]
-    pub kind: String,
+    pub kind: KlCtrlType,
     pub kl_coef: f64,
     pub horizon: f64,
     pub target_kl: f64,
@@ -71,7 +24,7 @@ pub struct KlCtrlConfig {
 
 impl Default for KlCtrlConfig {
     fn default() -> Self {
-        Self { kind: "fixed".into(), kl_coef: 0.001, horizon: 10_000.0, target_kl: 0.1 }
+        Self { kind: KlCtrlType::Fixed, kl_coef: 0.001, horizon: 10_000.0, target_kl: 0.1 }
     }
 }
 
@@ -80,7 +33,8 @@ impl Default for KlCtrlConfig {
 pub struct FilterGroupsConfig {
     pub enable: bool,
     pub metric: Option<String>,
-    /// Accepted so verl configs load unchanged; verl's V1 trainer ignores it (with a warning) and so does jetrl.
+    /// verl's cap on generation batches per step, which its V1 trainer ignores (with a warning): 0 is accepted so
+    /// verl configs load; anything else is refused (what bounds DAPO here is `max_inflight_gen_batches`).
     pub max_num_gen_batches: u32,
     pub max_inflight_gen_batches: u32,
 }
@@ -95,14 +49,13 @@ impl Default for FilterGroupsConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PfPpoConfig {
-    /// `pow`, `max_min` or `max_random`
-    pub reweight_method: String,
+    pub reweight_method: PfPpoMethod,
     pub weight_pow: f64,
 }
 
 impl Default for PfPpoConfig {
     fn default() -> Self {
-        Self { reweight_method: "pow".into(), weight_pow: 2.0 }
+        Self { reweight_method: PfPpoMethod::Pow, weight_pow: 2.0 }
     }
 }
 
@@ -128,8 +81,8 @@ impl std::fmt::Display for ThresholdSpec {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RolloutCorrectionConfig {
-    /// IS weight level: `token`, `sequence`, or null (metrics only)
-    pub rollout_is: Option<String>,
+    /// IS weight level; null computes the metrics only
+    pub rollout_is: Option<RolloutIsLevel>,
     /// a number truncates the weights at it (TIS); `"lo_hi"` zeroes weights outside [lo, hi] (IcePop)
     pub rollout_is_threshold: ThresholdSpec,
     /// rescale the IS weights to mean 1 over the batch
@@ -140,8 +93,8 @@ pub struct RolloutCorrectionConfig {
     pub rollout_rs_threshold: Option<ThresholdSpec>,
     /// reuse the rollout log-probs as the old log-probs (no old-log-prob forward pass)
     pub bypass_mode: bool,
-    /// loss in bypass mode: `ppo_clip` or `reinforce`
-    pub loss_type: String,
+    /// loss in bypass mode
+    pub loss_type: BypassLossType,
 }
 
 impl Default for RolloutCorrectionConfig {
@@ -153,7 +106,7 @@ impl Default for RolloutCorrectionConfig {
             rollout_rs: None,
             rollout_rs_threshold: None,
             bypass_mode: false,
-            loss_type: "ppo_clip".into(),
+            loss_type: BypassLossType::PpoClip,
         }
     }
 }
@@ -162,12 +115,12 @@ impl Default for RolloutCorrectionConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AlgorithmConfig {
-    pub adv_estimator: String,
+    pub adv_estimator: AdvantageEstimator,
     pub norm_adv_by_std_in_grpo: bool,
     pub gamma: f64,
     pub lam: f64,
     pub use_kl_in_reward: bool,
-    pub kl_penalty: String,
+    pub kl_penalty: KlPenalty,
     pub kl_ctrl: KlCtrlConfig,
     pub filter_groups: FilterGroupsConfig,
     /// resample the batch by score after GAE (PF-PPO)
@@ -184,12 +137,12 @@ pub struct AlgorithmConfig {
 impl Default for AlgorithmConfig {
     fn default() -> Self {
         Self {
-            adv_estimator: "grpo".into(),
+            adv_estimator: AdvantageEstimator::Grpo,
             norm_adv_by_std_in_grpo: true,
             gamma: 1.0,
             lam: 1.0,
             use_kl_in_reward: false,
-            kl_penalty: "kl".into(),
+            kl_penalty: KlPenalty::new(KlEstimator::K1),
             kl_ctrl: KlCtrlConfig::default(),
             filter_groups: FilterGroupsConfig::default(),
             use_pf_ppo: false,
@@ -204,26 +157,35 @@ impl Default for AlgorithmConfig {
 impl AlgorithmConfig {
     /// Checks the names and ranges of `algorithm.*`; every error names its key.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        one_of(&self.adv_estimator, ADV_ESTIMATORS, "algorithm.adv_estimator")?;
-        kl_type(&self.kl_penalty, "algorithm.kl_penalty")?;
-        one_of(&self.kl_ctrl.kind, &["fixed", "adaptive"], "algorithm.kl_ctrl.type")?;
-        if self.kl_ctrl.kind == "adaptive" {
+        ensure(
+            self.adv_estimator != AdvantageEstimator::Remax,
+            "algorithm.adv_estimator",
+            "remax needs a greedy rollout per prompt for its baseline (reward_baselines), which nothing generates \
+             (verl's V1 trainer does not either); choose another estimator, e.g. grpo or rloo",
+        )?;
+        ensure(
+            self.filter_groups.max_num_gen_batches == 0,
+            "algorithm.filter_groups.max_num_gen_batches",
+            format!(
+                "got {}, which nothing would enforce: verl's V1 trainer ignores this key (with a warning), and jetrl \
+                 refuses it rather than ignore it; leave it 0. DAPO's extra generation is bounded here by \
+                 algorithm.filter_groups.max_inflight_gen_batches (pending + running groups within that many × \
+                 data.train_batch_size)",
+                self.filter_groups.max_num_gen_batches
+            ),
+        )?;
+        if self.kl_ctrl.kind == KlCtrlType::Adaptive {
             positive(self.kl_ctrl.horizon, "algorithm.kl_ctrl.horizon")?;
             positive(self.kl_ctrl.target_kl, "algorithm.kl_ctrl.target_kl")?;
         }
-        one_of(&self.pf_ppo.reweight_method, &["pow", "max_min", "max_random"], "algorithm.pf_ppo.reweight_method")?;
         if let Some(rc) = &self.rollout_correction {
-            if let Some(level) = &rc.rollout_is {
-                one_of(level, &["token", "sequence"], "algorithm.rollout_correction.rollout_is")?;
-            }
-            one_of(&rc.loss_type, &["ppo_clip", "reinforce"], "algorithm.rollout_correction.loss_type")?;
             ensure(
                 rc.rollout_rs.is_none() || rc.rollout_rs_threshold.is_some(),
                 "algorithm.rollout_correction.rollout_rs_threshold",
                 "required when rollout_rs is set",
             )?;
         }
-        if self.adv_estimator == "gdpo" {
+        if self.adv_estimator == AdvantageEstimator::Gdpo {
             let keys = self.gdpo_reward_keys.as_deref().unwrap_or_default();
             ensure(
                 !keys.is_empty(),
@@ -250,8 +212,7 @@ pub struct OptimConfig {
     pub weight_decay: f64,
     pub betas: [f64; 2],
     pub eps: f64,
-    /// `constant` or `cosine`
-    pub lr_scheduler_type: String,
+    pub lr_scheduler_type: LrSchedulerType,
     pub lr_warmup_steps: Option<u64>,
     pub lr_warmup_steps_ratio: f64,
     pub min_lr_ratio: f64,
@@ -264,7 +225,7 @@ impl Default for OptimConfig {
             weight_decay: 0.01,
             betas: [0.9, 0.999],
             eps: 1e-8,
-            lr_scheduler_type: "constant".into(),
+            lr_scheduler_type: LrSchedulerType::Constant,
             lr_warmup_steps: None,
             lr_warmup_steps_ratio: 0.0,
             min_lr_ratio: 0.0,
@@ -276,7 +237,7 @@ impl Default for OptimConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PolicyLossConfig {
-    pub loss_mode: String,
+    pub loss_mode: PolicyLossMode,
     pub clip_cov_ratio: f64,
     pub clip_cov_lb: f64,
     pub clip_cov_ub: f64,
@@ -288,7 +249,7 @@ pub struct PolicyLossConfig {
 impl Default for PolicyLossConfig {
     fn default() -> Self {
         Self {
-            loss_mode: "vanilla".into(),
+            loss_mode: PolicyLossMode::Vanilla,
             clip_cov_ratio: 2e-4,
             clip_cov_lb: 1.0,
             clip_cov_ub: 5.0,
@@ -317,7 +278,7 @@ pub struct ActorConfig {
     pub tau_pos: f64,
     /// SAPO gate temperature for non-positive advantages
     pub tau_neg: f64,
-    pub loss_agg_mode: String,
+    pub loss_agg_mode: AggMode,
     /// divisor of `seq-mean-token-sum-norm`; null uses the padded response length
     pub loss_scale_factor: Option<f64>,
     pub policy_loss: PolicyLossConfig,
@@ -330,7 +291,7 @@ pub struct ActorConfig {
     pub data_loader_seed: u64,
     pub use_kl_loss: bool,
     pub kl_loss_coef: f64,
-    pub kl_loss_type: String,
+    pub kl_loss_type: KlPenalty,
     pub entropy_coeff: f64,
     /// compute the entropy in the update even when `entropy_coeff` is 0 (for the metric)
     pub calculate_entropy: bool,
@@ -349,7 +310,7 @@ impl Default for ActorConfig {
             clip_ratio_c: 3.0,
             tau_pos: 1.0,
             tau_neg: 1.05,
-            loss_agg_mode: "token-mean".into(),
+            loss_agg_mode: AggMode::TokenMean,
             loss_scale_factor: None,
             policy_loss: PolicyLossConfig::default(),
             ppo_mini_batch_size: None,
@@ -359,7 +320,7 @@ impl Default for ActorConfig {
             data_loader_seed: 42,
             use_kl_loss: false,
             kl_loss_coef: 0.001,
-            kl_loss_type: "low_var_kl".into(),
+            kl_loss_type: KlPenalty::new(KlEstimator::K3),
             entropy_coeff: 0.0,
             calculate_entropy: false,
             calculate_sum_pi_squared: false,
@@ -370,9 +331,6 @@ impl Default for ActorConfig {
 impl ActorConfig {
     /// Checks the names and ranges of the loss keys of `actor.*`; every error names its key.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        one_of(&self.loss_agg_mode, LOSS_AGG_MODES, "actor.loss_agg_mode")?;
-        one_of(&self.policy_loss.loss_mode, POLICY_LOSS_MODES, "actor.policy_loss.loss_mode")?;
-        kl_type(&self.kl_loss_type, "actor.kl_loss_type")?;
         ensure(
             self.clip_ratio_c > 1.0,
             "actor.clip_ratio_c",
@@ -392,10 +350,10 @@ impl ActorConfig {
         if let Some(factor) = self.loss_scale_factor {
             positive(factor, "actor.loss_scale_factor")?;
         }
-        match self.policy_loss.loss_mode.as_str() {
-            "dro" => positive(self.policy_loss.dro_beta.unwrap_or(0.0), "actor.policy_loss.dro_beta"),
-            "clip_cov" => positive(self.policy_loss.clip_cov_ratio, "actor.policy_loss.clip_cov_ratio"),
-            "kl_cov" => positive(self.policy_loss.kl_cov_ratio, "actor.policy_loss.kl_cov_ratio"),
+        match self.policy_loss.loss_mode {
+            PolicyLossMode::Dro => positive(self.policy_loss.dro_beta.unwrap_or(0.0), "actor.policy_loss.dro_beta"),
+            PolicyLossMode::ClipCov => positive(self.policy_loss.clip_cov_ratio, "actor.policy_loss.clip_cov_ratio"),
+            PolicyLossMode::KlCov => positive(self.policy_loss.kl_cov_ratio, "actor.policy_loss.kl_cov_ratio"),
             _ => Ok(()),
         }
     }
@@ -427,7 +385,7 @@ pub struct CriticConfig {
     /// clip of the value prediction around the old value
     pub cliprange_value: f64,
     /// null inherits `actor.loss_agg_mode`
-    pub loss_agg_mode: Option<String>,
+    pub loss_agg_mode: Option<AggMode>,
     /// null inherits `actor.loss_scale_factor`
     pub loss_scale_factor: Option<f64>,
     /// null inherits `actor.ppo_mini_batch_size`
@@ -466,9 +424,6 @@ impl CriticConfig {
             "critic.cliprange_value",
             format!("must be >= 0, got {}", self.cliprange_value),
         )?;
-        if let Some(mode) = &self.loss_agg_mode {
-            one_of(mode, LOSS_AGG_MODES, "critic.loss_agg_mode")?;
-        }
         if let Some(factor) = self.loss_scale_factor {
             positive(factor, "critic.loss_scale_factor")?;
         }
@@ -477,7 +432,7 @@ impl CriticConfig {
 
     /// Whether a critic is trained: the explicit `critic.enable`, else only for GAE (verl's `need_critic`).
     pub fn is_enabled(&self, algorithm: &AlgorithmConfig) -> bool {
-        self.enable.unwrap_or(algorithm.adv_estimator == "gae")
+        self.enable.unwrap_or(algorithm.adv_estimator.needs_critic())
     }
 }
 
@@ -493,7 +448,7 @@ mod tests {
             "gdpo_reward_weights": [0.5, 1.0],
             "use_pf_ppo": true,
             "pf_ppo": {"reweight_method": "max_min", "weight_pow": 1.0},
-            "filter_groups": {"enable": true, "metric": "acc", "max_num_gen_batches": 10},
+            "filter_groups": {"enable": true, "metric": "acc", "max_num_gen_batches": 0},
             "rollout_correction": {"rollout_is": "token", "rollout_is_threshold": "0.5_2.0",
                                    "rollout_rs": "token_k1,seq_max_k2", "rollout_rs_threshold": 2}
         });
@@ -501,7 +456,7 @@ mod tests {
         let rc = cfg.rollout_correction.expect("rollout_correction is set");
         assert_eq!(rc.rollout_is_threshold, ThresholdSpec::Text("0.5_2.0".into()));
         assert_eq!(rc.rollout_rs_threshold, Some(ThresholdSpec::Number(2.0)));
-        assert_eq!(rc.loss_type, "ppo_clip");
+        assert_eq!(rc.loss_type, BypassLossType::PpoClip);
         assert_eq!(cfg.gdpo_reward_weights, Some(vec![0.5, 1.0]));
     }
 
@@ -517,26 +472,37 @@ mod tests {
         let critic = CriticConfig::default();
         let mut algorithm = AlgorithmConfig::default();
         assert!(!critic.is_enabled(&algorithm));
-        algorithm.adv_estimator = "gae".into();
+        algorithm.adv_estimator = AdvantageEstimator::Gae;
         assert!(critic.is_enabled(&algorithm));
         assert!(!CriticConfig { enable: Some(false), ..CriticConfig::default() }.is_enabled(&algorithm));
     }
 
     #[test]
     fn validation_names_the_offending_key() {
-        let algorithm = AlgorithmConfig { adv_estimator: "ppo".into(), ..AlgorithmConfig::default() };
-        assert!(algorithm.validate().unwrap_err().to_string().contains("algorithm.adv_estimator"));
-        let gdpo = AlgorithmConfig { adv_estimator: "gdpo".into(), ..AlgorithmConfig::default() };
+        let err = crate::from_value::<AlgorithmConfig>(serde_json::json!({"adv_estimator": "ppo"})).unwrap_err();
+        assert!(err.to_string().contains("adv_estimator") && err.to_string().contains("grpo"), "{err}");
+        let gdpo = AlgorithmConfig { adv_estimator: AdvantageEstimator::Gdpo, ..AlgorithmConfig::default() };
         assert!(gdpo.validate().unwrap_err().to_string().contains("algorithm.gdpo_reward_keys"));
-        let actor = ActorConfig { kl_loss_type: "k4+".into(), ..ActorConfig::default() };
-        assert!(actor.validate().unwrap_err().to_string().contains("actor.kl_loss_type"));
+        let err = crate::from_value::<ActorConfig>(serde_json::json!({"kl_loss_type": "k4+"})).unwrap_err();
+        assert!(err.to_string().contains("kl_loss_type") && err.to_string().contains("k4+"), "{err}");
         let dro = ActorConfig {
-            policy_loss: PolicyLossConfig { loss_mode: "dro".into(), ..PolicyLossConfig::default() },
+            policy_loss: PolicyLossConfig { loss_mode: PolicyLossMode::Dro, ..PolicyLossConfig::default() },
             ..ActorConfig::default()
         };
         assert!(dro.validate().unwrap_err().to_string().contains("actor.policy_loss.dro_beta"));
         AlgorithmConfig::default().validate().expect("defaults are valid");
-        ActorConfig { kl_loss_type: "k3+".into(), ..ActorConfig::default() }.validate().expect("k3+ is valid");
+        let remax = AlgorithmConfig { adv_estimator: AdvantageEstimator::Remax, ..AlgorithmConfig::default() };
+        let err = remax.validate().unwrap_err().to_string();
+        assert!(err.contains("algorithm.adv_estimator") && err.contains("greedy"), "{err}");
+        let mut capped = AlgorithmConfig::default();
+        capped.filter_groups.max_num_gen_batches = 10;
+        let err = capped.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("algorithm.filter_groups.max_num_gen_batches") && err.contains("max_inflight_gen_batches"),
+            "{err}"
+        );
+        let k3: ActorConfig = crate::from_value(serde_json::json!({"kl_loss_type": "k3+"})).expect("k3+ is valid");
+        assert!(k3.kl_loss_type.straight_through);
         CriticConfig::default().validate().expect("defaults are valid");
     }
 

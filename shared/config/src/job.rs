@@ -3,7 +3,11 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{ensure, ActorConfig, AlgorithmConfig, ConfigError, CriticConfig, RewardConfig};
+use crate::{
+    ensure, ActorConfig, AgentLoop, AlgorithmConfig, ConfigError, CriticConfig, DeviceSpec, LogFormat, Logger,
+    LogprobsMode, ModelDtype, ModelPreset, OffPolicyStrategy, ResumeMode, RewardConfig, TaskName, ToolCallFormat,
+    ToolName, TrainerMode, TruncateSide, Truncation, WeightTransportKind,
+};
 
 /// A whole job: every service reads the sections it needs from the same file.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -39,6 +43,7 @@ impl JobConfig {
         self.critic.validate()?;
         self.reward.validate()?;
         ensure(!self.nats.url.trim().is_empty(), "nats.url", "must not be empty")?;
+        self.namespace()?;
         ensure(self.data.train_batch_size > 0, "data.train_batch_size", "must be > 0")?;
         ensure(self.data.max_response_length > 0, "data.max_response_length", "must be > 0")?;
         ensure(self.rollout.n > 0, "rollout.n", "must be > 0")?;
@@ -47,33 +52,9 @@ impl JobConfig {
         ensure(self.actor.optim.lr > 0.0, "actor.optim.lr", "must be > 0")?;
         ensure(self.actor.ppo_epochs > 0, "actor.ppo_epochs", "must be > 0")?;
         ensure(self.actor.clip_ratio_c > 1.0, "actor.clip_ratio_c", "must be > 1 (dual-clip lower bound)")?;
-        ensure(
-            ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
-                .contains(&self.actor.loss_agg_mode.as_str()),
-            "actor.loss_agg_mode",
-            format!(
-                "unknown mode {:?} (token-mean, token-sum, seq-mean-token-sum, seq-mean-token-sum-norm, seq-mean-token-mean)",
-                self.actor.loss_agg_mode
-            ),
-        )?;
-        ensure(
-            ["sync", "colocate_async", "separate_async"].contains(&self.trainer.mode.as_str()),
-            "trainer.mode",
-            format!("unknown mode {:?} (sync, colocate_async, separate_async)", self.trainer.mode),
-        )?;
         ensure(self.buffer.max_off_policy_threshold > 0, "buffer.max_off_policy_threshold", "must be > 0")?;
         ensure(
-            ["drop", "wait"].contains(&self.buffer.max_off_policy_strategy.as_str()),
-            "buffer.max_off_policy_strategy",
-            format!("unknown strategy {:?} (drop, wait)", self.buffer.max_off_policy_strategy),
-        )?;
-        ensure(
-            ["object_store", "shared_fs"].contains(&self.checkpoint.transport.as_str()),
-            "checkpoint.transport",
-            format!("unknown transport {:?} (object_store, shared_fs)", self.checkpoint.transport),
-        )?;
-        ensure(
-            self.checkpoint.transport != "shared_fs" || self.checkpoint.shared_dir.is_some(),
+            self.checkpoint.transport != WeightTransportKind::SharedFs || self.checkpoint.shared_dir.is_some(),
             "checkpoint.shared_dir",
             "required when checkpoint.transport is shared_fs",
         )?;
@@ -82,32 +63,125 @@ impl JobConfig {
             "data.task",
             "set data.task (a built-in task) or data.train_files",
         )?;
-        ensure(["f32", "bf16"].contains(&self.model.dtype.as_str()), "model.dtype", "must be f32 or bf16")?;
-        ensure(
-            ["error", "left", "right", "middle"].contains(&self.data.truncation.as_str()),
-            "data.truncation",
-            format!("unknown value {:?} (error, left, right, middle)", self.data.truncation),
-        )?;
         ensure(self.data.max_prompt_length > 0, "data.max_prompt_length", "must be > 0")?;
+        self.validate_mode()?;
+        self.validate_liveness()?;
+        self.validate_threads()?;
+        self.run.supervisor.validate()?;
+        self.validate_retention()?;
         ensure(
-            ["auto", "resume_path", "path", "disable"].contains(&self.trainer.resume_mode.as_str()),
-            "trainer.resume_mode",
-            format!("unknown mode {:?} (auto, resume_path, disable)", self.trainer.resume_mode),
-        )?;
-        ensure(
-            !matches!(self.trainer.resume_mode.as_str(), "resume_path" | "path")
+            self.trainer.resume_mode != ResumeMode::ResumePath
                 || self.trainer.resume_from_path.as_deref().is_some_and(|p| p.contains("global_step_")),
             "trainer.resume_from_path",
             "resume_mode resume_path needs a path to a `global_step_<n>` directory",
         )?;
-        for logger in &self.trainer.logger {
-            ensure(
-                TRAINER_LOGGERS.contains(&logger.as_str()),
-                "trainer.logger",
-                format!("unknown logger {logger:?} (expected one of: {})", TRAINER_LOGGERS.join(", ")),
-            )?;
-        }
         Ok(())
+    }
+
+    /// The keys the trainer's mode needs, checked together.
+    fn validate_mode(&self) -> Result<(), ConfigError> {
+        match self.trainer.mode {
+            TrainerMode::Sync => Ok(()),
+            TrainerMode::SeparateAsync => {
+                let sync_steps = self.trainer.separate_async.parameter_sync_step;
+                ensure(sync_steps > 0, "trainer.separate_async.parameter_sync_step", "must be > 0")?;
+                let mini = self.actor.ppo_mini_batch_size.unwrap_or(self.data.train_batch_size);
+                ensure(
+                    u64::from(self.data.train_batch_size) == u64::from(sync_steps) * u64::from(mini),
+                    "trainer.separate_async.parameter_sync_step",
+                    format!(
+                        "data.train_batch_size ({}) must equal trainer.separate_async.parameter_sync_step ({sync_steps}) \
+                         × actor.ppo_mini_batch_size ({mini}{}) in separate_async",
+                        self.data.train_batch_size,
+                        if self.actor.ppo_mini_batch_size.is_none() { ", null = the whole batch" } else { "" }
+                    ),
+                )
+            }
+            TrainerMode::ColocateAsync => {
+                let c = &self.trainer.colocate_async;
+                ensure(
+                    c.rollout_instance.as_deref().is_some_and(|i| !i.trim().is_empty()),
+                    "trainer.colocate_async.rollout_instance",
+                    "required in colocate_async: the rollout.instance_id of the worker that shares the trainer's device",
+                )?;
+                ensure(
+                    c.handshake_timeout_s > 0.0 && c.handshake_timeout_s.is_finite(),
+                    "trainer.colocate_async.handshake_timeout_s",
+                    "must be > 0",
+                )
+            }
+        }
+    }
+
+    /// Every `*_threads` key.
+    fn validate_threads(&self) -> Result<(), ConfigError> {
+        ensure_threads(self.trainer.torch_threads, "trainer.torch_threads")?;
+        ensure_threads(self.trainer.torch_interop_threads, "trainer.torch_interop_threads")?;
+        ensure_threads(self.trainer.tokio_threads, "trainer.tokio_threads")?;
+        ensure_threads(self.rollout.torch_threads, "rollout.torch_threads")?;
+        ensure_threads(self.rollout.torch_interop_threads, "rollout.torch_interop_threads")?;
+        ensure_threads(self.rollout.tokio_threads, "rollout.tokio_threads")?;
+        ensure_threads(self.reward.tokio_threads, "reward.tokio_threads")?;
+        ensure_threads(self.buffer.tokio_threads, "buffer.tokio_threads")?;
+        ensure_threads(self.checkpoint.tokio_threads, "checkpoint.tokio_threads")
+    }
+
+    /// The heartbeat interval, the liveness window and the weight-sync deadline, which only work together.
+    fn validate_liveness(&self) -> Result<(), ConfigError> {
+        let r = &self.rollout;
+        ensure(
+            r.heartbeat_interval_s > 0.0 && r.heartbeat_interval_s.is_finite(),
+            "rollout.heartbeat_interval_s",
+            "must be > 0",
+        )?;
+        ensure(
+            r.heartbeat_timeout_s >= 3.0 * r.heartbeat_interval_s,
+            "rollout.heartbeat_timeout_s",
+            format!(
+                "must be at least 3 × rollout.heartbeat_interval_s ({}) so that one late heartbeat does not make a \
+                 worker look dead (got {})",
+                r.heartbeat_interval_s, r.heartbeat_timeout_s
+            ),
+        )?;
+        ensure(
+            self.trainer.weight_sync_timeout_s >= r.heartbeat_timeout_s,
+            "trainer.weight_sync_timeout_s",
+            format!(
+                "must be at least rollout.heartbeat_timeout_s ({}): a weight sync must outlast the time it takes to \
+                 notice a dead worker (got {})",
+                r.heartbeat_timeout_s, self.trainer.weight_sync_timeout_s
+            ),
+        )
+    }
+
+    /// The job's namespace (`nats.namespace`, else `run.name`), checked: an error names the key it came from.
+    pub fn namespace(&self) -> Result<&str, ConfigError> {
+        let (key, namespace) = match &self.nats.namespace {
+            Some(namespace) => ("nats.namespace", namespace.as_str()),
+            None => ("run.name", self.run.name.as_str()),
+        };
+        jetrl_wire::subjects::validate_namespace(namespace).map(|()| namespace).map_err(|err| {
+            let hint = if key == "run.name" { "; or set nats.namespace" } else { "" };
+            ConfigError::Invalid { path: key.into(), message: format!("{err}{hint}") }
+        })
+    }
+
+    /// Checkpoint retention: a checkpoint directory is deleted whole by the actor's retention (a checkpoint without
+    /// its policy cannot be resumed), so the critic's can only keep fewer.
+    fn validate_retention(&self) -> Result<(), ConfigError> {
+        let t = &self.trainer;
+        match (t.max_critic_ckpt_to_keep, t.max_actor_ckpt_to_keep.or(t.max_ckpt_to_keep)) {
+            (Some(critics), Some(checkpoints)) => ensure(
+                critics <= checkpoints,
+                "trainer.max_critic_ckpt_to_keep",
+                format!(
+                    "{critics} critics cannot outlive the {checkpoints} checkpoints kept \
+                     (trainer.max_actor_ckpt_to_keep, else trainer.max_ckpt_to_keep): older checkpoints are deleted \
+                     whole; set it to at most {checkpoints}"
+                ),
+            ),
+            _ => Ok(()),
+        }
     }
 
     /// Tokens generated per response at most.
@@ -116,8 +190,8 @@ impl JobConfig {
     }
 }
 
-/// How to reach NATS.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// How to reach NATS. Its `Debug` shows no secret (see the impl below).
+#[derive(Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct NatsConfig {
     pub url: String,
@@ -130,6 +204,28 @@ pub struct NatsConfig {
     pub connect_timeout_s: f64,
     /// default timeout of request/reply calls
     pub request_timeout_s: f64,
+    /// a file holding the password of `user` (its first line): how systemd's LoadCredential and compose secrets
+    /// hand secrets over, so the password is in neither the environment nor a command line
+    pub password_file: Option<String>,
+    /// a file holding the token (its first line)
+    pub token_file: Option<String>,
+    /// a file holding an nkey seed (`SU...`): nkey authentication
+    pub nkey_seed_file: Option<String>,
+    /// PEM CA certificate(s) the server's certificate must chain to (instead of the system's roots)
+    pub tls_ca_file: Option<String>,
+    /// PEM client certificate and its private key, for a server that verifies clients (mutual TLS)
+    pub tls_cert_file: Option<String>,
+    pub tls_key_file: Option<String>,
+    /// the name the server's certificate must carry, when it is not the URL's host (e.g. a URL with an IP)
+    pub tls_server_name: Option<String>,
+    /// refuse to talk to the server without TLS (implied by any `tls_*` file and by a `tls://` URL)
+    pub tls_required: bool,
+    /// the prefix of this client's reply subjects (default `_INBOX`): a server that lets each user subscribe only
+    /// to its own replies (`_INBOX_<user>.>`, as deploy/nats/gen.sh writes) needs it
+    pub inbox_prefix: Option<String>,
+    /// the job's namespace: part of every stream, bucket and subject name, so jobs sharing a NATS server never
+    /// see each other's records (default: `run.name`)
+    pub namespace: Option<String>,
 }
 
 impl Default for NatsConfig {
@@ -142,7 +238,63 @@ impl Default for NatsConfig {
             token: None,
             connect_timeout_s: 30.0,
             request_timeout_s: 30.0,
+            password_file: None,
+            token_file: None,
+            nkey_seed_file: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+            tls_server_name: None,
+            tls_required: false,
+            inbox_prefix: None,
+            namespace: None,
         }
+    }
+}
+
+/// Secrets (password, token) print as `<redacted>`, so a logged or panicking config leaks none. The exhaustive
+/// destructuring makes a new field a compile error here until someone decides whether it is a secret.
+impl std::fmt::Debug for NatsConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let NatsConfig {
+            url,
+            creds_file,
+            user,
+            password,
+            token,
+            connect_timeout_s,
+            request_timeout_s,
+            password_file,
+            token_file,
+            nkey_seed_file,
+            tls_ca_file,
+            tls_cert_file,
+            tls_key_file,
+            tls_server_name,
+            tls_required,
+            inbox_prefix,
+            namespace,
+        } = self;
+        let redacted = |secret: &Option<String>| secret.as_ref().map(|_| "<redacted>");
+        f.debug_struct("NatsConfig")
+            .field("url", url)
+            .field("creds_file", creds_file)
+            .field("user", user)
+            .field("password", &redacted(password))
+            .field("token", &redacted(token))
+            .field("connect_timeout_s", connect_timeout_s)
+            .field("request_timeout_s", request_timeout_s)
+            .field("password_file", password_file)
+            .field("token_file", token_file)
+            .field("nkey_seed_file", nkey_seed_file)
+            .field("tls_ca_file", tls_ca_file)
+            .field("tls_cert_file", tls_cert_file)
+            .field("tls_key_file", tls_key_file)
+            .field("tls_server_name", tls_server_name)
+            .field("tls_required", tls_required)
+            .field("inbox_prefix", inbox_prefix)
+            .field("namespace", namespace)
+            .finish()
     }
 }
 
@@ -154,12 +306,68 @@ pub struct RunConfig {
     /// run directory: metrics.jsonl, reward curve, checkpoints, logs
     pub dir: String,
     pub seed: u64,
+    /// how `jetrl run` restarts a service that exits abnormally
+    pub supervisor: SupervisorConfig,
 }
 
 impl Default for RunConfig {
     fn default() -> Self {
-        Self { name: "jetrl".into(), dir: "runs/jetrl".into(), seed: 42 }
+        Self { name: "jetrl".into(), dir: "runs/jetrl".into(), seed: 42, supervisor: SupervisorConfig::default() }
     }
+}
+
+/// `jetrl run`'s restart policy, after systemd's `Restart=on-failure` with `StartLimitBurst`: a service that
+/// exits non-zero or is killed by a signal is started again after a delay that doubles per consecutive failure;
+/// a service that needs more than `max_restarts` restarts within `restart_window_s` is crash-looping and ends
+/// the job.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SupervisorConfig {
+    /// delay before the first restart after a failure
+    pub restart_delay_s: f64,
+    /// the doubling delay stops growing here
+    pub max_restart_delay_s: f64,
+    /// a service that ran at least this long before failing starts again from `restart_delay_s`
+    pub healthy_after_s: f64,
+    /// restarts allowed within `restart_window_s`; one more failure in the window ends the job (0 = any
+    /// abnormal exit ends it)
+    pub max_restarts: u32,
+    pub restart_window_s: f64,
+}
+
+impl Default for SupervisorConfig {
+    fn default() -> Self {
+        Self {
+            restart_delay_s: 1.0,
+            max_restart_delay_s: 30.0,
+            healthy_after_s: 60.0,
+            max_restarts: 5,
+            restart_window_s: 120.0,
+        }
+    }
+}
+
+impl SupervisorConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let positive = |v: f64| v > 0.0 && v.is_finite();
+        ensure(positive(self.restart_delay_s), "run.supervisor.restart_delay_s", "must be > 0")?;
+        ensure(
+            positive(self.max_restart_delay_s) && self.max_restart_delay_s >= self.restart_delay_s,
+            "run.supervisor.max_restart_delay_s",
+            format!("must be >= run.supervisor.restart_delay_s ({})", self.restart_delay_s),
+        )?;
+        ensure(
+            self.healthy_after_s >= 0.0 && self.healthy_after_s.is_finite(),
+            "run.supervisor.healthy_after_s",
+            "must be >= 0",
+        )?;
+        ensure(positive(self.restart_window_s), "run.supervisor.restart_window_s", "must be > 0")
+    }
+}
+
+/// A thread count key: null picks a default, an explicit value must be at least 1.
+fn ensure_threads(value: Option<u32>, path: &str) -> Result<(), ConfigError> {
+    ensure(value != Some(0), path, "must be >= 1 (null = the default)")
 }
 
 /// The policy model (an HF model directory).
@@ -169,16 +377,15 @@ pub struct ModelConfig {
     /// HF-format directory: config.json, *.safetensors, tokenizer.json
     pub path: String,
     /// if set and `path` has no model, `jetrl run` writes a random-init model of this preset there
-    pub init_preset: Option<String>,
-    /// `cpu` or `cuda:N`
-    pub device: String,
-    /// `f32` or `bf16`
-    pub dtype: String,
+    pub init_preset: Option<ModelPreset>,
+    /// `cpu`, `cuda`, `cuda:N` or `auto`
+    pub device: DeviceSpec,
+    pub dtype: ModelDtype,
 }
 
 impl Default for ModelConfig {
     fn default() -> Self {
-        Self { path: "runs/models/tiny".into(), init_preset: None, device: "cpu".into(), dtype: "f32".into() }
+        Self { path: "runs/models/tiny".into(), init_preset: None, device: DeviceSpec::Cpu, dtype: ModelDtype::F32 }
     }
 }
 
@@ -186,8 +393,7 @@ impl Default for ModelConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TaskConfig {
-    /// `reverse` or `sort` (digit strings)
-    pub name: String,
+    pub name: TaskName,
     pub min_len: u32,
     pub max_len: u32,
     pub train_size: u32,
@@ -200,7 +406,7 @@ pub struct TaskConfig {
 impl Default for TaskConfig {
     fn default() -> Self {
         Self {
-            name: "reverse".into(),
+            name: TaskName::Reverse,
             min_len: 4,
             max_len: 4,
             train_size: 20_000,
@@ -237,8 +443,8 @@ pub struct DataConfig {
     pub prompt_key: String,
     /// drop rows whose templated prompt exceeds `max_prompt_length` when the dataset is loaded
     pub filter_overlong_prompts: bool,
-    /// what to do with a prompt over `max_prompt_length`: `error`, `left`, `right` or `middle` (keep both ends)
-    pub truncation: String,
+    /// what to do with a prompt over `max_prompt_length`
+    pub truncation: Truncation,
 }
 
 impl Default for DataConfig {
@@ -258,7 +464,7 @@ impl Default for DataConfig {
             seed: 42,
             prompt_key: "prompt".into(),
             filter_overlong_prompts: false,
-            truncation: "error".into(),
+            truncation: Truncation::Error,
         }
     }
 }
@@ -301,6 +507,9 @@ pub struct RolloutConfig {
     pub instance_id: Option<String>,
     pub metrics_addr: String,
     pub heartbeat_interval_s: f64,
+    /// a worker whose last heartbeat is older than this counts as gone (left out of weight-sync waits; its
+    /// in-flight groups are redelivered after `ack_wait_s`); at least 3 × `heartbeat_interval_s`
+    pub heartbeat_timeout_s: f64,
     /// redelivery delay of a task whose worker went silent (in-progress acks keep long groups alive)
     pub ack_wait_s: f64,
     /// positions per sequence in the engine's KV cache (context + response); default
@@ -315,11 +524,16 @@ pub struct RolloutConfig {
     /// sampling seed of the worker's engine (requests without their own seed); default run.seed mixed with the
     /// instance id, so workers draw different streams
     pub seed: Option<u64>,
-    /// `processed_logprobs` (after penalty, temperature, top-k/top-p: the distribution sampled from) or
-    /// `raw_logprobs` (the model's log-softmax)
-    pub logprobs_mode: String,
+    pub logprobs_mode: LogprobsMode,
     pub multi_turn: MultiTurnConfig,
     pub agent: AgentConfig,
+    /// torch intra-op threads; null = `OMP_NUM_THREADS` if set, else every core this process may use
+    /// (`jetrl run` passes an even share of the host's cores between the trainer and its rollout workers)
+    pub torch_threads: Option<u32>,
+    /// torch inter-op threads; null = 1 on the CPU (jetrl runs no parallel graph), torch's default on CUDA
+    pub torch_interop_threads: Option<u32>,
+    /// tokio worker threads; null = one per core (`jetrl run` passes 2)
+    pub tokio_threads: Option<u32>,
 }
 
 impl Default for RolloutConfig {
@@ -338,14 +552,18 @@ impl Default for RolloutConfig {
             instance_id: None,
             metrics_addr: "127.0.0.1:0".into(),
             heartbeat_interval_s: 1.0,
+            heartbeat_timeout_s: 10.0,
             ack_wait_s: 30.0,
             max_model_len: None,
             kv_cache_tokens: None,
             kv_cache_memory_gb: 4.0,
             seed: None,
-            logprobs_mode: "processed_logprobs".into(),
+            logprobs_mode: LogprobsMode::Processed,
             multi_turn: MultiTurnConfig::default(),
             agent: AgentConfig::default(),
+            torch_threads: None,
+            torch_interop_threads: None,
+            tokio_threads: None,
         }
     }
 }
@@ -362,13 +580,11 @@ pub struct MultiTurnConfig {
     pub max_parallel_calls: u32,
     /// characters of one tool response kept
     pub max_tool_response_length: u32,
-    /// `left` (keep the start), `right` (keep the end) or `middle` (keep both ends)
-    pub tool_response_truncate_side: String,
-    /// tool-call syntax the model writes: `hermes` (`<tool_call>{json}</tool_call>`)
-    pub format: String,
-    /// built-in tools offered to `tool_agent` rows (`calculator`, `python`); a row's `extra_info.tool_selection`
-    /// narrows the list
-    pub tools: Vec<String>,
+    pub tool_response_truncate_side: TruncateSide,
+    /// tool-call syntax the model writes
+    pub format: ToolCallFormat,
+    /// built-in tools offered to `tool_agent` rows; a row's `extra_info.tool_selection` narrows the list
+    pub tools: Vec<ToolName>,
     /// seconds one tool call may take before it counts as failed (error text, reward 0)
     pub tool_timeout_s: f64,
     /// the python tool: interpreter, wall-clock limit, address-space limit, bytes of stdout+stderr kept
@@ -385,9 +601,9 @@ impl Default for MultiTurnConfig {
             max_user_turns: None,
             max_parallel_calls: 1,
             max_tool_response_length: 256,
-            tool_response_truncate_side: "middle".into(),
-            format: "hermes".into(),
-            tools: vec!["calculator".into(), "python".into()],
+            tool_response_truncate_side: TruncateSide::Middle,
+            format: ToolCallFormat::Hermes,
+            tools: vec![ToolName::Calculator, ToolName::Python],
             tool_timeout_s: 30.0,
             python_bin: "python3".into(),
             python_timeout_s: 10.0,
@@ -401,13 +617,13 @@ impl Default for MultiTurnConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AgentConfig {
-    /// the agent loop of rows without `agent_name`: `single_turn_agent` or `tool_agent`
-    pub default_agent_loop: String,
+    /// the agent loop of rows without `agent_name`
+    pub default_agent_loop: AgentLoop,
 }
 
 impl Default for AgentConfig {
     fn default() -> Self {
-        Self { default_agent_loop: "single_turn_agent".into() }
+        Self { default_agent_loop: AgentLoop::SingleTurn }
     }
 }
 
@@ -417,9 +633,10 @@ impl Default for AgentConfig {
 pub struct BufferConfig {
     pub metrics_addr: String,
     pub max_off_policy_threshold: u64,
-    /// `drop` or `wait`
-    pub max_off_policy_strategy: String,
+    pub max_off_policy_strategy: OffPolicyStrategy,
     pub sync_refill_failed_groups: bool,
+    /// tokio worker threads; null = one per core (`jetrl run` passes 2)
+    pub tokio_threads: Option<u32>,
 }
 
 impl Default for BufferConfig {
@@ -427,37 +644,38 @@ impl Default for BufferConfig {
         Self {
             metrics_addr: "127.0.0.1:0".into(),
             max_off_policy_threshold: 8,
-            max_off_policy_strategy: "drop".into(),
+            max_off_policy_strategy: OffPolicyStrategy::Drop,
             sync_refill_failed_groups: false,
+            tokio_threads: None,
         }
     }
 }
 
-/// Weight distribution and durable checkpoints.
+/// Weight distribution (checkpoint-sync). Durable checkpoints are the trainer's (`trainer.save_freq`,
+/// `trainer.default_local_dir`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CheckpointConfig {
     pub metrics_addr: String,
-    /// `object_store` (JetStream object store; works across hosts) or `shared_fs` (a directory every reader mounts)
-    pub transport: String,
+    pub transport: WeightTransportKind,
     pub shared_dir: Option<String>,
     /// weight versions kept in the store (older blobs are deleted)
     pub keep_versions: u32,
     /// object-store chunk size
     pub chunk_bytes: u32,
-    /// where announced checkpoint versions are written as HF model directories; default `<run.dir>/checkpoints`
-    pub dir: Option<String>,
+    /// tokio worker threads; null = one per core (`jetrl run` passes 2)
+    pub tokio_threads: Option<u32>,
 }
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
         Self {
             metrics_addr: "127.0.0.1:0".into(),
-            transport: "object_store".into(),
+            transport: WeightTransportKind::ObjectStore,
             shared_dir: None,
             keep_versions: 2,
             chunk_bytes: 8 << 20,
-            dir: None,
+            tokio_threads: None,
         }
     }
 }
@@ -466,8 +684,11 @@ impl Default for CheckpointConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainerConfig {
-    /// `sync` (colocate_async and separate_async: later)
-    pub mode: String,
+    pub mode: TrainerMode,
+    /// colocate_async settings (verl `trainer.v1.colocate_async.*`)
+    pub colocate_async: ColocateAsyncConfig,
+    /// separate_async settings (verl `trainer.v1.separate_async.*`)
+    pub separate_async: SeparateAsyncConfig,
     pub total_training_steps: Option<u64>,
     pub total_epochs: u32,
     /// save a checkpoint every this many steps (and at the last step); -1 = never
@@ -477,11 +698,11 @@ pub struct TrainerConfig {
     pub default_local_dir: Option<String>,
     /// checkpoints kept (oldest deleted first); null = all. `max_ckpt_to_keep` is the older spelling.
     pub max_actor_ckpt_to_keep: Option<u32>,
+    /// of the checkpoints kept, how many keep their `critic/` (older ones keep the policy); null = all; at most
+    /// the checkpoints kept
     pub max_critic_ckpt_to_keep: Option<u32>,
     pub max_ckpt_to_keep: Option<u32>,
-    /// `auto` (latest checkpoint under default_local_dir, if any), `resume_path` (or `path`: exactly
-    /// `resume_from_path`) or `disable`
-    pub resume_mode: String,
+    pub resume_mode: ResumeMode,
     /// a `global_step_<n>` directory, for resume_mode `resume_path`
     pub resume_from_path: Option<String>,
     /// validate every this many steps (and at the last step); -1 = never
@@ -495,7 +716,7 @@ pub struct TrainerConfig {
     pub critic_warmup: u64,
     /// where metrics go besides `metrics.jsonl` (always written: `jetrl run` reads it): `console` (a log line
     /// per step), `tensorboard` (event files), `jsonl`; verl's other backends are accepted and ignored
-    pub logger: Vec<String>,
+    pub logger: Vec<Logger>,
     /// TensorBoard event directory; default `<run.dir>/tensorboard`
     pub tensorboard_dir: Option<String>,
     pub metrics_addr: String,
@@ -507,12 +728,21 @@ pub struct TrainerConfig {
     pub rollout_data_dir: Option<String>,
     /// verl `trainer.validation_data_dir`: a JSONL file of the validation generations per validation
     pub validation_data_dir: Option<String>,
+    /// torch intra-op threads; null = `OMP_NUM_THREADS` if set, else every core this process may use
+    /// (`jetrl run` passes an even share of the host's cores between the trainer and its rollout workers)
+    pub torch_threads: Option<u32>,
+    /// torch inter-op threads; null = 1 on the CPU (jetrl runs no parallel graph), torch's default on CUDA
+    pub torch_interop_threads: Option<u32>,
+    /// tokio worker threads; null = one per core (`jetrl run` passes 2)
+    pub tokio_threads: Option<u32>,
 }
 
 impl Default for TrainerConfig {
     fn default() -> Self {
         Self {
-            mode: "sync".into(),
+            mode: TrainerMode::Sync,
+            colocate_async: ColocateAsyncConfig::default(),
+            separate_async: SeparateAsyncConfig::default(),
             total_training_steps: None,
             total_epochs: 1,
             save_freq: -1,
@@ -520,41 +750,76 @@ impl Default for TrainerConfig {
             max_actor_ckpt_to_keep: None,
             max_critic_ckpt_to_keep: None,
             max_ckpt_to_keep: None,
-            resume_mode: "auto".into(),
+            resume_mode: ResumeMode::Auto,
             resume_from_path: None,
             test_freq: -1,
             val_before_train: false,
             val_only: false,
             log_val_generations: 0,
             critic_warmup: 0,
-            logger: vec!["console".into(), "jsonl".into()],
+            logger: vec![Logger::Console, Logger::Jsonl],
             tensorboard_dir: None,
             metrics_addr: "127.0.0.1:0".into(),
             weight_sync_timeout_s: 300.0,
             sample_wait_s: 10.0,
             rollout_data_dir: None,
             validation_data_dir: None,
+            torch_threads: None,
+            torch_interop_threads: None,
+            tokio_threads: None,
         }
     }
 }
 
-/// verl's `trainer.logger` backends: the first three are written by jetrl, the rest are accepted so verl
-/// configs load, and ignored with a warning.
-pub const TRAINER_LOGGERS: &[&str] =
-    &["console", "jsonl", "tensorboard", "wandb", "swanlab", "mlflow", "vemlp_wandb", "clearml", "trackio", "file"];
+/// verl's `trainer.v1.colocate_async.*`: the trainer and one rollout worker share a device.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ColocateAsyncConfig {
+    /// full train batches submitted before step 1 (one more is submitted at every step)
+    pub num_warmup_batches: u32,
+    /// `rollout.instance_id` of the rollout worker that shares the trainer's device: it pauses (aborting its
+    /// sequences, keeping their prefixes, freeing its KV cache) while the trainer updates, loads the new weights
+    /// from a local file and resumes. Required in colocate_async (`jetrl run` names its worker `rollout-0`).
+    pub rollout_instance: Option<String>,
+    /// how long each side of the pause / resume handshake waits for the other before reporting it and going on
+    pub handshake_timeout_s: f64,
+}
+
+impl Default for ColocateAsyncConfig {
+    fn default() -> Self {
+        Self { num_warmup_batches: 1, rollout_instance: None, handshake_timeout_s: 60.0 }
+    }
+}
+
+/// verl's `trainer.v1.separate_async.*`: the trainer and the rollout workers on their own devices.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SeparateAsyncConfig {
+    /// full train batches submitted before step 1 (one more is submitted at every step)
+    pub num_warmup_batches: u32,
+    /// mini-batch updates per global step, each on `actor.ppo_mini_batch_size` groups sampled oldest first;
+    /// weights are published once per global step. `data.train_batch_size` must equal
+    /// `parameter_sync_step × actor.ppo_mini_batch_size`
+    pub parameter_sync_step: u32,
+}
+
+impl Default for SeparateAsyncConfig {
+    fn default() -> Self {
+        Self { num_warmup_batches: 1, parameter_sync_step: 4 }
+    }
+}
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LogConfig {
     /// an EnvFilter directive, e.g. `info` or `info,jetrl_bus=debug`; RUST_LOG wins when set
     pub level: String,
-    /// `text` or `json`
-    pub format: String,
+    pub format: LogFormat,
 }
 
 impl Default for LogConfig {
     fn default() -> Self {
-        Self { level: "info".into(), format: "text".into() }
+        Self { level: "info".into(), format: LogFormat::Text }
     }
 }
 
@@ -562,6 +827,13 @@ impl Default for LogConfig {
 mod tests {
     use super::*;
     use std::io::Write;
+
+    /// A job of the built-in copy task with `overrides`, loaded and validated.
+    fn load_copy_task(overrides: &[&str]) -> Result<JobConfig, ConfigError> {
+        let mut all = vec!["data.task={name: copy}".to_string()];
+        all.extend(overrides.iter().map(|s| s.to_string()));
+        JobConfig::load(None, &all)
+    }
 
     fn with_task(mut cfg: JobConfig) -> JobConfig {
         cfg.data.task = Some(TaskConfig::default());
@@ -609,13 +881,174 @@ mod tests {
     #[test]
     fn validation_names_the_key() {
         let mut cfg = with_task(JobConfig::default());
-        cfg.actor.loss_agg_mode = "mean".into();
-        let err = cfg.validate().unwrap_err().to_string();
-        assert!(err.contains("actor.loss_agg_mode"), "{err}");
-        let mut cfg = with_task(JobConfig::default());
-        cfg.checkpoint.transport = "shared_fs".into();
+        cfg.checkpoint.transport = WeightTransportKind::SharedFs;
         assert!(cfg.validate().unwrap_err().to_string().contains("checkpoint.shared_dir"));
         assert!(with_task(JobConfig::default()).validate().is_ok());
+    }
+
+    /// A verl user's `trainer.*` and `data.*` keys load as they are; wrong values name their key.
+    #[test]
+    fn verl_trainer_and_data_keys_load_and_bad_values_name_the_key() {
+        let mut file = tempfile::NamedTempFile::new().unwrap();
+        writeln!(
+            file,
+            "data:\n  train_files: [a.parquet]\n  val_files: [b.jsonl]\n  truncation: middle\n  filter_overlong_prompts: true\n  \
+             val_batch_size: 8\n  train_max_samples: 100\n\
+             trainer:\n  save_freq: 10\n  test_freq: 5\n  max_actor_ckpt_to_keep: 2\n  resume_mode: auto\n  \
+             default_local_dir: /tmp/ck\n  log_val_generations: 4\n  validation_data_dir: /tmp/val\n  \
+             logger: [console, tensorboard, wandb]\n  critic_warmup: 3\n  val_only: false"
+        )
+        .unwrap();
+        let cfg = JobConfig::load(Some(file.path()), &[]).unwrap();
+        assert_eq!(cfg.trainer.max_actor_ckpt_to_keep, Some(2));
+        assert_eq!(cfg.data.truncation, Truncation::Middle);
+        assert_eq!(cfg.trainer.logger, vec![Logger::Console, Logger::Tensorboard, Logger::Wandb]);
+        let bad = |o: &str| JobConfig::load(Some(file.path()), &[o.to_string()]).unwrap_err().to_string();
+        assert!(bad("data.truncation=both").contains("data.truncation"));
+        assert!(bad("trainer.resume_mode=resume_path").contains("trainer.resume_from_path"));
+        assert!(bad("trainer.logger=[\"neptune\"]").contains("trainer.logger"));
+        let path = JobConfig::load(
+            Some(file.path()),
+            &["trainer.resume_mode=resume_path".into(), "trainer.resume_from_path=/ck/global_step_10".into()],
+        );
+        assert!(path.is_ok(), "{path:?}");
+    }
+
+    /// An enumerated key with an unknown value names its full path and every allowed value.
+    #[test]
+    fn unknown_enum_value_names_the_key_and_the_allowed_values() {
+        let cases = [
+            ("trainer.mode=asyn", "trainer.mode", "separate_async"),
+            ("buffer.max_off_policy_strategy=keep", "buffer.max_off_policy_strategy", "wait"),
+            ("checkpoint.transport=nfs", "checkpoint.transport", "shared_fs"),
+            ("model.dtype=f16", "model.dtype", "bf16"),
+            ("model.device=tpu", "model.device", "cuda:N"),
+            ("actor.loss_agg_mode=mean", "actor.loss_agg_mode", "seq-mean-token-mean"),
+            ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator", "grpo"),
+            ("actor.policy_loss.loss_mode=ppo", "actor.policy_loss.loss_mode", "vanilla"),
+            ("reward.reward_model.api=trtllm", "reward.reward_model.api", "sglang"),
+            ("rollout.logprobs_mode=raw", "rollout.logprobs_mode", "raw_logprobs"),
+        ];
+        for (o, key, allowed) in cases {
+            let err = crate::load::<JobConfig>(None, &[o.to_string()]).unwrap_err().to_string();
+            assert!(err.contains(key) && err.contains(allowed), "{o}: {err}");
+        }
+    }
+
+    /// Each mode's required keys are checked at load, with every key involved named.
+    #[test]
+    fn mode_keys_are_checked_together_and_named() {
+        let base = ["data.task={name: copy}".to_string(), "data.train_batch_size=32".to_string()];
+        let load = |extra: &[&str]| {
+            let mut o = base.to_vec();
+            o.extend(extra.iter().map(|s| s.to_string()));
+            JobConfig::load(None, &o)
+        };
+        let err = load(&["trainer.mode=separate_async"]).unwrap_err().to_string();
+        assert!(
+            err.contains("trainer.separate_async.parameter_sync_step")
+                && err.contains("actor.ppo_mini_batch_size")
+                && err.contains("data.train_batch_size"),
+            "{err}"
+        );
+        assert!(load(&["trainer.mode=separate_async", "actor.ppo_mini_batch_size=8"]).is_ok());
+        let err = load(&["trainer.mode=separate_async", "actor.ppo_mini_batch_size=6"]).unwrap_err().to_string();
+        assert!(err.contains("(4) × actor.ppo_mini_batch_size (6)"), "{err}");
+        let err = load(&["trainer.mode=colocate_async"]).unwrap_err().to_string();
+        assert!(err.contains("trainer.colocate_async.rollout_instance"), "{err}");
+        assert!(load(&["trainer.mode=colocate_async", "trainer.colocate_async.rollout_instance=rollout-0"]).is_ok());
+        let err = load(&["trainer.separate_async.parameter_sync_step=0", "trainer.mode=separate_async"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("must be > 0"), "{err}");
+        let err = load(&["buffer.max_off_policy_threshold=0"]).unwrap_err().to_string();
+        assert!(err.contains("buffer.max_off_policy_threshold"), "{err}");
+    }
+
+    /// A heartbeat interval of 10 s used to make every weight sync time out (a fixed 10 s liveness window); the
+    /// interval, the liveness window and the sync deadline are now one set of keys checked together.
+    #[test]
+    fn heartbeat_interval_liveness_window_and_sync_deadline_are_validated_together() {
+        let err = load_copy_task(&["rollout.heartbeat_interval_s=10"]).unwrap_err().to_string();
+        assert!(
+            err.contains("rollout.heartbeat_timeout_s") && err.contains("3 × rollout.heartbeat_interval_s"),
+            "{err}"
+        );
+        assert!(load_copy_task(&["rollout.heartbeat_interval_s=10", "rollout.heartbeat_timeout_s=30"]).is_ok());
+        let err = load_copy_task(&["rollout.heartbeat_timeout_s=30", "trainer.weight_sync_timeout_s=20"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("trainer.weight_sync_timeout_s"), "{err}");
+        let err = load_copy_task(&["rollout.heartbeat_interval_s=0"]).unwrap_err().to_string();
+        assert!(err.contains("rollout.heartbeat_interval_s"), "{err}");
+    }
+
+    /// Thread counts are optional, but an explicit 0 is a mistake that names its key; so are supervisor delays
+    /// that cannot work.
+    #[test]
+    fn thread_keys_and_supervisor_settings_are_validated_by_name() {
+        let load = |o: &[&str]| {
+            let mut all = vec!["data.task={name: copy}".to_string()];
+            all.extend(o.iter().map(|s| s.to_string()));
+            JobConfig::load(None, &all)
+        };
+        let cfg = load(&["trainer.torch_threads=3", "rollout.tokio_threads=2", "reward.tokio_threads=1"]).unwrap();
+        assert_eq!((cfg.trainer.torch_threads, cfg.trainer.torch_interop_threads), (Some(3), None));
+        assert_eq!((cfg.rollout.tokio_threads, cfg.reward.tokio_threads), (Some(2), Some(1)));
+        for key in [
+            "trainer.torch_threads",
+            "trainer.torch_interop_threads",
+            "trainer.tokio_threads",
+            "rollout.torch_threads",
+            "rollout.torch_interop_threads",
+            "rollout.tokio_threads",
+            "reward.tokio_threads",
+            "buffer.tokio_threads",
+            "checkpoint.tokio_threads",
+        ] {
+            let err = load(&[&format!("{key}=0")]).unwrap_err().to_string();
+            assert!(err.contains(key) && err.contains(">= 1"), "{key}: {err}");
+        }
+        let err = load(&["run.supervisor.restart_delay_s=5", "run.supervisor.max_restart_delay_s=2"]).unwrap_err();
+        assert!(err.to_string().contains("run.supervisor.max_restart_delay_s"), "{err}");
+        let err = load(&["run.supervisor.restart_window_s=0"]).unwrap_err();
+        assert!(err.to_string().contains("run.supervisor.restart_window_s"), "{err}");
+        assert_eq!(load(&["run.supervisor.max_restarts=0"]).unwrap().run.supervisor.max_restarts, 0);
+    }
+
+    #[test]
+    fn the_namespace_is_nats_namespace_else_run_name_and_an_invalid_one_names_its_key() {
+        let mut cfg = with_task(JobConfig::default());
+        cfg.run.name = "exp-1".into();
+        assert_eq!(cfg.namespace().unwrap(), "exp-1");
+        cfg.nats.namespace = Some("shared_ns".into());
+        assert_eq!(cfg.namespace().unwrap(), "shared_ns");
+
+        cfg.nats.namespace = Some("team.a".into());
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("nats.namespace") && err.contains("team.a"), "{err}");
+        cfg.nats.namespace = None;
+        cfg.run.name = "my run".into();
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("run.name") && err.contains("my run") && err.contains("nats.namespace"), "{err}");
+        // a run.name that cannot be a namespace is fine when nats.namespace is set
+        cfg.nats.namespace = Some("my-run".into());
+        assert!(cfg.validate().is_ok());
+    }
+
+    /// Old checkpoints are deleted whole, so the critic's retention can only be the same or shorter.
+    #[test]
+    fn critic_retention_longer_than_the_checkpoints_kept_is_refused() {
+        let err =
+            load_copy_task(&["trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=3"]).unwrap_err();
+        assert!(err.to_string().contains("trainer.max_critic_ckpt_to_keep"), "{err}");
+        let err = load_copy_task(&["trainer.max_ckpt_to_keep=1", "trainer.max_critic_ckpt_to_keep=2"]).unwrap_err();
+        assert!(err.to_string().contains("at most 1"), "{err}");
+        assert!(load_copy_task(&["trainer.max_actor_ckpt_to_keep=3", "trainer.max_critic_ckpt_to_keep=1"]).is_ok());
+        assert!(
+            load_copy_task(&["trainer.max_critic_ckpt_to_keep=1"]).is_ok(),
+            "every checkpoint kept: any critic retention"
+        );
     }
 
     #[test]

@@ -14,11 +14,13 @@ mod algo;
 mod job;
 mod load;
 mod reward;
+mod values;
 
 pub use algo::*;
 pub use job::*;
-pub use load::{load, load_value, ConfigError};
+pub use load::{from_value, load, load_value, ConfigError};
 pub use reward::*;
+pub use values::*;
 
 /// Returns `Err(ConfigError::Invalid)` naming `path` unless `ok`.
 pub fn ensure(ok: bool, path: &str, message: impl Into<String>) -> Result<(), ConfigError> {

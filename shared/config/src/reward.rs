@@ -45,6 +45,8 @@ pub struct RewardConfig {
     pub reward_kwargs: RewardKwargsConfig,
     /// knobs of the built-in rule scorers that verl only exposes as function arguments (jetrl-only)
     pub rule: RuleScorerConfig,
+    /// tokio worker threads; null = one per core (`jetrl run` passes 2)
+    pub tokio_threads: Option<u32>,
 }
 
 impl Default for RewardConfig {
@@ -60,6 +62,7 @@ impl Default for RewardConfig {
             reward_model: RewardModelConfig::default(),
             reward_kwargs: RewardKwargsConfig::default(),
             rule: RuleScorerConfig::default(),
+            tokio_threads: None,
         }
     }
 }

@@ -25,8 +25,6 @@ pub enum DataError {
     Read { path: String, message: String },
     #[error("{path} line {line}: {message}")]
     Row { path: String, line: usize, message: String },
-    #[error("unknown built-in task {0:?} (known: reverse, sort, copy)")]
-    UnknownTask(String),
     #[error("dataset is empty: {0}")]
     Empty(String),
     #[error("dataset format of {0} is not supported (.parquet or .jsonl)")]
@@ -168,6 +166,15 @@ pub struct LoaderState {
     pub cursor: usize,
 }
 
+/// One row drawn by a [`DataLoader`]: the unit of the exactly-once ledger is (`epoch`, `row`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Drawn {
+    pub epoch: u64,
+    /// position in the dataset (0-based)
+    pub row: u64,
+    pub example: Example,
+}
+
 /// Seeded, re-iterated forever (verl re-iterates on StopIteration); each epoch reshuffles with
 /// `seed + epoch`.
 pub struct DataLoader {
@@ -190,11 +197,41 @@ impl DataLoader {
     }
 
     fn reorder(&mut self) {
-        self.order = (0..self.examples.len()).collect();
+        self.order = self.order_of(self.state.epoch);
+    }
+
+    /// The order rows are drawn in during `epoch` (reshuffled with `seed + epoch`).
+    fn order_of(&self, epoch: u64) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.examples.len()).collect();
         if self.shuffle {
-            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(self.seed.wrapping_add(self.state.epoch));
-            self.order.shuffle(&mut rng);
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(self.seed.wrapping_add(epoch));
+            order.shuffle(&mut rng);
         }
+        order
+    }
+
+    /// Where `(epoch, row)` comes in the sequence of draws (0 = the first row of epoch 0), or `None` for a row
+    /// outside the dataset. A loader at state `s` has drawn exactly the positions below [`DataLoader::drawn`].
+    pub fn position_of(
+        &self,
+        epoch: u64,
+        row: u64,
+        cache: &mut std::collections::HashMap<u64, Vec<u64>>,
+    ) -> Option<u64> {
+        let len = self.examples.len() as u64;
+        let positions = cache.entry(epoch).or_insert_with(|| {
+            let mut at = vec![0u64; self.examples.len()];
+            for (i, &r) in self.order_of(epoch).iter().enumerate() {
+                at[r] = i as u64;
+            }
+            at
+        });
+        positions.get(row as usize).map(|&i| epoch * len + i)
+    }
+
+    /// How many rows a loader at `state` has drawn: positions below this were drawn.
+    pub fn drawn(&self, state: LoaderState) -> u64 {
+        state.epoch * self.examples.len() as u64 + state.cursor as u64
     }
 
     pub fn len(&self) -> usize {
@@ -207,6 +244,12 @@ impl DataLoader {
 
     /// The next `n` examples, wrapping into the next epoch as needed.
     pub fn next_batch(&mut self, n: usize) -> Vec<Example> {
+        self.next_rows(n).into_iter().map(|d| d.example).collect()
+    }
+
+    /// The next `n` rows with where they come from (epoch, position in the dataset), wrapping into the next
+    /// epoch as needed.
+    pub fn next_rows(&mut self, n: usize) -> Vec<Drawn> {
         let mut out = Vec::with_capacity(n);
         while out.len() < n {
             if self.state.cursor >= self.order.len() {
@@ -214,7 +257,8 @@ impl DataLoader {
                 self.state.cursor = 0;
                 self.reorder();
             }
-            out.push(self.examples[self.order[self.state.cursor]].clone());
+            let row = self.order[self.state.cursor];
+            out.push(Drawn { epoch: self.state.epoch, row: row as u64, example: self.examples[row].clone() });
             self.state.cursor += 1;
         }
         out
@@ -323,6 +367,8 @@ mod tests {
         let a = limit_samples(rows.clone(), 5, true, 1);
         let b = limit_samples(rows.clone(), 5, true, 1);
         assert_eq!(a, b);
+        assert_eq!(a.len(), 5);
+        assert_ne!(a, first, "shuffled: a seeded random subset, not the first rows");
         assert!(a.windows(2).all(|w| w[0].index < w[1].index));
         assert_eq!(limit_samples(rows, -1, true, 1).len(), 20);
     }

@@ -6,8 +6,6 @@
 //! The tokenizer is behind [`PromptTokenizer`] so this crate stays free of libtorch; the trainer implements
 //! it for the model's tokenizer (whose chat template comes from `tokenizer_config.json`).
 
-use std::str::FromStr;
-
 use crate::{ChatMessage, DataError, Example, Prompt};
 
 /// What turns prompts into token ids.
@@ -19,33 +17,7 @@ pub trait PromptTokenizer {
 }
 
 /// verl's `data.truncation`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Truncation {
-    Error,
-    /// keep the last `max` tokens
-    Left,
-    /// keep the first `max` tokens
-    Right,
-    /// keep the first `max/2` and the last `max − max/2`
-    Middle,
-}
-
-impl FromStr for Truncation {
-    type Err = DataError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "error" => Ok(Self::Error),
-            "left" => Ok(Self::Left),
-            "right" => Ok(Self::Right),
-            "middle" => Ok(Self::Middle),
-            other => Err(DataError::Prompt {
-                index: 0,
-                message: format!("data.truncation {other:?} is not one of error, left, right, middle"),
-            }),
-        }
-    }
-}
+pub use jetrl_config::Truncation;
 
 /// `data.max_prompt_length` and `data.truncation`.
 #[derive(Debug, Clone, Copy)]
@@ -55,8 +27,8 @@ pub struct PromptLimits {
 }
 
 impl PromptLimits {
-    pub fn from_config(cfg: &jetrl_config::DataConfig) -> Result<Self, DataError> {
-        Ok(Self { max_len: cfg.max_prompt_length as usize, truncation: cfg.truncation.parse()? })
+    pub fn from_config(cfg: &jetrl_config::DataConfig) -> Self {
+        Self { max_len: cfg.max_prompt_length as usize, truncation: cfg.truncation }
     }
 }
 

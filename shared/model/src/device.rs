@@ -3,6 +3,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use jetrl_config::{DeviceSpec, ModelDtype};
 use tch::{Device, Kind};
 
 use crate::error::{ModelError, Result};
@@ -30,6 +31,16 @@ pub fn parse_device(spec: &str) -> Result<Device> {
         )));
     }
     Ok(Device::Cuda(index))
+}
+
+/// The device of a configured [`DeviceSpec`] (`model.device`): `auto` is CUDA device 0 when libtorch sees one,
+/// else the CPU; an explicit CUDA device must exist.
+pub fn resolve_device(spec: DeviceSpec) -> Result<Device> {
+    match spec {
+        DeviceSpec::Cpu => Ok(Device::Cpu),
+        DeviceSpec::Auto => Ok(if tch::Cuda::is_available() { Device::Cuda(0) } else { Device::Cpu }),
+        DeviceSpec::Cuda(index) => parse_device(&format!("cuda:{index}")),
+    }
 }
 
 /// The floating-point precision the parameters are held in.
@@ -77,6 +88,15 @@ impl FromStr for DType {
             "f32" | "float32" | "float" | "fp32" => Ok(DType::F32),
             "bf16" | "bfloat16" => Ok(DType::BF16),
             other => Err(ModelError::Config(format!("dtype `{other}` is not supported: expected `f32` or `bf16`"))),
+        }
+    }
+}
+
+impl From<ModelDtype> for DType {
+    fn from(dtype: ModelDtype) -> Self {
+        match dtype {
+            ModelDtype::F32 => DType::F32,
+            ModelDtype::Bf16 => DType::BF16,
         }
     }
 }

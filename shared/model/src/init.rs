@@ -53,8 +53,14 @@ pub fn init_model(preset: &str, out_dir: &Path, seed: u64) -> Result<()> {
     };
     std::fs::create_dir_all(out_dir).map_err(|e| ModelError::io(out_dir, e))?;
     let config = ModelConfig::from_json(config)?;
-    tch::manual_seed(seed as i64);
-    let model = CausalLm::random(config, Device::Cpu, DType::F32, init_std)?;
+    // libtorch's generator is process-global: hold a lock from seeding to the last draw so that two
+    // threads initialising at once each get their seed's weights.
+    static SEEDED_DRAW: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let model = {
+        let _guard = SEEDED_DRAW.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        tch::manual_seed(seed as i64);
+        CausalLm::random(config, Device::Cpu, DType::F32, init_std)?
+    };
     model.save(out_dir)?;
     write_json(&out_dir.join("tokenizer.json"), &char_tokenizer_json(characters))?;
     write_json(&out_dir.join("tokenizer_config.json"), &tokenizer_config_json())?;

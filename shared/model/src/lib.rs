@@ -3,11 +3,12 @@
 //!
 //! - [`config`]: `config.json` → [`ModelConfig`] (both RoPE layouts, Llama-3 scaling, Qwen3 q/k norm).
 //! - [`layers`]: one struct per layer (`RmsNorm`, `Attention`, `Mlp`, `DecoderLayer`, RoPE).
-//! - [`model`]: [`CausalLm`]: parameters in a `VarStore` under HF names; `forward` for training, `forward_step`
-//!   with a preallocated [`KvCache`] for decoding; safetensors load/save and in-memory weight swaps.
+//! - [`model`]: [`CausalLm`]: parameters in a `VarStore` under HF names; `forward` for training; safetensors
+//!   load/save and in-memory weight swaps.
 //! - [`tokenizer`] and [`chat_template`]: `tokenizer.json`, special tokens, `apply_chat_template` (re-exported from
 //!   the libtorch-free `jetrl-tokenizer`, so services that only handle text need not link libtorch).
-//! - [`generate`]: batched sampling ([`generate()`]), [`log_probs_of`], [`token_log_probs`].
+//! - [`recompute`]: the log-probs a trainer recomputes on the training forward ([`log_probs_of`],
+//!   [`token_log_probs`]).
 //! - [`engine`]: the rollout engine ([`Engine`]): continuous batching over a preallocated slot KV cache, group
 //!   forks, per-request sampling and seeds, weight swaps between steps, abort and resume.
 //! - [`init`]: random-init HF model directories ([`init_model`]).
@@ -19,22 +20,22 @@ pub mod config;
 pub mod device;
 pub mod engine;
 pub mod error;
-pub mod generate;
 pub mod init;
 pub mod layers;
 pub mod model;
+pub mod recompute;
 mod weights;
 
 pub use config::{Architecture, ModelConfig, RopeScaling};
-pub use device::{parse_device, DType};
+pub use device::{parse_device, resolve_device, DType};
 pub use engine::{
     Engine, EngineConfig, EngineStats, Finish, LogprobsMode, Prefix, Request, RequestId, Sampling, SequenceOutput,
 };
 pub use error::{ModelError, Result};
-pub use generate::{generate, log_probs_of, token_log_probs, FinishReason, Generation, SamplingParams};
 pub use init::init_model;
 pub use jetrl_tokenizer::{chat_template, tokenizer, ChatTemplate, Tokenizer, TokenizerError};
-pub use model::{CausalLm, KvCache};
+pub use model::CausalLm;
+pub use recompute::{log_probs_of, token_log_probs};
 pub use weights::{WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
 
 /// Tokenizer failures keep the variants they had when the tokenizer lived in this crate.

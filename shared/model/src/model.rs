@@ -10,7 +10,7 @@ use tch::{Device, Kind, Tensor};
 use crate::config::ModelConfig;
 use crate::device::DType;
 use crate::error::{ModelError, Result};
-use crate::layers::{DecoderLayer, LayerKv, RmsNorm, RotaryEmbedding};
+use crate::layers::{DecoderLayer, RmsNorm, RotaryEmbedding};
 use crate::weights::{self, CheckpointFiles};
 
 /// File name of the model configuration in a checkpoint directory.
@@ -32,42 +32,6 @@ pub struct CausalLm {
     /// `lm_head.weight`, or the embedding matrix itself when the checkpoint ties them.
     lm_head: Tensor,
     pub(crate) rotary: RotaryEmbedding,
-}
-
-/// Preallocated keys and values for incremental decoding, written in place at `len..len+T` by each
-/// [`CausalLm::forward_step`]; one per batch of sequences.
-#[derive(Debug)]
-pub struct KvCache {
-    layers: Vec<LayerKv>,
-    len: i64,
-    max_len: i64,
-    batch: i64,
-}
-
-impl KvCache {
-    /// Slots filled so far (the same for every row: padding is expressed with the key mask, not per-row lengths).
-    pub fn len(&self) -> i64 {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Capacity in slots.
-    pub fn max_len(&self) -> i64 {
-        self.max_len
-    }
-
-    /// Rows the cache was allocated for.
-    pub fn batch(&self) -> i64 {
-        self.batch
-    }
-
-    /// Forgets the cached slots so the allocation can be reused for a new batch.
-    pub fn reset(&mut self) {
-        self.len = 0;
-    }
 }
 
 impl CausalLm {
@@ -219,86 +183,6 @@ impl CausalLm {
     /// Projects hidden states `[..., H]` to f32 logits `[..., V]`.
     pub fn lm_head(&self, hidden: &Tensor) -> Result<Tensor> {
         Ok(hidden.f_linear(&self.lm_head, None::<&Tensor>)?.f_to_kind(Kind::Float)?)
-    }
-
-    /// A zeroed KV cache for `batch` rows and up to `max_len` slots (prompt plus generated tokens).
-    pub fn new_cache(&self, batch: i64, max_len: i64) -> Result<KvCache> {
-        if batch <= 0 || max_len <= 0 {
-            return Err(ModelError::Generation(format!(
-                "a KV cache needs positive batch and length, got batch {batch}, max_len {max_len}"
-            )));
-        }
-        let shape = [batch, self.config.num_key_value_heads, max_len, self.config.head_dim];
-        let options = (self.dtype.kind(), self.device());
-        let layers = (0..self.layers.len())
-            .map(|_| Ok(LayerKv { k: Tensor::f_zeros(shape, options)?, v: Tensor::f_zeros(shape, options)? }))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(KvCache { layers, len: 0, max_len, batch })
-    }
-
-    /// One incremental step: appends `T` tokens per row to `cache` and returns their f32 logits `[B, T, V]`.
-    ///
-    /// `positions` `[B, T]` are the RoPE positions of the new tokens (a left-padded row starts at 0 at its
-    /// first real token). `key_mask` `[B, cache.len() + T]` says which slots hold real tokens (1) or padding (0),
-    /// covering the cached slots and the new ones. Always runs without autograd (inference only).
-    pub fn forward_step(
-        &self,
-        input_ids: &Tensor,
-        positions: &Tensor,
-        cache: &mut KvCache,
-        key_mask: &Tensor,
-    ) -> Result<Tensor> {
-        let hidden = self.forward_step_hidden(input_ids, positions, cache, key_mask)?;
-        tch::no_grad(|| self.lm_head(&hidden))
-    }
-
-    /// [`Self::forward_step`] without the LM head: normed hidden states `[B, T, H]`.
-    pub fn forward_step_hidden(
-        &self,
-        input_ids: &Tensor,
-        positions: &Tensor,
-        cache: &mut KvCache,
-        key_mask: &Tensor,
-    ) -> Result<Tensor> {
-        let (b, t) = check_2d(input_ids, "input_ids")?;
-        check_same_shape(positions, "positions", input_ids)?;
-        if b != cache.batch || cache.layers.len() != self.layers.len() {
-            return Err(ModelError::Input(format!(
-                "the KV cache was made for {} rows and {} layers, the step has {b} rows and the model {} layers",
-                cache.batch,
-                cache.layers.len(),
-                self.layers.len()
-            )));
-        }
-        let offset = cache.len;
-        if offset + t > cache.max_len {
-            return Err(ModelError::Generation(format!(
-                "KV cache overflow: {offset} cached + {t} new slots exceed its capacity of {}",
-                cache.max_len
-            )));
-        }
-        if key_mask.size() != [b, offset + t] {
-            return Err(ModelError::Input(format!(
-                "key_mask has shape {:?}, expected [{b}, {}] (cached + new slots)",
-                key_mask.size(),
-                offset + t
-            )));
-        }
-        let device = self.device();
-        let hidden = tch::no_grad(|| -> Result<Tensor> {
-            let input_ids = input_ids.f_to_device(device)?;
-            let positions = positions.f_to_device(device)?;
-            let key_mask = key_mask.f_to_device(device)?.f_ne(0)?;
-            let mask = attention_mask_4d(&key_mask, offset, t)?;
-            let (cos, sin) = self.rotary.cos_sin(&positions, self.dtype.kind())?;
-            let mut x = Tensor::f_embedding(&self.embed_tokens, &input_ids, -1, false, false)?;
-            for (layer, kv) in self.layers.iter().zip(cache.layers.iter_mut()) {
-                x = layer.forward(&x, &cos, &sin, &mask, Some((kv, offset)))?;
-            }
-            self.norm.forward(&x)
-        })?;
-        cache.len = offset + t;
-        Ok(hidden)
     }
 }
 

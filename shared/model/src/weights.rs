@@ -102,6 +102,7 @@ impl CheckpointFiles {
             let file = std::fs::File::open(&path).map_err(|e| ModelError::io(&path, e))?;
             // SAFETY: the mapping is read-only and lives only while loading; a checkpoint being rewritten under
             // a running load is outside what any loader can guard against.
+            #[allow(unsafe_code)]
             let mmap = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(&path, e))?;
             files.push((path, mmap));
         }

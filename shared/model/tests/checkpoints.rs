@@ -1,5 +1,7 @@
 //! Saving, loading and swapping weights.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use std::path::Path;

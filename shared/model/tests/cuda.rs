@@ -1,9 +1,11 @@
 //! The model on a CUDA device agrees with the CPU. Skipped (with the reason printed) where libtorch sees no GPU.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use common::*;
-use jetrl_model::{generate, log_probs_of, parse_device, CausalLm, DType, SamplingParams};
+use jetrl_model::{log_probs_of, parse_device, CausalLm, DType, Engine, EngineConfig, Request, Sampling};
 use tch::Device;
 
 fn cuda() -> Option<Device> {
@@ -28,19 +30,26 @@ fn cuda_f32_log_probs_match_the_hf_reference() {
 }
 
 #[test]
-fn cuda_bf16_generation_log_probs_match_cuda_bf16_forward() {
+fn cuda_bf16_engine_log_probs_match_cuda_bf16_forward() {
     let Some(device) = cuda() else { return };
-    let model = CausalLm::load(&hf_sample_llama(), device, DType::BF16).unwrap();
-    let prompts = vec![vec![1u32, 87, 85, 266], vec![5, 9], vec![223, 231, 35, 47, 260, 71, 92]];
-    tch::manual_seed(5);
-    let params = [SamplingParams { temperature: 1.0, top_p: 0.95, max_new_tokens: 12, ..Default::default() }];
-    let gens = generate(&model, &prompts, &params, &[]).unwrap();
+    let load = || CausalLm::load(&hf_sample_llama(), device, DType::BF16).unwrap();
+    let prompts = [vec![1u32, 87, 85, 266], vec![5, 9], vec![223, 231, 35, 47, 260, 71, 92]];
+    let config = EngineConfig { max_num_seqs: 4, max_model_len: 64, seed: 5, ..EngineConfig::default() };
+    let mut engine = Engine::new(load(), config).unwrap();
+    for (i, prompt) in prompts.iter().enumerate() {
+        let sampling = Sampling { temperature: 1.0, max_tokens: 12, seed: Some(i as u64), ..Sampling::default() };
+        engine.add_request(i as u64, Request::new(prompt.clone(), 1, sampling)).unwrap();
+    }
+    let outs = engine.run_to_completion().unwrap();
+    assert_eq!(outs.len(), prompts.len());
+    let model = load();
     let mut diffs = Vec::new();
-    for (p, g) in prompts.iter().zip(&gens) {
-        let full = [p.clone(), g.tokens.clone()].concat();
+    for o in &outs {
+        let p = &prompts[o.request as usize];
+        let full = [p.clone(), o.tokens.clone()].concat();
         let lp = log_probs_of(&model, &full).unwrap();
         let recomputed = lp[p.len() - 1..].to_vec();
-        diffs.push((g.logprobs.clone(), recomputed));
+        diffs.push((o.logprobs.clone(), recomputed));
     }
     let (a, b): (Vec<_>, Vec<_>) = diffs.into_iter().unzip();
     let d = diff(&a, &b);

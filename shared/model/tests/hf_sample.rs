@@ -1,6 +1,8 @@
 //! The golden checkpoint written by transformers 5 (`tests/golden/hf-sample/llama`): jetrl must reproduce its
 //! log-probs within 1e-4 on the CPU in f32 and its chat ids exactly.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 mod common;
 
 use common::*;

@@ -1,5 +1,7 @@
 //! The remote reward model against a tiny HTTP server written here on tokio.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -167,6 +169,7 @@ async fn concurrency_limit_bounds_requests_in_flight() {
     config.reward_model.max_concurrency = 2;
     let engine = RewardEngine::new(&config).await.unwrap();
     let outcomes = engine.score_batch((0..6).map(|i| input(&format!("k{i}"))).collect()).await;
+    assert_eq!(outcomes.len(), 6);
     assert!(outcomes.iter().all(|o| o.score == 0.75));
     assert_eq!(server.peak_concurrency.load(Ordering::SeqCst), 2);
 }

@@ -1,5 +1,7 @@
 //! The rule route of `RewardEngine`: dispatch, order, failures, the overlong penalty, and its metrics.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 

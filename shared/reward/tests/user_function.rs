@@ -1,17 +1,17 @@
 //! The out-of-process user function, end to end through `RewardEngine` with real Python processes.
-//! Every test skips (with a message) where `python3` is missing.
+//! `python3` is required (as by `scripts/setup.sh`).
+
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
 
 use std::time::{Duration, Instant};
 
 use jetrl_config::RewardConfig;
 use jetrl_reward::{FailureKind, RewardEngine, RewardError, ScoreInput, ScoreOutcome};
 
-fn python3_available() -> bool {
+/// python3 is a prerequisite of the project (`scripts/setup.sh` stops without it): missing here is a failure.
+fn require_python3() {
     let found = std::process::Command::new("python3").args(["-c", "pass"]).status().is_ok_and(|s| s.success());
-    if !found {
-        eprintln!("skipping: python3 is not available");
-    }
-    found
+    assert!(found, "these tests run user functions in python3, which does not run here");
 }
 
 fn input(key: &str, solution: &str, truth: &str) -> ScoreInput {
@@ -89,9 +89,7 @@ fn kinds(outcomes: &[ScoreOutcome]) -> Vec<Option<FailureKind>> {
 
 #[tokio::test]
 async fn shipped_example_scores_a_batch_with_extra_values() {
-    if !python3_available() {
-        return;
-    }
+    require_python3();
     let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/reward_fn.py");
     let mut config = RewardConfig::default();
     config.custom_reward_function.command = vec!["python3".into(), example.into()];
@@ -119,9 +117,7 @@ async fn shipped_example_scores_a_batch_with_extra_values() {
 
 #[tokio::test]
 async fn one_process_is_started_once_and_reused_across_batches() {
-    if !python3_available() {
-        return;
-    }
+    require_python3();
     let setup = scripted(SCRIPTED_FUNCTION, |_| {});
     let engine = RewardEngine::new(&setup.config).await.unwrap();
     let mut pids = Vec::new();
@@ -138,9 +134,7 @@ async fn one_process_is_started_once_and_reused_across_batches() {
 
 #[tokio::test]
 async fn crash_fails_only_the_trajectory_that_caused_it_and_the_process_restarts() {
-    if !python3_available() {
-        return;
-    }
+    require_python3();
     let setup = scripted(SCRIPTED_FUNCTION, |_| {});
     let engine = RewardEngine::new(&setup.config).await.unwrap();
     let outcomes = engine.score_batch(vec![input("a", "x", "x"), input("b", "crash", "x"), input("c", "y", "x")]).await;
@@ -153,9 +147,7 @@ async fn crash_fails_only_the_trajectory_that_caused_it_and_the_process_restarts
 
 #[tokio::test]
 async fn hang_times_out_that_trajectory_without_stalling_the_batch() {
-    if !python3_available() {
-        return;
-    }
+    require_python3();
     let setup = scripted(SCRIPTED_FUNCTION, |config| config.custom_reward_function.timeout_s = 1.0);
     let engine = RewardEngine::new(&setup.config).await.unwrap();
     let started = Instant::now();
@@ -168,9 +160,7 @@ async fn hang_times_out_that_trajectory_without_stalling_the_batch() {
 
 #[tokio::test]
 async fn nan_and_non_numeric_scores_fail_their_own_trajectories() {
-    if !python3_available() {
-        return;
-    }
+    require_python3();
     let setup = scripted(SCRIPTED_FUNCTION, |_| {});
     let engine = RewardEngine::new(&setup.config).await.unwrap();
     let outcomes =
@@ -182,9 +172,7 @@ async fn nan_and_non_numeric_scores_fail_their_own_trajectories() {
 
 #[tokio::test]
 async fn memory_limit_bounds_the_function_address_space() {
-    if !python3_available() {
-        return;
-    }
+    require_python3();
     let setup = scripted(SCRIPTED_FUNCTION, |config| config.custom_reward_function.memory_mb = 256);
     let engine = RewardEngine::new(&setup.config).await.unwrap();
     let outcomes = engine.score_batch(vec![input("a", "alloc", "x")]).await;
@@ -198,9 +186,7 @@ async fn memory_limit_bounds_the_function_address_space() {
 
 #[tokio::test]
 async fn no_network_cuts_the_function_off_where_namespaces_are_available() {
-    if !python3_available() {
-        return;
-    }
+    require_python3();
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let probe = format!("connect:{}", listener.local_addr().unwrap().port());
 
@@ -221,9 +207,7 @@ async fn no_network_cuts_the_function_off_where_namespaces_are_available() {
 
 #[tokio::test]
 async fn function_that_dies_at_start_gives_failures_without_a_restart_per_trajectory() {
-    if !python3_available() {
-        return;
-    }
+    require_python3();
     let starts = tempfile::NamedTempFile::new().unwrap();
     let source = format!(
         "import sys\nopen({:?}, 'a').write('x')\nprint('cannot load the model', file=sys.stderr)\nsys.exit(1)\n",
@@ -232,6 +216,7 @@ async fn function_that_dies_at_start_gives_failures_without_a_restart_per_trajec
     let setup = scripted(&source, |config| config.custom_reward_function.batch_size = 8);
     let engine = RewardEngine::new(&setup.config).await.unwrap();
     let outcomes = engine.score_batch((0..8).map(|i| input(&format!("k{i}"), "x", "x")).collect()).await;
+    assert_eq!(outcomes.len(), 8);
     assert!(outcomes.iter().all(|o| o.failure_kind == Some(FailureKind::Crashed)), "{outcomes:?}");
     assert!(outcomes[0].failure_reason.as_deref().unwrap_or_default().contains("cannot load the model"));
     let started = std::fs::read_to_string(starts.path()).unwrap().len();
@@ -250,9 +235,7 @@ async fn missing_program_is_a_setup_error() {
 
 #[tokio::test]
 async fn verl_style_file_runs_under_the_adapter_with_reward_kwargs() {
-    if !python3_available() {
-        return;
-    }
+    require_python3();
     let dir = tempfile::tempdir().unwrap();
     let sync_file = dir.path().join("my_reward.py");
     std::fs::write(
@@ -286,9 +269,7 @@ async fn verl_style_file_runs_under_the_adapter_with_reward_kwargs() {
 
 #[tokio::test]
 async fn overlong_penalty_applies_to_user_function_scores() {
-    if !python3_available() {
-        return;
-    }
+    require_python3();
     let setup = scripted(SCRIPTED_FUNCTION, |config| {
         let kwargs = &mut config.reward_kwargs;
         kwargs.max_resp_len = Some(20);

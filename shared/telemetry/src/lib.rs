@@ -20,14 +20,33 @@ pub enum TelemetryError {
     Bind { addr: String, source: std::io::Error },
 }
 
+pub mod crash;
+
 /// Installs the global tracing subscriber once; later calls are no-ops (tests start many services).
-pub fn init_tracing(level: &str, format: &str) {
+pub fn init_tracing(level: &str, format: jetrl_config::LogFormat) {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(level))
         .unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    let _ = if format == "json" { builder.json().flatten_event(true).try_init() } else { builder.compact().try_init() };
+    let _ = if format == jetrl_config::LogFormat::Json {
+        builder.json().flatten_event(true).try_init()
+    } else {
+        builder.compact().try_init()
+    };
+}
+
+/// This machine's host name (`HOSTNAME`, else `/etc/hostname`, else `host`), read once per process.
+pub fn host_name() -> &'static str {
+    static HOST: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    HOST.get_or_init(|| {
+        std::env::var("HOSTNAME")
+            .ok()
+            .filter(|h| !h.trim().is_empty())
+            .or_else(|| std::fs::read_to_string("/etc/hostname").ok().map(|s| s.trim().to_string()))
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "host".into())
+    })
 }
 
 /// The process-wide Prometheus recorder, installed on first use.
@@ -127,6 +146,21 @@ mod tests {
         assert!(body.contains("jetrl_test_things_total{kind=\"a\"} 3"), "{body}");
     }
 
+    #[test]
+    fn torch_threads_explicit_values_win_and_nulls_follow_omp_then_the_cores() {
+        let resolve = TorchThreads::resolve;
+        assert_eq!(resolve(Some(3), Some(2), true, true, 16), TorchThreads { intra_op: Some(3), inter_op: Some(2) });
+        assert_eq!(resolve(None, None, true, false, 16), TorchThreads { intra_op: Some(16), inter_op: Some(1) });
+        assert_eq!(resolve(None, None, true, true, 16), TorchThreads { intra_op: None, inter_op: Some(1) });
+        assert_eq!(resolve(None, None, false, false, 4), TorchThreads { intra_op: Some(4), inter_op: None });
+    }
+
+    #[test]
+    fn runtime_has_the_configured_worker_threads() {
+        let runtime = runtime(Some(3)).unwrap();
+        assert_eq!(runtime.metrics().num_workers(), 3);
+    }
+
     #[tokio::test]
     async fn bind_error_names_the_address() {
         let err = serve_metrics("256.0.0.1:1", std::future::pending()).await.unwrap_err();
@@ -188,9 +222,10 @@ pub async fn shutdown_signal() {
 
 /// The whole `main` of a jetrl service: parse `--config FILE` and `section.key=value` overrides, load and
 /// validate the job configuration (errors name the key), set up tracing, then run the service on a tokio
-/// runtime until SIGINT/SIGTERM.
+/// runtime with `tokio_threads(&cfg)` worker threads (null: one per core) until SIGINT/SIGTERM.
 pub fn service_main<Fut, E>(
     about: &'static str,
+    tokio_threads: fn(&jetrl_config::JobConfig) -> Option<u32>,
     run: impl FnOnce(jetrl_config::JobConfig, std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>) -> Fut,
 ) -> anyhow::Result<()>
 where
@@ -209,8 +244,63 @@ where
     let overrides: Vec<String> =
         matches.get_many::<String>("overrides").map(|v| v.cloned().collect()).unwrap_or_default();
     let cfg = jetrl_config::JobConfig::load(config.as_deref(), &overrides)?;
-    init_tracing(&cfg.log.level, &cfg.log.format);
-    let runtime = tokio::runtime::Runtime::new()?;
+    init_tracing(&cfg.log.level, cfg.log.format);
+    let workers = tokio_threads(&cfg);
+    let runtime = runtime(workers)?;
+    tracing::info!(tokio_threads = workers.map_or_else(|| "one per core".to_string(), |n| n.to_string()), "runtime");
     runtime.block_on(run(cfg, Box::pin(shutdown_signal())))?;
     Ok(())
+}
+
+/// A multi-threaded tokio runtime with `worker_threads` workers (null: tokio's default, one per core).
+pub fn runtime(worker_threads: Option<u32>) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.enable_all();
+    if let Some(n) = worker_threads {
+        builder.worker_threads(n.max(1) as usize);
+    }
+    builder.build()
+}
+
+/// The cores this process may use (its CPU affinity and cgroup quota), at least 1.
+pub fn available_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+}
+
+/// The torch thread counts a service applies before any tensor work (this crate does not link torch: the
+/// trainer and the rollout worker call `tch::set_num_threads` / `tch::set_num_interop_threads` with these).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TorchThreads {
+    /// intra-op threads; None = leave torch to read `OMP_NUM_THREADS` itself
+    pub intra_op: Option<usize>,
+    /// inter-op threads; None = torch's default
+    pub inter_op: Option<usize>,
+}
+
+impl TorchThreads {
+    /// What the `<section>.torch_threads` / `torch_interop_threads` keys mean: an explicit value wins; a null
+    /// intra-op count is `OMP_NUM_THREADS` when that is set (torch reads it), else every core this process may
+    /// use (torch alone would count the host's cores, ignoring a container's quota); a null inter-op count is 1
+    /// on the CPU, where jetrl runs no parallel graph for those threads to serve.
+    pub fn resolve(
+        intra_op: Option<u32>,
+        inter_op: Option<u32>,
+        on_cpu: bool,
+        omp_num_threads_set: bool,
+        cores: usize,
+    ) -> Self {
+        let intra_op = match intra_op {
+            Some(n) => Some(n.max(1) as usize),
+            None if omp_num_threads_set => None,
+            None => Some(cores.max(1)),
+        };
+        let inter_op = inter_op.map(|n| n.max(1) as usize).or(on_cpu.then_some(1));
+        Self { intra_op, inter_op }
+    }
+
+    /// [`TorchThreads::resolve`] with this process's environment and cores.
+    pub fn for_this_process(intra_op: Option<u32>, inter_op: Option<u32>, on_cpu: bool) -> Self {
+        let omp = std::env::var_os("OMP_NUM_THREADS").is_some_and(|v| !v.is_empty());
+        Self::resolve(intra_op, inter_op, on_cpu, omp, available_cores())
+    }
 }

@@ -2,6 +2,8 @@
 //! ChatML template that starts with a BOS) loads, renders and round-trips without libtorch. Other crates' tests
 //! (the reward service's) use the same fixture.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::path::{Path, PathBuf};
 
 use jetrl_tokenizer::{Tokenizer, TokenizerError};

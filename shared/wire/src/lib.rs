@@ -3,7 +3,7 @@
 //! - [`v1`]: the protobuf messages of `proto/jetrl/v1/jetrl.proto` (prost, `bytes::Bytes` fields).
 //! - [`packed`]: token ids, masks and log-probs as packed little-endian bytes.
 //! - [`keys`]: the verl key format: a group is `{uid}`, a trajectory `{uid}_{session_id}_{index}`.
-//! - [`subjects`]: stream, subject and bucket names shared by every service.
+//! - [`subjects`]: the stream, subject and bucket names of a job ([`subjects::Names`], one namespace per job).
 
 pub mod keys;
 pub mod packed;
@@ -38,6 +38,20 @@ impl v1::GroupState {
             v1::GroupState::Failure => "failure",
             v1::GroupState::Sampled => "sampled",
             v1::GroupState::Evicted => "evicted",
+        }
+    }
+}
+
+impl v1::WorkerState {
+    /// Short lowercase name (`ready`, `paused`, `load_failed`, ...), for logs, metrics and `jetrl status`.
+    pub fn label(self) -> &'static str {
+        match self {
+            v1::WorkerState::Unspecified => "unspecified",
+            v1::WorkerState::Ready => "ready",
+            v1::WorkerState::Paused => "paused",
+            v1::WorkerState::LoadFailed => "load_failed",
+            v1::WorkerState::Stopped => "stopped",
+            v1::WorkerState::Starting => "starting",
         }
     }
 }

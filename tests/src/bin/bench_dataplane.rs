@@ -22,10 +22,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use jetrl_bus::harness::cpu_seconds_here_and;
 use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{Bus, GroupStore, NatsServer, Publisher};
 use jetrl_config::JobConfig;
+use jetrl_tests::bench::cpu_seconds_here_and;
 use jetrl_tests::sim::{self, GroupSpec};
 use jetrl_wire::v1::{ReleaseRequest, ReleaseResponse, RewardBatch, SampleRequest, SampleResponse, Trajectory};
 use jetrl_wire::{subjects, Message};
@@ -41,9 +41,12 @@ fn arg(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
+/// A connection to the benchmark's job: the default job (its namespace is the default `run.name`), as the
+/// services started here and the buffer process's job file use.
 async fn connect(url: &str, name: &str) -> (Bus, GroupStore) {
-    let bus =
-        Bus::connect(&jetrl_config::NatsConfig { url: url.into(), ..Default::default() }, name).await.expect("connect");
+    let mut job = JobConfig::default();
+    job.nats.url = url.into();
+    let bus = Bus::connect_job(&job, name).await.expect("connect");
     bus.declare_topology().await.expect("declare");
     let groups = GroupStore::open(&bus).await.expect("groups");
     (bus, groups)
@@ -113,7 +116,7 @@ async fn jetrl_path(
 ) -> (f64, Vec<f64>, (f64, f64)) {
     let mut cfg = JobConfig::default();
     cfg.nats.url = url.into();
-    cfg.trainer.mode = "separate_async".into();
+    cfg.trainer.mode = jetrl_config::TrainerMode::SeparateAsync;
     cfg.buffer.max_off_policy_threshold = 1_000_000;
     cfg.reward.max_inflight = 512;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -185,10 +188,10 @@ async fn jetrl_path(
     // in one reward batch (with the rest of its micro-batch)
     {
         let completed = completed.clone();
-        let rewards = bus.stream(subjects::REWARDS_STREAM).await.expect("rewards stream");
+        let rewards = bus.stream(bus.names().rewards_stream()).await.expect("rewards stream");
         let consumer = rewards
             .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig {
-                filter_subject: subjects::REWARD_BATCHES_FILTER.into(),
+                filter_subject: bus.names().reward_batches_filter(),
                 ..Default::default()
             })
             .await
@@ -262,7 +265,7 @@ async fn consume_step(
     };
     let sent = Instant::now();
     let response = loop {
-        match bus.request::<_, SampleResponse>(subjects::BUFFER_SAMPLE, &request, Duration::from_secs(10)).await {
+        match bus.request::<_, SampleResponse>(bus.names().buffer_sample(), &request, Duration::from_secs(10)).await {
             Ok(r) if !r.not_ready => break r,
             Ok(_) => {}
             // the buffer is still starting
@@ -278,17 +281,19 @@ async fn consume_step(
     let wanted: Vec<(String, u64)> = response
         .groups
         .iter()
-        .flat_map(|g| g.trajectories.iter().map(|t| (subjects::traj_subject(&t.partition, &t.uid), t.traj_seq)))
+        .flat_map(|g| g.trajectories.iter().map(|t| (bus.names().traj_subject(&t.partition, &t.uid), t.traj_seq)))
         .collect();
-    let payloads = bus.fetch_by_sequence(subjects::TRAJ_STREAM, &wanted).await.expect("fetch");
+    let payloads = bus.fetch_by_sequence(bus.names().traj_stream(), &wanted).await.expect("fetch");
     let fetched: Vec<usize> = wanted.iter().map(|(_, seq)| payloads.get(seq).map_or(0, |p| p.len())).collect();
     assert!(fetched.iter().all(|&n| n + 1 >= PAYLOAD), "a payload was missing");
     // as the trainer does: the release goes out in the background (the groups are already consumed)
     let release = ReleaseRequest { step, request_ids: vec![request.request_id.clone()] };
     let releasing = bus.clone();
     let release = tokio::spawn(async move {
-        let _: ReleaseResponse =
-            releasing.request(subjects::BUFFER_RELEASE, &release, Duration::from_secs(30)).await.expect("release");
+        let _: ReleaseResponse = releasing
+            .request(releasing.names().buffer_release(), &release, Duration::from_secs(30))
+            .await
+            .expect("release");
     });
     if trace {
         eprintln!(
@@ -307,14 +312,14 @@ async fn wait_until_ready(bus: &Bus, sim_reward: bool) {
     loop {
         let buffer = bus
             .request::<_, jetrl_wire::v1::LedgerResponse>(
-                subjects::BUFFER_LEDGER,
+                bus.names().buffer_ledger(),
                 &jetrl_wire::v1::LedgerRequest { limit: 1, ..Default::default() },
                 Duration::from_millis(500),
             )
             .await
             .is_ok();
         let reward = sim_reward || {
-            let score = bus.stream(subjects::SCORE_STREAM).await.expect("SCORE");
+            let score = bus.stream(bus.names().score_stream()).await.expect("SCORE");
             score.consumer_info(subjects::REWARD_CONSUMER).await.is_ok()
         };
         if buffer && reward {
@@ -371,7 +376,7 @@ async fn buffer_memory(url: &str, count: usize) -> f64 {
     loop {
         let ledger: jetrl_wire::v1::LedgerResponse = bus
             .request(
-                subjects::BUFFER_LEDGER,
+                bus.names().buffer_ledger(),
                 &jetrl_wire::v1::LedgerRequest { limit: 1, ..Default::default() },
                 Duration::from_secs(30),
             )

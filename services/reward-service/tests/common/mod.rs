@@ -14,8 +14,8 @@ use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{score, Bus, NatsServer};
 use jetrl_config::JobConfig;
 use jetrl_wire::keys::TrajectoryKey;
+use jetrl_wire::packed;
 use jetrl_wire::v1::{Reward, Timings, Trajectory};
-use jetrl_wire::{packed, subjects};
 
 /// nats-server, a connection to it, and a scratch directory.
 pub struct Harness {
@@ -29,7 +29,7 @@ impl Harness {
         let nats = NatsServer::start().expect("nats-server");
         let mut cfg = JobConfig::default();
         cfg.nats.url = nats.url();
-        let bus = Bus::connect(&cfg.nats, "reward-service-test").await.expect("connect");
+        let bus = Bus::connect_job(&cfg, "reward-service-test").await.expect("connect");
         bus.declare_topology().await.expect("topology");
         Self { nats, bus, dir: tempfile::tempdir().expect("tempdir") }
     }
@@ -78,9 +78,10 @@ impl Harness {
     /// corrupted request looks like).
     pub async fn publish_raw_request(&self, uid: &str, payload: Vec<u8>) {
         let traj = trajectory(uid, 0);
-        let subject = subjects::traj_subject("train", uid);
+        let subject = self.bus.names().traj_subject("train", uid);
         self.bus.publish_durable(Outgoing::protobuf(subject, Some(traj.key.clone()), &traj)).await.expect("publish");
-        let outgoing = Outgoing::new(subjects::score_subject("train", uid), Some(format!("{uid}.bad")), payload.into());
+        let subject = self.bus.names().score_subject("train", uid);
+        let outgoing = Outgoing::new(subject, Some(format!("{uid}.bad")), payload.into());
         self.bus.publish_durable(outgoing).await.expect("publish");
     }
 
@@ -201,13 +202,11 @@ impl Drop for ServiceProcess {
     }
 }
 
-/// Whether `python3` runs here (the user-function tests skip without it).
-pub fn python3_available() -> bool {
+/// The user-function tests run python3, a prerequisite of the project (`scripts/setup.sh` stops without it):
+/// missing here is a failure.
+pub fn require_python3() {
     let found = Command::new("python3").args(["-c", "pass"]).status().is_ok_and(|s| s.success());
-    if !found {
-        eprintln!("skipping: python3 is not available");
-    }
-    found
+    assert!(found, "this test runs a user function in python3, which does not run here");
 }
 
 /// A user function that appends every key it is asked to score to `log` (one line each, before scoring), then

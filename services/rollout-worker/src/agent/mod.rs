@@ -7,7 +7,7 @@
 //!   as chat-template tool turns with response mask 0 and log-prob 0; repeat until no call, `max_assistant_turns`,
 //!   `max_user_turns` or the response budget. A failed, hung or unknown tool answers with error text and reward 0.
 //!
-//! A row's `agent_name` picks the loop ([`AgentKind::from_name`]); empty means `rollout.agent.default_agent_loop`.
+//! A row's `agent_name` picks the loop (`agent_name` parsed as [`AgentKind`]); empty means `rollout.agent.default_agent_loop`.
 
 pub mod hermes;
 
@@ -15,37 +15,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use jetrl_config::MultiTurnConfig;
+use jetrl_config::{MultiTurnConfig, TruncateSide};
 use jetrl_model::{Finish, Request, Sampling, SequenceOutput, Tokenizer};
 use serde_json::{json, Value};
 
 use crate::engine::{EngineError, EngineHandle};
 use crate::tools::{ToolError, ToolOutput, ToolRegistry};
 
-/// The agent loops a worker runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AgentKind {
-    SingleTurn,
-    Tool,
-}
-
-impl AgentKind {
-    /// verl's registered names (`single_turn_agent`, `tool_agent`), also without the `_agent` suffix.
-    pub fn from_name(name: &str) -> Result<Self, String> {
-        match name {
-            "single_turn_agent" | "single_turn" => Ok(AgentKind::SingleTurn),
-            "tool_agent" | "tool" => Ok(AgentKind::Tool),
-            other => Err(format!("unknown agent loop `{other}` (single_turn_agent, tool_agent)")),
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            AgentKind::SingleTurn => "single_turn_agent",
-            AgentKind::Tool => "tool_agent",
-        }
-    }
-}
+/// The agent loops a worker runs (verl's registered names, also without the `_agent` suffix).
+pub use jetrl_config::AgentLoop as AgentKind;
 
 /// One finished session: what becomes a `Trajectory`.
 #[derive(Debug, Clone, PartialEq)]
@@ -58,6 +36,8 @@ pub struct SessionOutput {
     pub logprobs: Vec<f32>,
     pub min_version: u64,
     pub max_version: u64,
+    /// `(first response position, version)` of each run of generated tokens under one weight version
+    pub version_runs: Vec<(u32, u64)>,
     /// the response budget ran out (else it ended on its own or at a turn limit)
     pub truncated: bool,
     pub aborted: bool,
@@ -79,6 +59,7 @@ impl SessionOutput {
             logprobs: output.logprobs,
             min_version: output.min_version,
             max_version: output.max_version,
+            version_runs: output.version_runs,
             truncated: output.finish == Finish::Length,
             aborted: output.finish == Finish::Aborted,
             stop_reason: stop_reason(&output.finish).into(),
@@ -181,6 +162,7 @@ impl ToolAgent {
             logprobs: Vec::new(),
             min_version: u64::MAX,
             max_version: 0,
+            version_runs: Vec::new(),
             truncated: false,
             aborted: false,
             stop_reason: String::new(),
@@ -217,6 +199,13 @@ impl ToolAgent {
             if !generated.tokens.is_empty() {
                 out.min_version = out.min_version.min(generated.min_version);
                 out.max_version = out.max_version.max(generated.max_version);
+                // this turn's tokens start where the response is now
+                let offset = out.response_ids.len() as u32;
+                for &(first, version) in &generated.version_runs {
+                    if out.version_runs.last().is_none_or(|&(_, v)| v != version) {
+                        out.version_runs.push((offset + first, version));
+                    }
+                }
             }
             turns.assistant += 1;
             context.extend_from_slice(&generated.tokens);
@@ -300,7 +289,7 @@ impl ToolAgent {
             text: truncate_tool_response(
                 &output.text,
                 self.multi_turn.max_tool_response_length as usize,
-                &self.multi_turn.tool_response_truncate_side,
+                self.multi_turn.tool_response_truncate_side,
             ),
             reward: output.reward,
         }
@@ -309,16 +298,16 @@ impl ToolAgent {
 
 /// verl's truncation of a tool response longer than `max` characters: `left` keeps the start, `right` the end,
 /// `middle` (default) both halves.
-pub fn truncate_tool_response(text: &str, max: usize, side: &str) -> String {
+pub fn truncate_tool_response(text: &str, max: usize, side: TruncateSide) -> String {
     let chars: Vec<char> = text.chars().collect();
     if chars.len() <= max {
         return text.to_string();
     }
     let take = |range: std::ops::Range<usize>| chars[range].iter().collect::<String>();
     match side {
-        "left" => take(0..max) + "...(truncated)",
-        "right" => "(truncated)...".to_string() + &take(chars.len() - max..chars.len()),
-        _ => {
+        TruncateSide::Left => take(0..max) + "...(truncated)",
+        TruncateSide::Right => "(truncated)...".to_string() + &take(chars.len() - max..chars.len()),
+        TruncateSide::Middle => {
             let half = max / 2;
             take(0..half) + "...(truncated)..." + &take(chars.len() - half..chars.len())
         }
@@ -381,16 +370,16 @@ mod tests {
     #[test]
     fn long_tool_responses_are_truncated_like_verl() {
         let text = "abcdefghij";
-        assert_eq!(truncate_tool_response(text, 20, "middle"), text);
-        assert_eq!(truncate_tool_response(text, 4, "left"), "abcd...(truncated)");
-        assert_eq!(truncate_tool_response(text, 4, "right"), "(truncated)...ghij");
-        assert_eq!(truncate_tool_response(text, 4, "middle"), "ab...(truncated)...ij");
+        assert_eq!(truncate_tool_response(text, 20, TruncateSide::Middle), text);
+        assert_eq!(truncate_tool_response(text, 4, TruncateSide::Left), "abcd...(truncated)");
+        assert_eq!(truncate_tool_response(text, 4, TruncateSide::Right), "(truncated)...ghij");
+        assert_eq!(truncate_tool_response(text, 4, TruncateSide::Middle), "ab...(truncated)...ij");
     }
 
     #[test]
     fn agent_names_follow_verl() {
-        assert_eq!(AgentKind::from_name("single_turn_agent"), Ok(AgentKind::SingleTurn));
-        assert_eq!(AgentKind::from_name("tool_agent"), Ok(AgentKind::Tool));
-        assert!(AgentKind::from_name("react").is_err());
+        assert_eq!("single_turn_agent".parse::<AgentKind>(), Ok(AgentKind::SingleTurn));
+        assert_eq!("tool".parse::<AgentKind>(), Ok(AgentKind::Tool));
+        assert!("react".parse::<AgentKind>().is_err());
     }
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use jetrl_config::MultiTurnConfig;
+use jetrl_config::{MultiTurnConfig, ToolName};
 use serde_json::Value;
 
 pub use calculator::{evaluate, Calculator};
@@ -69,32 +69,23 @@ impl std::fmt::Debug for ToolRegistry {
     }
 }
 
-/// Names [`ToolRegistry::from_config`] knows.
-pub const BUILT_IN: &[&str] = &["calculator", "python"];
-
 impl ToolRegistry {
     /// The built-in tools named in `rollout.multi_turn.tools`.
-    pub fn from_config(cfg: &MultiTurnConfig) -> Result<Self, String> {
+    pub fn from_config(cfg: &MultiTurnConfig) -> Self {
         let mut registry = ToolRegistry::default();
         for name in &cfg.tools {
-            let tool: Arc<dyn Tool> = match name.as_str() {
-                "calculator" => Arc::new(Calculator),
-                "python" => Arc::new(PythonTool::new(PythonLimits {
+            let tool: Arc<dyn Tool> = match name {
+                ToolName::Calculator => Arc::new(Calculator),
+                ToolName::Python => Arc::new(PythonTool::new(PythonLimits {
                     bin: cfg.python_bin.clone(),
                     timeout: Duration::from_secs_f64(cfg.python_timeout_s.max(0.1)),
                     memory_bytes: cfg.python_memory_mb.saturating_mul(1 << 20),
                     max_output_bytes: cfg.python_max_output_bytes.max(1) as usize,
                 })),
-                other => {
-                    return Err(format!(
-                        "rollout.multi_turn.tools: unknown tool `{other}` (built in: {})",
-                        BUILT_IN.join(", ")
-                    ))
-                }
             };
             registry.insert(tool);
         }
-        Ok(registry)
+        registry
     }
 
     /// Adds (or replaces) a tool.

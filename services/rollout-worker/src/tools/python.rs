@@ -52,6 +52,7 @@ impl PythonTool {
         let file_bytes = (limits.max_output_bytes as u64).max(1 << 20);
         // SAFETY: the closure runs in the forked child before exec and only calls async-signal-safe libc
         // functions (setpgid, setrlimit) on values computed before the fork.
+        #[allow(unsafe_code)]
         unsafe {
             command.pre_exec(move || {
                 // Own process group, so the timeout can kill children the code spawns too.
@@ -88,6 +89,7 @@ impl PythonTool {
             Err(_) => {
                 if let Some(pid) = pid {
                     // SAFETY: signalling the child's own process group (created by setpgid above).
+                    #[allow(unsafe_code)]
                     unsafe {
                         libc::kill(-(pid as i32), libc::SIGKILL);
                     }

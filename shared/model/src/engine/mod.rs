@@ -23,7 +23,6 @@ mod forward;
 mod sampler;
 
 use std::collections::VecDeque;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -43,28 +42,7 @@ pub type RequestId = u64;
 pub type Detokenizer = Arc<dyn Fn(&[u32]) -> Option<String> + Send + Sync>;
 
 /// Which log-prob is recorded per sampled token (verl's `rollout.logprobs_mode`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum LogprobsMode {
-    /// Under the distribution sampled from: after repetition penalty, temperature, top-k and top-p.
-    #[default]
-    Processed,
-    /// `log_softmax` of the model's logits, before any processing.
-    Raw,
-}
-
-impl FromStr for LogprobsMode {
-    type Err = ModelError;
-
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "processed_logprobs" => Ok(LogprobsMode::Processed),
-            "raw_logprobs" => Ok(LogprobsMode::Raw),
-            other => {
-                Err(ModelError::Config(format!("unknown logprobs mode `{other}` (processed_logprobs, raw_logprobs)")))
-            }
-        }
-    }
-}
+pub use jetrl_config::LogprobsMode;
 
 /// How one request is sampled (vLLM's `SamplingParams`, the subset RL rollouts use).
 #[derive(Debug, Clone, PartialEq)]
@@ -145,6 +123,8 @@ pub struct Prefix {
     pub logprobs: Vec<f32>,
     pub min_version: u64,
     pub max_version: u64,
+    /// which version sampled which tokens, see [`SequenceOutput::version_runs`]
+    pub version_runs: Vec<(u32, u64)>,
 }
 
 /// One prompt to sample `n` times.
@@ -212,6 +192,9 @@ pub struct SequenceOutput {
     /// none).
     pub min_version: u64,
     pub max_version: u64,
+    /// `(first token index, version)` of each run of tokens sampled under one weight version, in order: a
+    /// sequence that crossed a weight swap has more than one (what partial rollout is checked against).
+    pub version_runs: Vec<(u32, u64)>,
     /// From [`Engine::add_request`] to this sequence's first new token.
     pub time_to_first_token: Option<Duration>,
 }
@@ -307,6 +290,7 @@ struct Row {
     fresh: Option<Tensor>,
     min_version: Option<u64>,
     max_version: u64,
+    version_runs: Vec<(u32, u64)>,
     first_token: Option<Duration>,
 }
 
@@ -408,6 +392,13 @@ impl Engine {
     /// Sets the version label of the current weights (e.g. after loading a checkpoint at start).
     pub fn set_version(&mut self, version: u64) {
         self.version = version;
+    }
+
+    /// The random seed a request's samples draw from: its own `sampling.seed`, else one derived from the engine's
+    /// seed and the request id (what [`Engine::add_request`] uses). A caller that resubmits an aborted sample
+    /// under a new id passes this seed explicitly, so the sample's random stream continues.
+    pub fn seed_for(&self, id: RequestId, sampling: &Sampling) -> u64 {
+        sampling.seed.unwrap_or_else(|| mix(self.config.seed, id))
     }
 
     /// Whether a `step` would do anything.
@@ -521,6 +512,18 @@ impl Engine {
         Ok(out)
     }
 
+    /// Takes every running sequence out of its KV row (finish [`Finish::Aborted`], with what it generated so far)
+    /// and leaves the queue as it is: samples not admitted yet hold no KV and wait for the next admission. With
+    /// no row left, [`Engine::free_cache`] can release the cache (colocate_async's pause).
+    pub fn preempt_running(&mut self) -> Result<Vec<SequenceOutput>> {
+        let all: Vec<usize> = (0..self.rows.len()).collect();
+        let version = self.version;
+        let mut out: Vec<SequenceOutput> =
+            self.remove_rows(&all)?.into_iter().map(|row| row.into_output(Finish::Aborted, version)).collect();
+        out.sort_by_key(|o| (o.request, o.index));
+        Ok(out)
+    }
+
     /// Aborts everything (e.g. before freeing the cache for training on the same device).
     pub fn abort_all(&mut self) -> Result<Vec<SequenceOutput>> {
         let mut ids: Vec<RequestId> = self.rows.iter().map(|r| r.shared.id).collect();
@@ -610,6 +613,9 @@ impl Engine {
                 .map_err(|_| ModelError::Generation(format!("sampled an invalid token id {token}")))?;
             let version = self.version;
             let row = &mut self.rows[r];
+            if row.version_runs.last().is_none_or(|&(_, v)| v != version) {
+                row.version_runs.push((row.tokens.len() as u32, version));
+            }
             row.tokens.push(token);
             row.logprobs.push(logprob);
             row.min_version = Some(row.min_version.map_or(version, |v| v.min(version)));
@@ -648,15 +654,16 @@ impl Engine {
 
     fn new_row(shared: &Arc<Shared>, index: usize, cached: i64) -> Row {
         let mut rng = ChaCha8Rng::seed_from_u64(mix(shared.seed, index as u64));
-        let (tokens, logprobs, min_version, max_version) = match &shared.prefix {
+        let (tokens, logprobs, min_version, max_version, version_runs) = match &shared.prefix {
             Some(p) => {
                 // One draw per token already generated: a resumed stream continues where it stopped.
                 for _ in 0..p.tokens.len() {
                     let _: f64 = rng.gen();
                 }
-                (p.tokens.clone(), p.logprobs.clone(), Some(p.min_version), p.max_version)
+                let known = (!p.tokens.is_empty()).then_some(p.min_version);
+                (p.tokens.clone(), p.logprobs.clone(), known, p.max_version, p.version_runs.clone())
             }
-            None => (Vec::new(), Vec::new(), None, 0),
+            None => (Vec::new(), Vec::new(), None, 0, Vec::new()),
         };
         Row {
             shared: shared.clone(),
@@ -668,6 +675,7 @@ impl Engine {
             fresh: None,
             min_version,
             max_version,
+            version_runs,
             first_token: None,
         }
     }
@@ -790,6 +798,7 @@ impl Row {
             finish,
             min_version: self.min_version.unwrap_or(version),
             max_version: if self.min_version.is_some() { self.max_version } else { version },
+            version_runs: self.version_runs,
             time_to_first_token: self.first_token,
         }
     }

@@ -1,5 +1,5 @@
-//! Shared helpers for the integration tests: reference files, the optional python+transformers toolchain, and
-//! comparisons against transformers' log-probs.
+//! Shared helpers for the integration tests: reference files, the python+transformers toolchain (needed only by
+//! the `#[ignore]`d tests that `./dev.sh test` runs), and comparisons against transformers' log-probs.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
@@ -139,31 +139,31 @@ pub fn check_against_reference(dir: &Path) -> Diff {
     d
 }
 
-/// The project's python, if it can import transformers; otherwise prints why tests that need it skip.
-pub fn python_with_transformers() -> Option<PathBuf> {
-    static PYTHON: OnceLock<Option<PathBuf>> = OnceLock::new();
-    PYTHON
-        .get_or_init(|| {
-            let python = std::env::var_os("JETRL_PYTHON")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| repo_root().join(".venv/bin/python"));
-            match Command::new(&python).args(["-c", "import transformers"]).output() {
-                Ok(out) if out.status.success() => Some(python),
-                Ok(out) => {
-                    eprintln!(
-                        "SKIP: `{} -c \"import transformers\"` failed: {}",
-                        python.display(),
-                        String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("")
-                    );
-                    None
-                }
-                Err(err) => {
-                    eprintln!("SKIP: cannot run {}: {err}", python.display());
-                    None
-                }
-            }
-        })
-        .clone()
+/// The project's python, which must import transformers: the tests that call this are `#[ignore]`d (so a plain
+/// `cargo test` counts them as ignored) and `./dev.sh test`, which installs transformers, runs them with
+/// `--include-ignored`. Asked for and missing is a failure, never a silent pass.
+pub fn python_with_transformers() -> PathBuf {
+    static PYTHON: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let found = PYTHON.get_or_init(|| {
+        let python =
+            std::env::var_os("JETRL_PYTHON").map(PathBuf::from).unwrap_or_else(|| repo_root().join(".venv/bin/python"));
+        match Command::new(&python).args(["-c", "import transformers"]).output() {
+            Ok(out) if out.status.success() => Ok(python),
+            Ok(out) => Err(format!(
+                "`{} -c \"import transformers\"` failed: {}",
+                python.display(),
+                String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("")
+            )),
+            Err(err) => Err(format!("cannot run {}: {err}", python.display())),
+        }
+    });
+    match found {
+        Ok(python) => python.clone(),
+        Err(why) => panic!(
+            "this test needs python with transformers ({why}): run `scripts/setup.sh transformers` (./dev.sh test does) \
+             or set JETRL_PYTHON"
+        ),
+    }
 }
 
 pub fn script() -> PathBuf {
@@ -171,23 +171,23 @@ pub fn script() -> PathBuf {
 }
 
 /// Builds the transformers reference checkpoints once per test binary (reused across runs while the script is
-/// unchanged). `None` (with a printed reason) when python+transformers is unavailable.
-pub fn hf_checkpoints() -> Option<PathBuf> {
-    static DIR: OnceLock<Option<PathBuf>> = OnceLock::new();
+/// unchanged). Needs python with transformers ([`python_with_transformers`]).
+pub fn hf_checkpoints() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let python = python_with_transformers()?;
+        let python = python_with_transformers();
         let source = std::fs::read(script()).expect("script readable");
         let stamp = format!("{:016x}", fnv1a(&source));
         let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hf-checkpoints");
         let stamp_file = dir.join("STAMP");
         if std::fs::read_to_string(&stamp_file).ok().as_deref() == Some(stamp.as_str()) {
-            return Some(dir);
+            return dir;
         }
         let _ = std::fs::remove_dir_all(&dir);
         let out = Command::new(&python).arg(script()).arg("build").arg(&dir).output().expect("python runs");
         assert!(out.status.success(), "make_hf_checkpoints.py build failed:\n{}", String::from_utf8_lossy(&out.stderr));
         std::fs::write(&stamp_file, stamp).expect("stamp written");
-        Some(dir)
+        dir
     })
     .clone()
 }

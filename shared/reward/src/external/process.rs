@@ -58,6 +58,7 @@ impl UserFunctionProcess {
         if let Some(limit) = spec.address_space_limit {
             // SAFETY: the closure runs in the forked child before exec and only calls setrlimit, which is
             // async-signal-safe; it touches no memory shared with the parent.
+            #[allow(unsafe_code)]
             unsafe {
                 command.pre_exec(move || {
                     let rlimit = libc::rlimit { rlim_cur: limit as libc::rlim_t, rlim_max: limit as libc::rlim_t };
@@ -164,6 +165,7 @@ impl UserFunctionProcess {
             if matches!(self.child.try_wait(), Ok(None)) {
                 // SAFETY: plain syscall on a process group id we created (`process_group(0)` makes the child's
                 // pid its group id); the child is not yet reaped, so the id cannot have been reused.
+                #[allow(unsafe_code)]
                 unsafe {
                     libc::kill(-group, libc::SIGKILL);
                 }

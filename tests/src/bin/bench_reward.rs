@@ -20,11 +20,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use futures::StreamExt;
-use jetrl_bus::harness::cpu_seconds_here_and;
 use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{score, Bus, NatsServer, Publisher, ScoreRequestBuilder};
 use jetrl_config::JobConfig;
 use jetrl_reward::{RewardEngine, ScoreInput};
+use jetrl_tests::bench::cpu_seconds_here_and;
 use jetrl_wire::keys::TrajectoryKey;
 use jetrl_wire::v1::{RewardBatch, Timings, Trajectory};
 use jetrl_wire::{packed, subjects, Message};
@@ -66,7 +66,7 @@ fn parse_args() -> anyhow::Result<Args> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = parse_args()?;
-    jetrl_telemetry::init_tracing("warn", "text");
+    jetrl_telemetry::init_tracing("warn", jetrl_config::LogFormat::Text);
     // Only the reward section matters here; the rest of the job stays at its defaults.
     let mut cfg = JobConfig {
         reward: jetrl_config::load(None, &args.overrides).context("reward overrides")?,
@@ -110,7 +110,7 @@ async fn main() -> anyhow::Result<()> {
     for pass in 1..=PASSES {
         let server = NatsServer::start().context("starting nats-server")?;
         cfg.nats.url = server.url();
-        let bus = Bus::connect(&cfg.nats, "jetrl-reward-bench").await?;
+        let bus = Bus::connect_job(&cfg, "jetrl-reward-bench").await?;
         bus.declare_topology().await?;
         let request_bytes = publish_groups(&bus, &trajectories).await?;
         let rate = service_pass(&cfg, &bus, &server, trajectories.len(), request_bytes.len()).await?;
@@ -173,7 +173,7 @@ async fn service_pass(
     let service = tokio::spawn(jetrl_reward_service::run(cfg.clone(), async move {
         let _ = stopped.await;
     }));
-    let score_stream = bus.stream(subjects::SCORE_STREAM).await?;
+    let score_stream = bus.stream(bus.names().score_stream()).await?;
     let consuming = loop {
         if score_stream.consumer_info(subjects::REWARD_CONSUMER).await.is_ok() {
             break Instant::now();
@@ -283,7 +283,7 @@ async fn broker_ceiling(
 
 /// Reads every reward and compares it with the in-process score of its key.
 async fn check_rewards(bus: &Bus, expected: &HashMap<String, f64>) -> anyhow::Result<usize> {
-    let stream = bus.stream(subjects::REWARDS_STREAM).await?;
+    let stream = bus.stream(bus.names().rewards_stream()).await?;
     let consumer = stream
         .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig::default())
         .await

@@ -1,0 +1,194 @@
+//! Weight versions into the engine, and what the worker tells the world about itself.
+//!
+//! [`follow_weights`] watches the `latest` manifest in the WEIGHTS bucket and loads each new version between
+//! decode steps. A version that cannot be loaded is retried with backoff (1 s doubling to 30 s) until it loads or
+//! a newer one is announced; meanwhile the worker says `load_failed` (with the error) in its heartbeat and takes
+//! no new groups, rather than generating on old weights unnoticed. [`Status`] is that state, shared with the pull
+//! loop, the heartbeat and the tasks that wait for a version.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use jetrl_bus::{consume, weights, BusError};
+use jetrl_telemetry::Shutdown;
+use jetrl_wire::v1::{Heartbeat, WeightManifest, WorkerState};
+use jetrl_wire::Message;
+use tokio::sync::Notify;
+
+use crate::{Worker, SERVICE};
+
+/// The worker's state as its heartbeat reports it.
+#[derive(Default)]
+pub struct Status {
+    state: Mutex<(WorkerState, String)>,
+    /// the version `latest` names in WEIGHTS, plus one (0: none seen yet)
+    announced: AtomicU64,
+    /// woken when the state changes or a version is loaded
+    changed: Notify,
+}
+
+impl Status {
+    pub fn set(&self, state: WorkerState, message: impl Into<String>) {
+        *self.state.lock().unwrap_or_else(PoisonError::into_inner) = (state, message.into());
+        self.changed.notify_waiters();
+    }
+
+    pub fn get(&self) -> (WorkerState, String) {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    pub fn load_failed(&self) -> bool {
+        self.get().0 == WorkerState::LoadFailed
+    }
+
+    /// A future that resolves at the next change (create it before checking the condition it waits for).
+    pub fn changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.changed.notified()
+    }
+
+    /// The version `latest` last named, if any.
+    pub fn announced(&self) -> Option<u64> {
+        self.announced.load(Ordering::SeqCst).checked_sub(1)
+    }
+
+    fn loaded(&self) {
+        self.changed.notify_waiters();
+    }
+}
+
+impl Worker {
+    /// Writes this worker's heartbeat (WORKERS bucket, key `rollout.<instance>`).
+    pub(crate) async fn heartbeat(&self) -> Result<(), BusError> {
+        let load = self.engine.load();
+        let (state, message) = self.status.get();
+        let beat = Heartbeat {
+            service: "rollout".into(),
+            instance_id: self.instance.clone(),
+            policy_version: self.engine.version(),
+            unix_ms: jetrl_wire::now_unix_ms(),
+            state: state as i32,
+            message,
+            inflight: self.inflight.load(Ordering::SeqCst) as u32,
+            tokens_per_s: load.tokens_per_s,
+            host: jetrl_telemetry::host_name().to_string(),
+            pid: std::process::id(),
+            slots: self.engine.slots() as u32,
+            engine_idle_seconds: load.idle_seconds,
+            running_sequences: load.running as u32,
+            waiting_sequences: load.waiting as u32,
+            kv_cache_usage: load.kv_usage,
+        };
+        let bucket = self.bus.names().workers_bucket();
+        let kv = self.bus.key_value(bucket).await?;
+        let key = format!("rollout.{}", self.instance);
+        kv.put(&key, beat.encode_to_vec().into()).await.map_err(|e| BusError::Kv {
+            bucket: bucket.into(),
+            key,
+            message: e.to_string(),
+        })?;
+        Ok(())
+    }
+
+    /// Reads, checks (size and per-tensor CRCs) and loads one announced version into the engine.
+    pub(crate) async fn load_version(&self, manifest: &WeightManifest) -> Result<(), String> {
+        let started = Instant::now();
+        let blob = self.read_version(manifest).await?;
+        self.engine.swap(blob, manifest.version).await.map_err(|e| e.to_string())?;
+        metrics::gauge!("jetrl_rollout_policy_version").set(manifest.version as f64);
+        tracing::info!(version = manifest.version, elapsed_ms = started.elapsed().as_millis() as u64, "weights loaded");
+        self.status.loaded();
+        Ok(())
+    }
+
+    /// The blob of `manifest`, checked against it.
+    pub(crate) async fn read_version(&self, manifest: &WeightManifest) -> Result<bytes::Bytes, String> {
+        let blob = self.bus.load_weights(&manifest.location).await.map_err(|e| e.to_string())?;
+        weights::verify(manifest, &blob).map_err(|e| e.to_string())?;
+        Ok(blob)
+    }
+}
+
+/// Follows the `latest` manifest in the WEIGHTS bucket and loads each new version (a `latest` that goes back is
+/// a resumed trainer's: it is loaded too). Failed loads are retried with backoff until they succeed or a newer
+/// version replaces them; the worker reports `load_failed` meanwhile.
+pub(crate) async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
+    let mut pending: Option<WeightManifest> = None;
+    let mut backoff = Duration::from_secs(1);
+    let mut attempt = 0u32;
+    loop {
+        let watch = async {
+            let bucket = worker.bus.names().weights_bucket();
+            let kv = worker.bus.key_value(bucket).await?;
+            kv.watch_with_history("latest").await.map_err(|e| BusError::Kv {
+                bucket: bucket.into(),
+                key: "latest".into(),
+                message: e.to_string(),
+            })
+        };
+        let mut entries = match watch.await {
+            Ok(w) => w,
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot watch weights; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        loop {
+            // wait for a new manifest, or (after a failed load) for the retry
+            let next = if pending.is_some() && attempt > 0 {
+                tokio::select! {
+                    _ = shutdown.wait() => return,
+                    e = entries.next() => Some(e),
+                    _ = tokio::time::sleep(backoff) => None,
+                }
+            } else {
+                tokio::select! {
+                    _ = shutdown.wait() => return,
+                    e = entries.next() => Some(e),
+                }
+            };
+            if let Some(next) = next {
+                let Some(Ok(entry)) = next else { break };
+                match WeightManifest::decode(entry.value.as_ref()) {
+                    Ok(m) => {
+                        worker.status.announced.store(m.version + 1, Ordering::SeqCst);
+                        worker.status.changed.notify_waiters();
+                        if !(m.version == worker.engine.version() && m.version != 0) {
+                            pending = Some(m);
+                            attempt = 0;
+                            backoff = Duration::from_secs(1);
+                        }
+                    }
+                    Err(err) => {
+                        consume::count_malformed(SERVICE, worker.bus.names().weights_bucket());
+                        tracing::error!(error = %err, "malformed weight manifest ignored");
+                        continue;
+                    }
+                }
+            }
+            let Some(manifest) = pending.clone() else { continue };
+            match worker.load_version(&manifest).await {
+                Ok(()) => {
+                    pending = None;
+                    attempt = 0;
+                    if worker.status.get().0 == WorkerState::LoadFailed {
+                        worker.status.set(WorkerState::Ready, "");
+                    }
+                    let _ = worker.heartbeat().await;
+                }
+                Err(err) => {
+                    attempt += 1;
+                    metrics::counter!("jetrl_rollout_weight_load_failures_total").increment(1);
+                    tracing::error!(version = manifest.version, attempt, retry_in_s = backoff.as_secs_f64(), error = %err, "weight load failed; taking no new groups until it loads");
+                    worker.status.set(WorkerState::LoadFailed, format!("v{}: {err}", manifest.version));
+                    let _ = worker.heartbeat().await;
+                    if attempt > 1 {
+                        backoff = (backoff * 2).min(Duration::from_secs(30));
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,103 @@
+//! verl's generation dumps: `trainer.rollout_data_dir/<step>.jsonl` (every trained trajectory),
+//! `trainer.validation_data_dir/<step>.jsonl` (every validation generation) and the `log_val_generations` lines.
+//! A dump that cannot be written is logged, never fatal: dumps are diagnostics.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use jetrl_model::Tokenizer;
+use jetrl_wire::v1;
+
+use crate::batch::Sample;
+
+/// verl's rollout dump: one JSON line per trajectory (input, output, score, ground truth, step).
+pub fn rollout_rows(tokenizer: &Tokenizer, step: u64, samples: &[Sample]) -> Vec<serde_json::Value> {
+    samples
+        .iter()
+        .map(|s| {
+            serde_json::json!({
+                "input": tokenizer.decode(&s.prompt, false).unwrap_or_default(),
+                "output": tokenizer.decode(&s.response, false).unwrap_or_default(),
+                "score": s.score,
+                "gts": s.ground_truth,
+                "step": step,
+                "uid": s.uid,
+                "key": s.key,
+                "prompt_ids": s.prompt,
+                "response_ids": s.response,
+                "rollout_log_probs": s.rollout_logprobs,
+                "version_runs": s.version_runs,
+                "min_version": s.min_version,
+                "max_version": s.max_version,
+            })
+        })
+        .collect()
+}
+
+/// verl's `_dump_generations` rows: input, output, gts, score, step and the reward extras.
+pub fn generation_rows(
+    tokenizer: &Tokenizer,
+    step: u64,
+    samples: &[Sample],
+    rewards: &[v1::Reward],
+) -> Vec<serde_json::Value> {
+    let by_key: HashMap<&str, &v1::Reward> = rewards.iter().map(|r| (r.key.as_str(), r)).collect();
+    samples
+        .iter()
+        .map(|s| {
+            let mut row = serde_json::json!({
+                "input": tokenizer.decode(&s.prompt, false).unwrap_or_default(),
+                "output": tokenizer.decode(&s.response, true).unwrap_or_default(),
+                "gts": s.ground_truth,
+                "score": s.score,
+                "step": step,
+                "uid": s.uid,
+                "data_source": s.data_source,
+            });
+            if let (Some(obj), Some(r)) = (row.as_object_mut(), by_key.get(s.key.as_str())) {
+                for (k, v) in &r.extra {
+                    obj.insert(k.clone(), serde_json::json!(v));
+                }
+                for (k, v) in &r.extra_text {
+                    obj.insert(k.clone(), serde_json::json!(v));
+                }
+            }
+            row
+        })
+        .collect()
+}
+
+/// Writes one JSON object per line; a failure is logged, not fatal.
+pub fn write_jsonl(path: &Path, rows: &[serde_json::Value]) {
+    let mut out = String::new();
+    for row in rows {
+        out.push_str(&row.to_string());
+        out.push('\n');
+    }
+    let written = path.parent().map_or(Ok(()), std::fs::create_dir_all).and_then(|_| std::fs::write(path, out));
+    if let Err(err) = written {
+        tracing::warn!(error = %err, path = %path.display(), "dump not written");
+    }
+}
+
+/// verl's `_maybe_log_val_generations` for the console: `n` generations (sorted by input, then shuffled with
+/// seed 42) written to the log.
+pub fn log_generations(rows: &[serde_json::Value], n: usize, step: u64) {
+    use rand::seq::SliceRandom;
+    use rand::SeedableRng;
+    if n == 0 {
+        return;
+    }
+    let mut rows: Vec<&serde_json::Value> = rows.iter().collect();
+    rows.sort_by(|a, b| a["input"].as_str().cmp(&b["input"].as_str()));
+    rows.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(42));
+    for row in rows.into_iter().take(n) {
+        tracing::info!(
+            step,
+            input = row["input"].as_str().unwrap_or_default(),
+            output = row["output"].as_str().unwrap_or_default(),
+            score = row["score"].as_f64().unwrap_or(f64::NAN),
+            "validation generation"
+        );
+    }
+}

@@ -1,0 +1,107 @@
+//! The trainer's errors: one enum for the service ([`TrainerError`]) and one for the model thread
+//! ([`ActorError`]), each variant named for the stage that failed and keeping its cause.
+
+use std::path::PathBuf;
+
+use jetrl_bus::groups::GroupUpdateError;
+use jetrl_bus::BusError;
+use jetrl_config::TrainerMode;
+
+use crate::checkpoint::CheckpointError;
+use crate::optim::OptimError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainerError {
+    #[error(transparent)]
+    Bus(#[from] BusError),
+    #[error("metrics endpoint: {0}")]
+    Metrics(#[from] jetrl_telemetry::TelemetryError),
+    #[error("actor: {0}")]
+    Actor(#[from] ActorError),
+    #[error("data: {0}")]
+    Data(#[from] jetrl_data::DataError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("updating group records: {0}")]
+    GroupRecord(#[source] GroupUpdateError),
+    #[error("tokenizer of {path}: {source}")]
+    Tokenizer {
+        path: PathBuf,
+        #[source]
+        source: jetrl_model::TokenizerError,
+    },
+    #[error("model config {path}: {source}")]
+    ModelConfig {
+        path: PathBuf,
+        #[source]
+        source: jetrl_model::ModelError,
+    },
+    #[error("run directory {path}: {source}")]
+    RunDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("replay buffer answered sample request {request_id}: {message}")]
+    Buffer { request_id: String, message: String },
+    #[error("weight sync of version {version}: {reason}")]
+    WeightSync { version: u64, reason: WeightSyncFailure },
+    #[error("trainer.mode {0}: {1}")]
+    Mode(TrainerMode, String),
+    #[error("shutdown requested")]
+    Shutdown,
+}
+
+/// Why a weight version could not be published.
+#[derive(Debug, thiserror::Error)]
+pub enum WeightSyncFailure {
+    /// checkpoint-sync refused the announcement (it names the cause): permanent, not retried
+    #[error("checkpoint-sync rejected the announcement: {0}")]
+    Rejected(String),
+    /// checkpoint-sync did not answer within the deadline (retried with backoff until then)
+    #[error("checkpoint-sync did not acknowledge within {seconds:.0}s (last error: {last})")]
+    Unacknowledged { seconds: f64, last: String },
+}
+
+impl TrainerError {
+    /// A stable, low-cardinality label for metrics and logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            TrainerError::Bus(e) => e.kind(),
+            TrainerError::Metrics(_) => "metrics",
+            TrainerError::Actor(_) => "actor",
+            TrainerError::Data(_) => "data",
+            TrainerError::Checkpoint(_) => "checkpoint",
+            TrainerError::GroupRecord(_) => "group_record",
+            TrainerError::Tokenizer { .. } => "tokenizer",
+            TrainerError::ModelConfig { .. } => "model_config",
+            TrainerError::RunDir { .. } => "run_dir",
+            TrainerError::Buffer { .. } => "buffer",
+            TrainerError::WeightSync { .. } => "weight_sync",
+            TrainerError::Mode(..) => "mode",
+            TrainerError::Shutdown => "shutdown",
+        }
+    }
+}
+
+/// Errors of the model thread: loading, the RL math, the optimizer, checkpoint files.
+#[derive(Debug, thiserror::Error)]
+pub enum ActorError {
+    #[error("model: {0}")]
+    Model(#[from] jetrl_model::ModelError),
+    #[error("algorithm: {0}")]
+    Algo(#[from] jetrl_algos::AlgoError),
+    #[error("torch: {0}")]
+    Torch(#[from] tch::TchError),
+    #[error(transparent)]
+    Optim(#[from] OptimError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// a batch the actor cannot train on (it names why)
+    #[error("batch: {0}")]
+    Batch(String),
+    #[error("cannot start the actor thread: {0}")]
+    Spawn(#[source] std::io::Error),
+    #[error("the actor thread has stopped")]
+    Stopped,
+}

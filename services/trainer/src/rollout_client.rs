@@ -1,0 +1,496 @@
+//! The trainer's side of the data plane: prompt tasks out (GROUPS record first, then PROMPTS), sample requests to
+//! the replay buffer (with verl's refills), trajectory payloads in (TRAJ, batched direct gets), releases back.
+//! Every mode's schedule goes through it; it owns the dataloader cursor.
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use jetrl_bus::publish::Outgoing;
+use jetrl_bus::{Bus, GroupStore, Publisher};
+use jetrl_config::JobConfig;
+use jetrl_data::prompt::{PromptLimits, PromptTokenizer};
+use jetrl_data::{ChatMessage, DataLoader, Drawn, Example, LoaderState, Prompt};
+use jetrl_model::Tokenizer;
+use jetrl_telemetry::Shutdown;
+use jetrl_wire::keys::new_uid;
+use jetrl_wire::v1::{
+    self, GroupState, GroupStatus, PromptTask, ReleaseRequest, ReleaseResponse, SampleRequest, SampleResponse,
+    Trajectory,
+};
+use jetrl_wire::{packed, subjects, Message};
+
+use crate::batch::{Sample, SampleLimits};
+use crate::error::TrainerError;
+
+/// The model's tokenizer as the dataset's prompt tokenizer (chat template from `tokenizer_config.json`).
+pub(crate) struct ModelPrompts<'a>(pub &'a Tokenizer);
+
+impl PromptTokenizer for ModelPrompts<'_> {
+    fn chat_ids(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
+        let messages: Vec<serde_json::Value> =
+            messages.iter().map(|m| serde_json::json!({"role": m.role, "content": m.content})).collect();
+        self.0.apply_chat_template(&messages, true).map_err(|e| format!("chat template: {e}"))
+    }
+
+    fn text_ids(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.0.encode(text, true).map_err(|e| e.to_string())
+    }
+}
+
+/// A sampled batch's training rows, and the groups that could not be trained on (with why).
+#[derive(Debug, Default)]
+pub struct Fetched {
+    /// ordered by (epoch, dataset row, session, index), so a seeded run trains the same batches whatever order
+    /// the groups arrived in
+    pub samples: Vec<Sample>,
+    /// uid → reason: a payload missing from TRAJ or failing the boundary checks fails its whole group (a
+    /// partial group would change its GRPO baseline)
+    pub rejected: BTreeMap<String, String>,
+}
+
+pub struct RolloutClient {
+    bus: Bus,
+    groups: GroupStore,
+    tokenizer: Tokenizer,
+    limits: PromptLimits,
+    sample_limits: SampleLimits,
+    loader: DataLoader,
+    shutdown: Shutdown,
+    run_seed: u64,
+    train_sampling: v1::SamplingParams,
+    val_sampling: v1::SamplingParams,
+    n: u32,
+    val_n: u32,
+    sample_wait: Duration,
+    /// sync mode: train tasks must be generated with at least this weight version (see
+    /// `PromptTask.min_policy_version`); 0 in the async modes
+    pub min_policy_version: u64,
+    /// releases sent in the background (nothing waits on one), awaited before the run ends
+    releases: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// this trainer process (its start time, unix ms), carried by every sample request
+    incarnation: u64,
+}
+
+impl RolloutClient {
+    #[allow(clippy::too_many_arguments)]
+    pub async fn new(
+        cfg: &JobConfig,
+        bus: Bus,
+        tokenizer: Tokenizer,
+        limits: PromptLimits,
+        sample_limits: SampleLimits,
+        loader: DataLoader,
+        shutdown: Shutdown,
+    ) -> Result<Self, TrainerError> {
+        let kw = &cfg.rollout.val_kwargs;
+        Ok(Self {
+            incarnation: jetrl_wire::now_unix_ms().max(0) as u64,
+            groups: GroupStore::open(&bus).await?,
+            bus,
+            tokenizer,
+            limits,
+            sample_limits,
+            loader,
+            shutdown,
+            run_seed: cfg.run.seed,
+            train_sampling: v1::SamplingParams {
+                temperature: cfg.rollout.temperature,
+                top_p: cfg.rollout.top_p,
+                top_k: cfg.rollout.top_k,
+                repetition_penalty: cfg.rollout.repetition_penalty,
+                max_new_tokens: cfg.max_new_tokens(),
+                ..Default::default()
+            },
+            val_sampling: v1::SamplingParams {
+                temperature: kw.temperature,
+                top_p: kw.top_p,
+                top_k: kw.top_k,
+                max_new_tokens: cfg.max_new_tokens(),
+                ..Default::default()
+            },
+            n: cfg.rollout.n,
+            val_n: kw.n.max(1),
+            sample_wait: Duration::from_secs_f64(cfg.trainer.sample_wait_s.max(0.1)),
+            min_policy_version: 0,
+            releases: Default::default(),
+        })
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    pub fn loader_state(&self) -> LoaderState {
+        self.loader.state()
+    }
+
+    /// This trainer process's incarnation (its start time, unix ms): it names the process in sample request ids
+    /// and fences requests of older incarnations at the buffer.
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
+    pub fn loader_len(&self) -> usize {
+        self.loader.len()
+    }
+
+    /// The task of one prompt: its ids rendered and limited here (chat template, `data.truncation`), so the
+    /// prompt a worker generates from is exactly the one the dataset settings describe; chat messages travel
+    /// along for agent loops that need them. The sampling seed derives from the run seed and the row, so a seeded
+    /// run draws the same samples whichever worker generates them.
+    fn task_for(
+        &self,
+        drawn: &Drawn,
+        partition: &str,
+        step: u64,
+        validation: bool,
+    ) -> Result<PromptTask, TrainerError> {
+        let example = &drawn.example;
+        let ids = jetrl_data::prompt::tokenize_prompt(example, &ModelPrompts(&self.tokenizer), self.limits)?;
+        let mut sampling = if validation { self.val_sampling.clone() } else { self.train_sampling.clone() };
+        sampling.seed = Some(row_seed(self.run_seed, partition, drawn.epoch, drawn.row));
+        let mut task = PromptTask {
+            uid: new_uid(),
+            partition: partition.into(),
+            n: if validation { self.val_n } else { self.n },
+            submit_step: step,
+            sampling: Some(sampling),
+            data_source: example.data_source.clone(),
+            ground_truth: example.ground_truth.clone(),
+            extra_info_json: example.extra_info.to_string(),
+            agent_name: example.agent_name.clone().unwrap_or_default(),
+            row_index: example.index,
+            prompt_ids: packed::pack_u32(&ids),
+            min_policy_version: self.min_policy_version,
+            epoch: drawn.epoch,
+            dataset_row: drawn.row,
+            ..Default::default()
+        };
+        if let Prompt::Messages(messages) = &example.prompt {
+            task.messages =
+                messages.iter().map(|m| v1::ChatMessage { role: m.role.clone(), content: m.content.clone() }).collect();
+        }
+        Ok(task)
+    }
+
+    /// Draws `count` rows from the dataloader and submits them as train groups of step `step`.
+    pub async fn submit_train(&mut self, step: u64, count: usize) -> Result<usize, TrainerError> {
+        let rows = self.loader.next_rows(count);
+        self.submit(subjects::TRAIN_PARTITION, step, &rows, false).await
+    }
+
+    /// Submits validation prompts (`examples` in order, rows numbered from 0) for step `step`.
+    pub async fn submit_val(&self, step: u64, first_row: u64, examples: &[Example]) -> Result<usize, TrainerError> {
+        let rows: Vec<Drawn> = examples
+            .iter()
+            .enumerate()
+            .map(|(i, e)| Drawn { epoch: step, row: first_row + i as u64, example: e.clone() })
+            .collect();
+        self.submit(subjects::VAL_PARTITION, step, &rows, true).await
+    }
+
+    /// Writes a pending record then publishes the task, for every row. Returns the number submitted.
+    async fn submit(
+        &self,
+        partition: &str,
+        step: u64,
+        rows: &[Drawn],
+        validation: bool,
+    ) -> Result<usize, TrainerError> {
+        let mut tasks = Vec::with_capacity(rows.len());
+        for row in rows {
+            tasks.push(self.task_for(row, partition, step, validation)?);
+        }
+        let records: Vec<GroupStatus> = tasks
+            .iter()
+            .map(|t| {
+                let mut s = GroupStatus {
+                    uid: t.uid.clone(),
+                    partition: t.partition.clone(),
+                    submit_step: step,
+                    n: t.n,
+                    epoch: t.epoch,
+                    dataset_row: t.dataset_row,
+                    task: Some(t.clone()),
+                    updated_unix_ms: jetrl_wire::now_unix_ms(),
+                    ..Default::default()
+                };
+                s.set_state(GroupState::Pending);
+                s
+            })
+            .collect();
+        // the record first: a worker must never see a task without one
+        self.groups.create_many(&records).await?;
+        let mut publisher = Publisher::new(&self.bus, 512);
+        for task in &tasks {
+            publisher
+                .publish(Outgoing::protobuf(self.bus.names().prompt_subject(partition), Some(task.uid.clone()), task))
+                .await?;
+        }
+        publisher.drain().await?;
+        metrics::counter!("jetrl_trainer_submitted_groups_total", "partition" => partition.to_string())
+            .increment(tasks.len() as u64);
+        Ok(tasks.len())
+    }
+
+    /// Asks the buffer for `batch_size` groups, re-asking with the same request id until it answers. When the
+    /// buffer evicted groups (DAPO filter, failures, staleness) it asks for refills: this submits that many new
+    /// prompts at `step` (verl's `refill_fn`) and reports them in `refilled`, so a lost reply can neither lose nor
+    /// double a refill. Returns the answer and how many prompts were refilled. A buffer that does not answer is
+    /// asked again with backoff (it is restarted by its supervisor and rebuilds its state); an answer with an
+    /// error is final.
+    pub async fn sample(
+        &mut self,
+        request_id: &str,
+        step: u64,
+        partition: &str,
+        batch_size: u32,
+    ) -> Result<(SampleResponse, u32), TrainerError> {
+        let mut request = SampleRequest {
+            request_id: request_id.to_string(),
+            step,
+            partition: partition.to_string(),
+            batch_size,
+            wait_ms: self.sample_wait.as_millis() as u32,
+            incarnation: self.incarnation,
+            ..Default::default()
+        };
+        let mut failures = 0u32;
+        let mut backoff = Duration::from_millis(200);
+        loop {
+            if self.shutdown.is_triggered() {
+                return Err(TrainerError::Shutdown);
+            }
+            let timeout = self.sample_wait + Duration::from_secs(5);
+            let reply = tokio::select! {
+                _ = self.shutdown.wait() => return Err(TrainerError::Shutdown),
+                r = self.bus.request::<_, SampleResponse>(self.bus.names().buffer_sample(), &request, timeout) => r,
+            };
+            match reply {
+                Ok(resp) if !resp.error.is_empty() => {
+                    return Err(TrainerError::Buffer { request_id: request_id.to_string(), message: resp.error })
+                }
+                Ok(resp) if resp.refill > 0 => {
+                    let rows = self.loader.next_rows(resp.refill as usize);
+                    let submitted = self.submit(partition, step, &rows, false).await?;
+                    request.refilled += submitted as u32;
+                    metrics::counter!("jetrl_trainer_refilled_prompts_total").increment(submitted as u64);
+                    tracing::info!(step, refill = resp.refill, "buffer evicted groups; submitted refills");
+                }
+                Ok(resp) if resp.not_ready => {
+                    tracing::debug!(request_id, step, "buffer: batch not ready yet");
+                    failures = 0;
+                    backoff = Duration::from_millis(200);
+                }
+                Ok(resp) => return Ok((resp, request.refilled)),
+                Err(err) => {
+                    failures += 1;
+                    if failures % 10 == 1 {
+                        tracing::warn!(error = %err, request_id, attempts = failures, "replay buffer not answering; retrying");
+                    }
+                    metrics::counter!("jetrl_trainer_buffer_retries_total").increment(1);
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+
+    /// Fetches every sampled trajectory's payload from the TRAJ stream (one batched direct get per group) and
+    /// checks it at the boundary ([`Sample::from_wire`]). A group with a payload missing or invalid is rejected
+    /// whole.
+    pub async fn fetch(&self, response: &SampleResponse) -> Result<Fetched, TrainerError> {
+        let started = Instant::now();
+        let rewards: Vec<&v1::Reward> = response.groups.iter().flat_map(|g| g.trajectories.iter()).collect();
+        let wanted: Vec<(String, u64)> =
+            rewards.iter().map(|r| (self.bus.names().traj_subject(&r.partition, &r.uid), r.traj_seq)).collect();
+        let mut payloads = self.bus.fetch_by_sequence(self.bus.names().traj_stream(), &wanted).await?;
+        let mut out = Fetched::default();
+        for reward in rewards {
+            if out.rejected.contains_key(&reward.uid) {
+                continue;
+            }
+            let checked = match payloads.remove(&reward.traj_seq) {
+                Some(payload) => Trajectory::decode(payload.as_ref())
+                    .map_err(|e| format!("trajectory {} does not decode: {e}", reward.key))
+                    .and_then(|traj| {
+                        if traj.key != reward.key {
+                            return Err(format!(
+                                "TRAJ sequence {} holds {}, not {}",
+                                reward.traj_seq, traj.key, reward.key
+                            ));
+                        }
+                        Sample::from_wire(&traj, reward, self.sample_limits)
+                            .map_err(|e| format!("trajectory {}: {e}", reward.key))
+                    }),
+                None => Err(format!(
+                    "trajectory {} (TRAJ sequence {}) is missing from the stream",
+                    reward.key, reward.traj_seq
+                )),
+            };
+            match checked {
+                Ok(sample) => out.samples.push(sample),
+                Err(reason) => {
+                    tracing::error!(uid = %reward.uid, %reason, "group rejected: not trained on");
+                    metrics::counter!("jetrl_trainer_rejected_groups_total").increment(1);
+                    out.rejected.insert(reward.uid.clone(), reason);
+                }
+            }
+        }
+        out.samples.retain(|s| !out.rejected.contains_key(&s.uid));
+        out.samples.sort_by(|a, b| {
+            (a.epoch, a.dataset_row, a.session_id, &a.key).cmp(&(b.epoch, b.dataset_row, b.session_id, &b.key))
+        });
+        metrics::histogram!("jetrl_trainer_fetch_seconds").record(started.elapsed().as_secs_f64());
+        Ok(out)
+    }
+
+    /// Tells the buffer the step's payloads may go, in the background: the groups are already consumed (their
+    /// records say sampled), so nothing the trainer does next depends on it. A failed release only leaves
+    /// payloads behind until the streams' max age.
+    pub fn release(&self, step: u64, request_ids: Vec<String>) {
+        let bus = self.bus.clone();
+        let task = tokio::spawn(async move {
+            let request = ReleaseRequest { step, request_ids };
+            match bus.request::<_, ReleaseResponse>(bus.names().buffer_release(), &request, bus.request_timeout()).await
+            {
+                Ok(resp) if resp.error.is_empty() => {}
+                Ok(resp) => tracing::warn!(error = %resp.error, "release failed"),
+                Err(err) => tracing::warn!(error = %err, "release not acknowledged"),
+            }
+        });
+        let mut releases = self.releases.lock().unwrap_or_else(PoisonError::into_inner);
+        releases.retain(|t| !t.is_finished());
+        releases.push(task);
+    }
+
+    /// Waits for the releases still in flight.
+    pub async fn finish_releases(&self) {
+        let pending: Vec<_> = std::mem::take(&mut *self.releases.lock().unwrap_or_else(PoisonError::into_inner));
+        for task in pending {
+            let _ = task.await;
+        }
+    }
+
+    /// After a resume from the checkpoint of step `k` (the dataloader restored to that checkpoint's cursor):
+    /// makes the group records agree with the restored timeline, so that every row ends trained, evicted or
+    /// failed once. For each dataset row:
+    ///
+    /// - decided at or before step `k` (trained at a step ≤ k, or evicted then): kept; any later group of it is
+    ///   superseded;
+    /// - otherwise every group of it is retired: an in-flight one (pending, running, or generated but not
+    ///   trained) is evicted as `superseded_by_resume` — it was generated for weights that no longer exist, so
+    ///   sync mode is on-policy again from the first step —, a training after step k is rolled back
+    ///   (`rolled_back: …`: the weights it produced are gone), an eviction after step k likewise; and the row is
+    ///   submitted again at step k + 1 when the checkpointed run had drawn it (rows drawn after the checkpoint
+    ///   are drawn again by the dataloader).
+    ///
+    /// Returns how many rows were submitted again.
+    pub async fn resume(&mut self, k: u64) -> Result<usize, TrainerError> {
+        use std::collections::{BTreeMap, HashMap};
+        let drawn = self.loader.drawn(self.loader.state());
+        let records = self.groups.list(subjects::TRAIN_PARTITION).await?;
+        let mut by_row: BTreeMap<(u64, u64), Vec<GroupStatus>> = BTreeMap::new();
+        for g in records {
+            by_row.entry((g.epoch, g.dataset_row)).or_default().push(g);
+        }
+        let bookkeeping = |g: &GroupStatus| {
+            g.state() == GroupState::Evicted
+                && (jetrl_bus::ledger::SUPERSEDED.contains(&g.evicted_reason.as_str())
+                    || g.evicted_reason.starts_with(jetrl_bus::ledger::ROLLED_BACK))
+        };
+        let mut positions: HashMap<u64, Vec<u64>> = HashMap::new();
+        let mut again: Vec<Drawn> = Vec::new();
+        let (mut superseded, mut rolled_back) = (0usize, 0usize);
+        for ((epoch, row), groups) in by_row {
+            let decided = groups.iter().any(|g| {
+                (g.state() == GroupState::Sampled && g.sampled_step <= k)
+                    || (g.state() == GroupState::Evicted && g.evicted_step <= k && !bookkeeping(g))
+            });
+            for g in &groups {
+                let keep = (g.state() == GroupState::Sampled && g.sampled_step <= k)
+                    || (g.state() == GroupState::Evicted && (g.evicted_step <= k || bookkeeping(g)));
+                if keep {
+                    continue;
+                }
+                let reason = match g.state() {
+                    GroupState::Sampled => {
+                        rolled_back += 1;
+                        format!(
+                            "{}: trained at step {} after the checkpoint of step {k}",
+                            jetrl_bus::ledger::ROLLED_BACK,
+                            g.sampled_step
+                        )
+                    }
+                    GroupState::Evicted => {
+                        rolled_back += 1;
+                        format!(
+                            "{}: evicted at step {} ({}) after the checkpoint of step {k}",
+                            jetrl_bus::ledger::ROLLED_BACK,
+                            g.evicted_step,
+                            g.evicted_reason
+                        )
+                    }
+                    _ => {
+                        superseded += 1;
+                        "superseded_by_resume".to_string()
+                    }
+                };
+                self.groups.retract(&g.partition, &g.uid, &reason, k).await.map_err(TrainerError::GroupRecord)?;
+            }
+            if decided {
+                continue;
+            }
+            let drawn_before = self.loader.position_of(epoch, row, &mut positions).is_some_and(|p| p < drawn);
+            if let (true, Some(example)) = (drawn_before, self.loader.examples().get(row as usize)) {
+                again.push(Drawn { epoch, row, example: example.clone() });
+            }
+        }
+        // validation groups of the old incarnation are never trained: retire them
+        for g in self.groups.list(subjects::VAL_PARTITION).await? {
+            if g.state().is_inflight() || g.state().is_terminal() {
+                self.groups
+                    .retract(&g.partition, &g.uid, "superseded_by_resume", k)
+                    .await
+                    .map_err(TrainerError::GroupRecord)?;
+            }
+        }
+        let submitted = self.submit(subjects::TRAIN_PARTITION, k + 1, &again, false).await?;
+        tracing::info!(
+            checkpoint_step = k,
+            superseded,
+            rolled_back,
+            submitted_again = submitted,
+            "group records brought back to the checkpoint's timeline"
+        );
+        Ok(submitted)
+    }
+
+    /// Groups of the train partition in flight (pending, running, or terminal and not yet sampled).
+    pub async fn inflight_groups(&self) -> Result<usize, TrainerError> {
+        let records = self.groups.list(subjects::TRAIN_PARTITION).await?;
+        Ok(records.iter().filter(|g| g.state().is_inflight() || g.state().is_terminal()).count())
+    }
+
+    /// Records that the sampled group `uid` could not be trained on (fate `failed`, with the reason).
+    pub async fn reject(&self, uid: &str, reason: &str, step: u64) -> Result<(), TrainerError> {
+        let reason = format!("rejected: {reason}");
+        self.groups.retract(subjects::TRAIN_PARTITION, uid, &reason, step).await.map_err(TrainerError::GroupRecord)
+    }
+
+    /// Every train group record, for the ledger.
+    pub async fn train_records(&self) -> Result<Vec<GroupStatus>, TrainerError> {
+        Ok(self.groups.list(subjects::TRAIN_PARTITION).await?)
+    }
+}
+
+/// The sampling seed of a dataset row: a pure function of the run seed, the partition and (epoch, row).
+fn row_seed(run_seed: u64, partition: &str, epoch: u64, row: u64) -> u64 {
+    let salt =
+        partition.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    let mut z = run_seed ^ salt ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ row.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}

@@ -1,0 +1,77 @@
+//! `colocate_async` (verl's `PPOTrainerColocateAsync`): the trainer and one rollout worker share a device. The
+//! worker runs ahead (warm-up batches before step 1, one more batch per step); sampling returns as soon as
+//! `train_batch_size` groups are terminal, oldest first. Then the worker pauses — its sequences are aborted with
+//! their prefixes kept and its KV cache freed, so the trainer has the device — the trainer updates, writes the
+//! weights to a local file (never through the broker) and resumes the worker, which loads them and continues
+//! every sequence from its prefix: trajectories then span versions, within the buffer's staleness bound. Both
+//! handshakes have a deadline; a worker that misses one is reported and the trainer goes on.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use crate::actor::OldPolicy;
+use crate::error::TrainerError;
+use crate::schedule::sample_metrics;
+use crate::step_metrics::{batch_metrics, timing_metrics, IdleClock, Metrics};
+use crate::Trainer;
+
+pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerError> {
+    let started = Instant::now();
+    let clock = IdleClock::start(t.weights.fleet());
+    let mut timings = BTreeMap::new();
+    let batch_size = t.cfg.data.train_batch_size;
+    t.client.min_policy_version = 0;
+    jetrl_telemetry::crash::crash_point("trainer.before_submit", step);
+    t.client.submit_train(step, batch_size as usize).await?;
+    jetrl_telemetry::crash::crash_point("trainer.after_submit", step);
+
+    let request_id = format!("train-{}-{step}", t.incarnation);
+    let batch = t.sample_batch(&request_id, step, batch_size).await?;
+    timings.insert("gen".to_string(), batch.wait_s);
+    timings.insert("fetch".to_string(), batch.fetch_s);
+    let mut metrics = Metrics::new();
+    sample_metrics(&batch, &mut metrics);
+    batch_metrics(&batch.samples, &batch.response, step, t.cfg.data.max_prompt_length as usize, &mut metrics);
+
+    let t0 = Instant::now();
+    match t.weights.pause_colocated(step).await {
+        Ok(paused) => {
+            metrics.insert("colocate/parked_sequences".into(), f64::from(paused.parked_sequences));
+            metrics.insert("colocate/parked_tokens".into(), paused.parked_tokens as f64);
+        }
+        Err(missed) => {
+            tracing::warn!(step, error = %missed, "co-located worker not paused; training beside it");
+            metrics.insert("colocate/handshake_missed".into(), 1.0);
+        }
+    }
+    timings.insert("pause".to_string(), t0.elapsed().as_secs_f64());
+
+    let samples = batch.samples.clone();
+    let out = t.train_on(batch.samples, step, OldPolicy::Current).await?;
+    metrics.extend(out.metrics);
+    timings.extend(out.timings);
+    t.maybe_checkpoint(step, &metrics, &mut timings).await?;
+    jetrl_telemetry::crash::crash_point("trainer.between_checkpoint_and_publish", step);
+    t.client.release(step, vec![request_id]);
+
+    let t0 = Instant::now();
+    let blob = t.weights_blob().await?;
+    let manifest = t.weights.store(step, blob).await?;
+    match t.weights.resume_colocated(step, Some(manifest.clone())).await {
+        Ok(resumed) => {
+            metrics.insert("colocate/resumed_sequences".into(), f64::from(resumed.resumed_sequences));
+        }
+        Err(missed) => {
+            tracing::warn!(step, error = %missed, "co-located worker not resumed; it loads the weights when it returns");
+            *metrics.entry("colocate/handshake_missed".into()).or_insert(0.0) += 1.0;
+        }
+    }
+    timings.insert("resume".to_string(), t0.elapsed().as_secs_f64());
+    // the registry last: a worker that restarts finds this version, and the co-located one already has it
+    t.weights.announce(manifest).await?;
+    timings.insert("update_weights".to_string(), t0.elapsed().as_secs_f64());
+
+    timing_metrics(&timings, &samples, started.elapsed().as_secs_f64(), &mut metrics);
+    clock.finish(t.weights.fleet(), batch.wait_s, &mut metrics);
+    Ok(metrics)
+}

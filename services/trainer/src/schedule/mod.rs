@@ -1,0 +1,185 @@
+//! The three schedules of one global step (verl V1's trainers), over the shared phases below:
+//!
+//! - [`sync`]: submit a batch, wait for all of it, train, publish the weights and wait for the workers to load
+//!   them. Strictly on-policy.
+//! - [`colocate_async`]: batches in flight ahead of the trainer; the co-located worker pauses while the trainer
+//!   updates, loads the new weights from a local file and resumes its sequences from their prefixes.
+//! - [`separate_async`]: rollout never stops; `parameter_sync_step` decoupled-PPO local updates per global step,
+//!   weights published once per step.
+//!
+//! Who waits for whom, per step:
+//!
+//! ```text
+//! sync            trainer |submit|--- wait for the batch ---|train|publish+wait|
+//!                 rollout |-------- generate batch t --------|.....idle.....|load|
+//! colocate_async  trainer |submit|-- wait for B groups --|pause|train|resume|
+//!                 rollout |== generate t, t+1 (warm-up) ==|parked.......|load|== continue ==>
+//! separate_async  trainer |submit|sample|train|sample|train|...|publish|
+//!                 rollout |================ generate continuously, swap weights between decode steps ==>
+//! ```
+
+pub mod colocate_async;
+pub mod separate_async;
+pub mod sync;
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use bytes::Bytes;
+use jetrl_config::TrainerMode;
+use jetrl_wire::subjects;
+use jetrl_wire::v1::SampleResponse;
+
+use crate::actor::{OldPolicy, TrainOutput};
+use crate::batch::Sample;
+use crate::checkpoint::{self, CheckpointError, TrainerState};
+use crate::error::TrainerError;
+use crate::step_metrics::Metrics;
+use crate::weight_sync::SyncReport;
+use crate::Trainer;
+
+/// What one sample request brought: the buffer's answer, the rows to train on, and the wait.
+pub(crate) struct SampledBatch {
+    pub response: SampleResponse,
+    pub samples: Vec<Sample>,
+    /// groups failed at the boundary (uid → reason), not trained on
+    pub rejected: BTreeMap<String, String>,
+    pub refilled: u32,
+    /// seconds spent waiting for the buffer's answer (the trainer idle)
+    pub wait_s: f64,
+    pub fetch_s: f64,
+}
+
+/// Before step 1: the async modes submit `num_warmup_batches` full batches, so rollout runs ahead of training.
+pub(crate) async fn warm_up(t: &mut Trainer) -> Result<(), TrainerError> {
+    let batches = match t.cfg.trainer.mode {
+        TrainerMode::Sync => 0,
+        TrainerMode::ColocateAsync => t.cfg.trainer.colocate_async.num_warmup_batches,
+        TrainerMode::SeparateAsync => t.cfg.trainer.separate_async.num_warmup_batches,
+    };
+    let step = t.start_step + 1;
+    // after a resume the rows submitted again count towards the warm-up: the backlog stays what it was
+    let wanted = batches as usize * t.cfg.data.train_batch_size as usize;
+    let inflight = if batches > 0 { t.client.inflight_groups().await? } else { 0 };
+    let missing = wanted.saturating_sub(inflight);
+    if missing > 0 {
+        t.client.submit_train(step, missing).await?;
+        tracing::info!(batches, groups = missing, already_in_flight = inflight, "warm-up submitted");
+    }
+    Ok(())
+}
+
+/// One global step in the configured mode; returns its metrics.
+pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerError> {
+    match t.cfg.trainer.mode {
+        TrainerMode::Sync => sync::step(t, step).await,
+        TrainerMode::ColocateAsync => colocate_async::step(t, step).await,
+        TrainerMode::SeparateAsync => separate_async::step(t, step).await,
+    }
+}
+
+impl Trainer {
+    /// Asks the buffer for `groups` train groups of `step` and fetches their payloads.
+    pub(crate) async fn sample_batch(
+        &mut self,
+        request_id: &str,
+        step: u64,
+        groups: u32,
+    ) -> Result<SampledBatch, TrainerError> {
+        let t = Instant::now();
+        let (response, refilled) = self.client.sample(request_id, step, subjects::TRAIN_PARTITION, groups).await?;
+        let wait_s = t.elapsed().as_secs_f64();
+        tracing::debug!(step, request_id, groups = response.groups.len(), wait_s, "buffer answered; fetching");
+        let t = Instant::now();
+        let fetched = self.client.fetch(&response).await?;
+        for (uid, reason) in &fetched.rejected {
+            self.client.reject(uid, reason, step).await?;
+        }
+        let fetch_s = t.elapsed().as_secs_f64();
+        if let Some(dir) = &self.cfg.trainer.rollout_data_dir {
+            let rows = crate::dump::rollout_rows(self.client.tokenizer(), step, &fetched.samples);
+            crate::dump::write_jsonl(&std::path::Path::new(dir).join(format!("{step}.jsonl")), &rows);
+        }
+        Ok(SampledBatch { response, samples: fetched.samples, rejected: fetched.rejected, refilled, wait_s, fetch_s })
+    }
+
+    /// One update on `samples` on the actor thread (nothing to train on: no update, said in the metrics).
+    pub(crate) async fn train_on(
+        &self,
+        samples: Vec<Sample>,
+        step: u64,
+        pi_old: OldPolicy,
+    ) -> Result<TrainOutput, TrainerError> {
+        if samples.is_empty() {
+            tracing::warn!(step, "no trajectory left to train on (every sampled group was rejected); update skipped");
+            let mut out = TrainOutput::default();
+            out.metrics.insert("training/skipped_updates".into(), 1.0);
+            return Ok(out);
+        }
+        Ok(self.actor.call(move |actor| actor.train(&samples, step, pi_old)).await??)
+    }
+
+    /// The current weights as a safetensors blob in `model.dtype`.
+    pub(crate) async fn weights_blob(&self) -> Result<Bytes, TrainerError> {
+        Ok(Bytes::from(self.actor.call(|actor| actor.weights_blob()).await??))
+    }
+
+    /// Every `trainer.save_freq` steps (and at the last): `global_step_<step>/` (models and optimizers on the
+    /// actor thread, then the trainer state, and the step's metrics so far: a trainer that dies after the commit
+    /// resumes after this step and writes its metrics line from them), committed, old ones pruned. Timed as
+    /// `save_checkpoint`.
+    pub(crate) async fn maybe_checkpoint(
+        &self,
+        step: u64,
+        metrics: &Metrics,
+        timings: &mut BTreeMap<String, f64>,
+    ) -> Result<(), TrainerError> {
+        let save_freq = self.cfg.trainer.save_freq;
+        if !(save_freq > 0 && (step % save_freq as u64 == 0 || step == self.total_steps)) {
+            return Ok(());
+        }
+        let t = Instant::now();
+        let staging = checkpoint::staging_dir(&self.ckpt_root, step);
+        if staging.exists() {
+            std::fs::remove_dir_all(&staging).map_err(|e| CheckpointError::io(&staging, e))?;
+        }
+        std::fs::create_dir_all(&staging).map_err(|e| CheckpointError::io(&staging, e))?;
+        let dir = staging.clone();
+        let actor_state = self.actor.call(move |a| a.save_checkpoint(&dir)).await??;
+        let state = TrainerState {
+            global_step: step,
+            total_training_steps: self.total_steps,
+            dataloader: self.client.loader_state(),
+            actor: actor_state,
+            seeds: checkpoint::Seeds::of(&self.cfg),
+        };
+        checkpoint::write_json(&staging.join(checkpoint::TRAINER_STATE_FILE), &state)?;
+        let mut known = metrics.clone();
+        for (phase, seconds) in timings.iter() {
+            known.insert(format!("timing_s/{phase}"), *seconds);
+        }
+        known.insert("training/global_step".into(), step as f64);
+        known.insert("training/epoch".into(), state.dataloader.epoch as f64);
+        known.insert("training/total_steps".into(), self.total_steps as f64);
+        checkpoint::write_json(&staging.join(checkpoint::STEP_METRICS_FILE), &known)?;
+        let dir = checkpoint::commit(&self.ckpt_root, step, checkpoint::keep_count(&self.cfg))?;
+        tracing::info!(dir = %dir.display(), step, "checkpoint saved");
+        timings.insert("save_checkpoint".into(), t.elapsed().as_secs_f64());
+        Ok(())
+    }
+}
+
+/// A sample request's own metrics: the buffer's (evictions), refills and rejections.
+pub(crate) fn sample_metrics(batch: &SampledBatch, out: &mut Metrics) {
+    out.extend(batch.response.metrics.clone());
+    out.insert("training/refilled_prompts".into(), f64::from(batch.refilled));
+    out.insert("training/rejected_groups".into(), batch.rejected.len() as f64);
+}
+
+/// How the step's weight sync went: `weight_sync/{loaded_workers,lagging_workers,seconds}`.
+pub(crate) fn sync_metrics(report: &SyncReport, out: &mut Metrics) {
+    out.insert("weight_sync/loaded_workers".into(), report.loaded as f64);
+    out.insert("weight_sync/lagging_workers".into(), report.lagging.len() as f64);
+    out.insert("weight_sync/silent_workers".into(), report.silent.len() as f64);
+    out.insert("weight_sync/seconds".into(), report.seconds);
+}

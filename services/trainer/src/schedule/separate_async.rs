@@ -1,0 +1,77 @@
+//! `separate_async` (verl's `PPOTrainerSeparateAsync`): the rollout workers generate continuously on their own
+//! devices; the buffer bounds staleness (`buffer.max_off_policy_*`). One global step submits one batch (after the
+//! warm-up batches submitted before step 1), then makes `parameter_sync_step` local updates, each on
+//! `ppo_mini_batch_size` groups sampled oldest first, and publishes the weights once. Decoupled PPO: every local
+//! update takes π_old from the policy as it was at the start of the step (a snapshot), and rollout correction
+//! reweights by the behaviour log-probs the trajectories carry. Workers swap the new weights in between decode
+//! steps; the trainer does not wait for them (their lag shows in `training/off_policy/*` and `weight_sync/*`).
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use crate::actor::OldPolicy;
+use crate::error::TrainerError;
+use crate::schedule::sample_metrics;
+use crate::step_metrics::{batch_metrics, timing_metrics, Aggregator, IdleClock, Metrics};
+use crate::Trainer;
+
+pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerError> {
+    let started = Instant::now();
+    let clock = IdleClock::start(t.weights.fleet());
+    let local_updates = t.cfg.trainer.separate_async.parameter_sync_step.max(1);
+    let batch_size = t.cfg.data.train_batch_size;
+    let mini = t.cfg.actor.ppo_mini_batch_size.unwrap_or(batch_size / local_updates).max(1);
+    t.client.min_policy_version = 0;
+    jetrl_telemetry::crash::crash_point("trainer.before_submit", step);
+    t.client.submit_train(step, batch_size as usize).await?;
+    jetrl_telemetry::crash::crash_point("trainer.after_submit", step);
+    t.actor.call(|actor| actor.snapshot()).await??;
+
+    let mut local = Aggregator::default();
+    let mut request_ids = Vec::with_capacity(local_updates as usize);
+    let mut trained = Vec::new();
+    let mut waited = 0.0;
+    for i in 0..local_updates {
+        let request_id = format!("train-{}-{step}-{i}", t.incarnation);
+        let batch = t.sample_batch(&request_id, step, mini).await?;
+        waited += batch.wait_s;
+        let mut metrics = Metrics::new();
+        sample_metrics(&batch, &mut metrics);
+        batch_metrics(&batch.samples, &batch.response, step, t.cfg.data.max_prompt_length as usize, &mut metrics);
+        metrics.insert("timing_s/gen".into(), batch.wait_s);
+        metrics.insert("timing_s/fetch".into(), batch.fetch_s);
+        let weight = batch.samples.len() as f64;
+        trained.extend(batch.samples.iter().cloned());
+        // the first local update's π_old is the current policy itself; later ones read the snapshot
+        let pi_old = if i == 0 { OldPolicy::Current } else { OldPolicy::CycleStart };
+        let out = t.train_on(batch.samples, step, pi_old).await?;
+        metrics.extend(out.metrics);
+        for (phase, seconds) in out.timings {
+            metrics.insert(format!("timing_s/{phase}"), seconds);
+        }
+        local.add(metrics, weight);
+        request_ids.push(request_id);
+    }
+    let mut metrics = local.finish();
+    let mut timings: BTreeMap<String, f64> = BTreeMap::new();
+    for (key, value) in metrics.iter().filter(|(k, _)| k.starts_with("timing_s/")) {
+        timings.insert(key.trim_start_matches("timing_s/").to_string(), *value);
+    }
+    t.maybe_checkpoint(step, &metrics, &mut timings).await?;
+    jetrl_telemetry::crash::crash_point("trainer.between_checkpoint_and_publish", step);
+    t.client.release(step, request_ids);
+
+    let t0 = Instant::now();
+    let blob = t.weights_blob().await?;
+    t.weights.publish(step, blob).await?;
+    timings.insert("update_weights".to_string(), t0.elapsed().as_secs_f64());
+    // rollout does not wait for the trainer, nor the trainer for rollout: report who is behind
+    let behind = t.weights.fleet().views().into_iter().filter(|w| w.version + 1 < step).count();
+    metrics.insert("weight_sync/lagging_workers".into(), behind as f64);
+    metrics.insert("weight_sync/silent_workers".into(), t.weights.fleet().silent().len() as f64);
+    metrics.insert("training/local_updates".into(), f64::from(local_updates));
+
+    timing_metrics(&timings, &trained, started.elapsed().as_secs_f64(), &mut metrics);
+    clock.finish(t.weights.fleet(), waited, &mut metrics);
+    Ok(metrics)
+}

@@ -1,0 +1,53 @@
+//! `sync` (verl's `PPOTrainerSync`): one batch of prompts at version `step − 1`, sampled whole, trained on,
+//! then the weights of `step` published and loaded by every live worker before the next batch. Tasks carry the
+//! version they need, so a worker that could not load it never generates for the step: staleness stays 0.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use crate::actor::OldPolicy;
+use crate::error::TrainerError;
+use crate::schedule::{sample_metrics, sync_metrics};
+use crate::step_metrics::{batch_metrics, timing_metrics, IdleClock, Metrics};
+use crate::Trainer;
+
+pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerError> {
+    let started = Instant::now();
+    let clock = IdleClock::start(t.weights.fleet());
+    let mut timings = BTreeMap::new();
+    let batch_size = t.cfg.data.train_batch_size;
+    t.client.min_policy_version = step - 1;
+    jetrl_telemetry::crash::crash_point("trainer.before_submit", step);
+    t.client.submit_train(step, batch_size as usize).await?;
+    jetrl_telemetry::crash::crash_point("trainer.after_submit", step);
+
+    let request_id = format!("train-{}-{step}", t.incarnation);
+    let batch = t.sample_batch(&request_id, step, batch_size).await?;
+    tracing::debug!(step, groups = batch.response.groups.len(), "batch sampled");
+    timings.insert("gen".to_string(), batch.wait_s);
+    timings.insert("fetch".to_string(), batch.fetch_s);
+    let mut metrics = Metrics::new();
+    sample_metrics(&batch, &mut metrics);
+    batch_metrics(&batch.samples, &batch.response, step, t.cfg.data.max_prompt_length as usize, &mut metrics);
+
+    let samples = batch.samples.clone();
+    let out = t.train_on(batch.samples, step, OldPolicy::Current).await?;
+    tracing::debug!(step, "actor updated");
+    metrics.extend(out.metrics);
+    timings.extend(out.timings);
+    t.maybe_checkpoint(step, &metrics, &mut timings).await?;
+    jetrl_telemetry::crash::crash_point("trainer.between_checkpoint_and_publish", step);
+    t.client.release(step, vec![request_id]);
+
+    let t0 = Instant::now();
+    let blob = t.weights_blob().await?;
+    t.weights.publish(step, blob).await?;
+    tracing::debug!(step, "weights published; waiting for the workers to load them");
+    let report = t.weights.wait_for_workers(step, false).await?;
+    timings.insert("update_weights".to_string(), t0.elapsed().as_secs_f64());
+    sync_metrics(&report, &mut metrics);
+
+    timing_metrics(&timings, &samples, started.elapsed().as_secs_f64(), &mut metrics);
+    clock.finish(t.weights.fleet(), batch.wait_s, &mut metrics);
+    Ok(metrics)
+}

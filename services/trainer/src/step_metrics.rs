@@ -1,0 +1,177 @@
+//! The step's metrics that do not need the model: verl's data metrics of a batch (lengths, off-policy spans and
+//! staleness, turns, failures), timings and throughput, who waited for whom (trainer and rollout idle ratios),
+//! and the aggregation of separate_async's local updates into one step (verl's `MetricsAggregator`).
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use jetrl_wire::v1::{GroupState, SampleResponse};
+
+use crate::actor::stats;
+use crate::batch::Sample;
+use crate::fleet::Fleet;
+
+pub type Metrics = BTreeMap<String, f64>;
+
+/// verl's data metrics of a batch that do not need the actor: response and prompt lengths (with their clip
+/// ratios), off-policy spans and staleness, turns, failures; plus the submission span of the trained groups
+/// (`step − submit_step + 1`, what the buffer's staleness rule bounds).
+pub fn batch_metrics(samples: &[Sample], response: &SampleResponse, step: u64, max_prompt: usize, out: &mut Metrics) {
+    stats(&samples.iter().map(|s| s.response.len() as f64).collect::<Vec<_>>(), "response_length", out);
+    stats(&samples.iter().map(|s| s.prompt.len() as f64).collect::<Vec<_>>(), "prompt_length", out);
+    if !samples.is_empty() {
+        let n = samples.len() as f64;
+        let clipped = samples.iter().filter(|s| s.truncated).count() as f64 / n;
+        out.insert("response_length/clip_ratio".into(), clipped);
+        let prompt_clipped = samples.iter().filter(|s| s.prompt.len() >= max_prompt).count() as f64 / n;
+        out.insert("prompt_length/clip_ratio".into(), prompt_clipped);
+        if samples.iter().any(|s| s.num_turns > 0) {
+            stats(&samples.iter().map(|s| f64::from(s.num_turns)).collect::<Vec<_>>(), "training/num_turns", out);
+        }
+    }
+    stats(
+        &samples.iter().map(|s| (s.max_version - s.min_version + 1) as f64).collect::<Vec<_>>(),
+        "training/off_policy/trajectory_spans",
+        out,
+    );
+    stats(
+        &samples.iter().map(|s| step.saturating_sub(1) as f64 - s.max_version as f64).collect::<Vec<_>>(),
+        "training/off_policy/trajectory_staleness",
+        out,
+    );
+    stats(
+        &samples.iter().map(|s| step.saturating_sub(1) as f64 - s.min_version as f64).collect::<Vec<_>>(),
+        "training/off_policy/trajectory_staleness_worst",
+        out,
+    );
+    stats(
+        &response.groups.iter().map(|g| (step + 1).saturating_sub(g.submit_step) as f64).collect::<Vec<_>>(),
+        "training/off_policy/group_submit_span",
+        out,
+    );
+    let failed = response.groups.iter().filter(|g| g.state == GroupState::Failure as i32).count();
+    out.insert("training/rollout_failure/groups".into(), failed as f64);
+    out.insert("training/num_groups".into(), response.groups.len() as f64);
+    out.insert("training/num_trajectories".into(), samples.len() as f64);
+}
+
+/// Timings (`timing_s/<phase>`, verl's per-token `timing_per_token_ms/<phase>`) and throughput of a step.
+pub fn timing_metrics(timings: &BTreeMap<String, f64>, samples: &[Sample], step_s: f64, out: &mut Metrics) {
+    let tokens: usize = samples.iter().map(|s| s.prompt.len() + s.response.len()).sum();
+    let response_tokens: usize = samples.iter().map(|s| s.response.len()).sum();
+    for (phase, seconds) in timings {
+        out.insert(format!("timing_s/{phase}"), *seconds);
+        // verl's per-token timings: generation per response token, the rest per token of the batch
+        let per = if phase == "gen" { response_tokens } else { tokens };
+        if !matches!(phase.as_str(), "step" | "fetch" | "pause" | "resume") && per > 0 {
+            out.insert(format!("timing_per_token_ms/{phase}"), seconds * 1000.0 / per as f64);
+        }
+    }
+    out.insert("timing_s/step".into(), step_s);
+    out.insert("perf/total_num_tokens".into(), tokens as f64);
+    out.insert("perf/time_per_step".into(), step_s);
+    out.insert("perf/throughput".into(), tokens as f64 / step_s.max(1e-9));
+}
+
+/// Measures who waited for whom over one step: the trainer's share of the step spent waiting for samples, and
+/// the rollout fleet's share of engine time with nothing to decode (from the workers' heartbeats).
+pub struct IdleClock {
+    started: Instant,
+    fleet_idle: f64,
+    workers: usize,
+}
+
+impl IdleClock {
+    pub fn start(fleet: &Fleet) -> Self {
+        let (fleet_idle, workers) = fleet.idle_seconds();
+        Self { started: Instant::now(), fleet_idle, workers }
+    }
+
+    /// `perf/trainer_idle_ratio` (the seconds spent waiting for samples over the step) and
+    /// `perf/rollout_idle_ratio` (idle engine seconds over worker-seconds; heartbeats lag by up to one interval,
+    /// so a step much shorter than that reads coarse).
+    pub fn finish(self, fleet: &Fleet, trainer_wait_s: f64, out: &mut Metrics) {
+        let elapsed = self.started.elapsed().as_secs_f64().max(1e-9);
+        out.insert("perf/trainer_idle_ratio".into(), (trainer_wait_s / elapsed).clamp(0.0, 1.0));
+        let (fleet_idle, workers) = fleet.idle_seconds();
+        let n = workers.max(self.workers);
+        if n > 0 && workers == self.workers {
+            let ratio = (fleet_idle - self.fleet_idle) / (elapsed * n as f64);
+            out.insert("perf/rollout_idle_ratio".into(), ratio.clamp(0.0, 1.0));
+        }
+        out.insert("perf/rollout_workers".into(), workers as f64);
+    }
+}
+
+/// verl's `MetricsAggregator`, combining the local updates of one separate_async step: sums for counters, the
+/// last value for the learning rate, max / min for `/max` / `/min` names, and a mean weighted by the number of
+/// trajectories of each local update otherwise.
+#[derive(Default)]
+pub struct Aggregator {
+    parts: Vec<(Metrics, f64)>,
+}
+
+impl Aggregator {
+    pub fn add(&mut self, metrics: Metrics, weight: f64) {
+        self.parts.push((metrics, weight.max(1e-12)));
+    }
+
+    pub fn finish(self) -> Metrics {
+        let mut keys: Vec<&String> = self.parts.iter().flat_map(|(m, _)| m.keys()).collect();
+        keys.sort();
+        keys.dedup();
+        let mut out = Metrics::new();
+        for key in keys {
+            let values: Vec<(f64, f64)> = self.parts.iter().filter_map(|(m, w)| m.get(key).map(|v| (*v, *w))).collect();
+            let value = if key.ends_with("/max") {
+                values.iter().map(|v| v.0).fold(f64::MIN, f64::max)
+            } else if key.ends_with("/min") {
+                values.iter().map(|v| v.0).fold(f64::MAX, f64::min)
+            } else if is_counter(key) {
+                values.iter().map(|v| v.0).sum()
+            } else if key == "actor/lr" || key.starts_with("critic/lr") {
+                values.last().map_or(0.0, |v| v.0)
+            } else {
+                let total: f64 = values.iter().map(|v| v.1).sum();
+                values.iter().map(|(v, w)| v * w).sum::<f64>() / total
+            };
+            out.insert(key.clone(), value);
+        }
+        out
+    }
+}
+
+fn is_counter(key: &str) -> bool {
+    key.contains("evicted_samples")
+        || key.contains("discarded_surplus")
+        || key.starts_with("training/num_")
+        || key.starts_with("training/rollout_failure/groups")
+        || key.starts_with("training/refilled")
+        || key.starts_with("training/rejected")
+        || key.starts_with("timing_s/")
+        || key == "perf/total_num_tokens"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn local_updates_aggregate_like_verl() {
+        let mut agg = Aggregator::default();
+        let m = |pairs: &[(&str, f64)]| pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect::<Metrics>();
+        agg.add(
+            m(&[("actor/pg_loss", 1.0), ("response_length/max", 4.0), ("actor/lr", 0.1), ("training/num_groups", 2.0)]),
+            1.0,
+        );
+        agg.add(
+            m(&[("actor/pg_loss", 4.0), ("response_length/max", 3.0), ("actor/lr", 0.2), ("training/num_groups", 2.0)]),
+            3.0,
+        );
+        let out = agg.finish();
+        assert_eq!(out["actor/pg_loss"], (1.0 + 12.0) / 4.0, "weighted by trajectories");
+        assert_eq!(out["response_length/max"], 4.0);
+        assert_eq!(out["actor/lr"], 0.2, "the last learning rate");
+        assert_eq!(out["training/num_groups"], 4.0, "counts add up");
+    }
+}

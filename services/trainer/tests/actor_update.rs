@@ -1,0 +1,65 @@
+//! What the actor update computes besides the gradient step, on the real tiny model.
+
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
+use std::collections::BTreeMap;
+
+use jetrl_config::JobConfig;
+use jetrl_trainer::actor::{Actor, OldPolicy, Sample};
+use tch::Tensor;
+
+/// Two prompt groups of two trajectories with different scores (non-zero advantages).
+fn batch() -> Vec<Sample> {
+    let mut out = Vec::new();
+    for (g, prompt) in [vec![5u32, 9, 14], vec![21, 7]].into_iter().enumerate() {
+        for (session, response) in [vec![3u32, 8, 12], vec![30, 4]].into_iter().enumerate() {
+            out.push(Sample {
+                key: format!("g{g}_{session}_0"),
+                uid: format!("g{g}"),
+                prompt: prompt.clone(),
+                response_mask: vec![1; response.len()],
+                rollout_logprobs: vec![-4.0; response.len()],
+                response,
+                score: session as f64,
+                ..Sample::default()
+            });
+        }
+    }
+    out
+}
+
+/// Trains one step (two mini-batches, so the second is scored by weights the first has moved) and returns the
+/// metrics and the weights it ends with.
+fn train(model: &std::path::Path, calculate_entropy: bool) -> (BTreeMap<String, f64>, BTreeMap<String, Tensor>) {
+    let mut cfg = JobConfig::default();
+    cfg.model.path = model.display().to_string();
+    cfg.actor.optim.lr = 1e-2;
+    cfg.actor.ppo_mini_batch_size = Some(1);
+    cfg.actor.entropy_coeff = 0.0;
+    cfg.actor.calculate_entropy = calculate_entropy;
+    let mut actor = Actor::new(&cfg, 1, None).unwrap();
+    let metrics = actor.train(&batch(), 1, OldPolicy::Current).unwrap().metrics;
+    let weights = actor.model().parameters().into_iter().map(|(k, v)| (k, v.detach().copy())).collect();
+    (metrics, weights)
+}
+
+/// verl's `calculate_entropy = actor.calculate_entropy or entropy_coeff != 0`: with the flag and no entropy bonus
+/// the update computes the entropy for its metrics (`actor/entropy`, `actor/entropy_loss`) and trains exactly as
+/// without it.
+#[test]
+fn calculate_entropy_reports_the_updates_entropy_without_changing_the_update() {
+    let dir = tempfile::tempdir().unwrap();
+    jetrl_model::init_model("tiny", dir.path(), 3).unwrap();
+    let (plain, plain_weights) = train(dir.path(), false);
+    let (with, with_weights) = train(dir.path(), true);
+    assert!(!plain.contains_key("actor/entropy_loss"), "no entropy in the update unless asked: {plain:?}");
+    let old_pass = plain["actor/entropy"];
+    let update = with["actor/entropy_loss"];
+    assert!(update.is_finite() && update > 0.0, "{with:?}");
+    assert_eq!(with["actor/entropy"], update, "actor/entropy comes from the update when it computes it");
+    assert_ne!(update, old_pass, "the second mini-batch is scored after the first moved the weights");
+    for (name, w) in &plain_weights {
+        let diff = f64::try_from((w - &with_weights[name]).abs().max()).unwrap();
+        assert!(diff == 0.0, "{name}: the entropy metric changed the update by {diff}");
+    }
+}

@@ -1,0 +1,216 @@
+//! `jetrl run` as a supervisor, tried as a user would: the real `jetrl` binary starts its own nats-server and the
+//! five services as processes on the tiny job; processes are killed with SIGKILL once the run has reached a step
+//! (polled in `metrics.jsonl`), never after a sleep.
+
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use jetrl_tests::{bin, job_yaml};
+
+/// One `jetrl run` of the tiny job, its console captured in a file.
+struct JetrlRun {
+    dir: tempfile::TempDir,
+    child: Child,
+}
+
+impl JetrlRun {
+    /// Starts `jetrl run --quiet` on the test job (base + `extra` YAML).
+    fn start(extra: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let extra = format!("model: {{init_preset: tiny}}\n{extra}");
+        // jetrl run starts its own nats-server and overrides nats.url
+        let config = dir.path().join("job.yaml");
+        std::fs::write(&config, job_yaml(dir.path(), "nats://127.0.0.1:1", &extra)).unwrap();
+        let console = std::fs::File::create(dir.path().join("console.txt")).unwrap();
+        let child = Command::new(bin("jetrl"))
+            .arg("run")
+            .arg(&config)
+            .arg("--quiet")
+            // the services log at the job's level (info): the test reads their start-up lines
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(console.try_clone().unwrap())
+            .stderr(console)
+            .spawn()
+            .unwrap();
+        Self { dir, child }
+    }
+
+    fn run_dir(&self) -> PathBuf {
+        self.dir.path().join("run")
+    }
+
+    fn console(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("console.txt")).unwrap_or_default()
+    }
+
+    fn log(&self, service: &str) -> String {
+        std::fs::read_to_string(self.run_dir().join("logs").join(format!("{service}.log"))).unwrap_or_default()
+    }
+
+    /// `<run.dir>/supervisor.jsonl`.
+    fn journal(&self) -> Vec<serde_json::Value> {
+        read_lines(&self.run_dir().join("supervisor.jsonl"))
+    }
+
+    fn steps(&self) -> usize {
+        read_lines(&self.run_dir().join("metrics.jsonl")).len()
+    }
+
+    /// Waits until `done` holds, failing with the console after `timeout`.
+    fn wait_until(&mut self, what: &str, timeout: Duration, done: impl Fn(&Self) -> bool) {
+        let started = Instant::now();
+        while !done(self) {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("jetrl run exited ({status}) before {what}; console:\n{}", self.console());
+            }
+            assert!(started.elapsed() < timeout, "no {what} after {timeout:?}; console:\n{}", self.console());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The pid `jetrl run` recorded when it started `service`.
+    fn pid(&self, service: &str) -> libc::pid_t {
+        let started = self.journal().into_iter().find(|e| e["event"] == "started" && e["service"] == service);
+        started.and_then(|e| e["pid"].as_i64()).and_then(|p| libc::pid_t::try_from(p).ok()).unwrap_or_else(|| {
+            panic!("no pid recorded for {service}: {:?}", self.journal());
+        })
+    }
+
+    fn wait(&mut self, timeout: Duration) -> ExitStatus {
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                started.elapsed() < timeout,
+                "jetrl run still running after {timeout:?}; console:\n{}",
+                self.console()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for JetrlRun {
+    fn drop(&mut self) {
+        // SIGTERM: jetrl run stops its services and its nats-server
+        kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline && matches!(self.child.try_wait(), Ok(None)) {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn read_lines(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path).unwrap_or_default().lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
+}
+
+fn kill(pid: libc::pid_t, signal: libc::c_int) {
+    // SAFETY: kill(2) on a pid this test started (directly or through jetrl run).
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::kill(pid, signal);
+    }
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs_f64()
+}
+
+/// With two rollout workers, killing one used to end the whole job; now it is restarted and the run completes.
+#[test]
+fn a_killed_rollout_worker_is_restarted_and_the_run_completes() {
+    let steps = 30;
+    let mut run = JetrlRun::start(&format!(
+        "rollout: {{workers: 2}}\ntrainer: {{total_training_steps: {steps}}}\nrun: {{supervisor: {{restart_delay_s: 0.2}}}}"
+    ));
+    run.wait_until("step 2", Duration::from_secs(90), |r| r.steps() >= 2);
+    kill(run.pid("rollout-1"), libc::SIGKILL);
+    run.wait_until("a restart of rollout-1", Duration::from_secs(30), |r| {
+        r.journal().iter().any(|e| e["event"] == "restarted" && e["service"] == "rollout-1")
+    });
+    let status = run.wait(Duration::from_secs(120));
+    let console = run.console();
+    assert!(status.success(), "jetrl run failed ({status}); console:\n{console}");
+    assert_eq!(run.steps(), steps, "console:\n{console}");
+    assert!(console.contains("rollout-1 was killed (signal: 9 (SIGKILL)); restarting in 0.2s"), "{console}");
+    assert!(console.contains("restarts: rollout-1 ×1"), "{console}");
+    let journal = run.journal();
+    let exit = journal.iter().find(|e| e["event"] == "exit" && e["service"] == "rollout-1").unwrap();
+    assert_eq!(exit["status"], "signal: 9 (SIGKILL)");
+    assert_eq!(exit["action"], "restart");
+    let end = journal.last().unwrap();
+    assert_eq!((end["event"].as_str(), end["outcome"].as_str()), (Some("end"), Some("finished")), "{journal:?}");
+    assert_eq!(end["restarts"]["rollout-1"], 1, "{journal:?}");
+    // the second incarnation really started (each start logs the torch threads it was given)
+    let log = run.log("rollout-1");
+    assert_eq!(log.matches("torch threads").count(), 2, "{log}");
+    assert!(log.contains("----- jetrl run: restart 1 of rollout-1 -----"), "{log}");
+    // the job file the services read shares the host's cores between the 3 torch processes
+    let job: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(run.run_dir().join("job.yaml")).unwrap()).unwrap();
+    let cores = std::thread::available_parallelism().unwrap().get() as u64;
+    let share = (cores / 3).max(1);
+    assert_eq!(job["rollout"]["torch_threads"].as_u64(), Some(share), "{job:?}");
+    assert_eq!(job["trainer"]["torch_threads"].as_u64(), Some(share), "{job:?}");
+    assert_eq!(job["reward"]["tokio_threads"].as_u64(), Some(2.min(cores)), "{job:?}");
+}
+
+/// A service that fails at every start (here: an address it cannot bind) is restarted with backoff until it
+/// passes the crash-loop limit; then the job ends non-zero, naming it and showing its last log lines.
+#[test]
+fn a_service_that_always_fails_crash_loops_and_ends_the_job_naming_it() {
+    let mut run = JetrlRun::start(
+        "reward: {metrics_addr: \"256.0.0.1:1\"}\n\
+         run: {supervisor: {restart_delay_s: 0.1, max_restart_delay_s: 0.2, max_restarts: 2}}",
+    );
+    let status = run.wait(Duration::from_secs(120));
+    let console = run.console();
+    assert_eq!(status.code(), Some(1), "{console}");
+    assert!(console.contains("reward-0 is crash-looping: it exited with exit status: 1 after 2 restarts"), "{console}");
+    // the tail of its log, with the reason
+    assert!(console.contains("cannot bind 256.0.0.1:1"), "{console}");
+    assert!(console.contains("job stopped: reward-0 is crash-looping"), "{console}");
+    let journal = run.journal();
+    let restarts: Vec<f64> = journal
+        .iter()
+        .filter(|e| e["event"] == "exit" && e["service"] == "reward-0")
+        .map(|e| e["delay_s"].as_f64().unwrap())
+        .collect();
+    assert_eq!(restarts, [0.1, 0.2], "backoff doubles to its cap: {journal:?}");
+    assert!(journal.iter().any(|e| e["event"] == "crash_loop" && e["service"] == "reward-0"), "{journal:?}");
+    assert_eq!(journal.last().unwrap()["outcome"], "failed");
+}
+
+/// The broker dies: the console says so within seconds, jetrl run restarts its nats-server on the same port with
+/// the same JetStream store, and the run completes.
+#[test]
+fn a_killed_embedded_nats_server_is_reported_at_once_and_restarted_with_its_store() {
+    let steps = 20;
+    let mut run = JetrlRun::start(&format!("trainer: {{total_training_steps: {steps}}}"));
+    run.wait_until("step 2", Duration::from_secs(90), |r| r.steps() >= 2);
+    let killed_at = unix_now();
+    kill(run.pid("nats-server"), libc::SIGKILL);
+    run.wait_until("a broker outage on the console", Duration::from_secs(10), |r| {
+        r.console().contains("unreachable since")
+    });
+    let status = run.wait(Duration::from_secs(180));
+    let console = run.console();
+    assert!(status.success(), "jetrl run failed ({status}); console:\n{console}");
+    assert_eq!(run.steps(), steps, "console:\n{console}");
+    let journal = run.journal();
+    let outage = journal.iter().find(|e| e["event"] == "nats_unreachable").unwrap();
+    let noticed_after = outage["t"].as_f64().unwrap() - killed_at;
+    assert!(noticed_after < 3.0, "the outage was reported {noticed_after:.1}s after the kill");
+    assert!(console.contains("NATS at nats://127.0.0.1:"), "{console}");
+    assert!(console.contains("nats-server restarted on port"), "{console}");
+    assert!(journal.iter().any(|e| e["event"] == "nats_reachable"), "{journal:?}");
+}
