@@ -10,6 +10,7 @@ mod threads;
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
+use jetrl_cli::logprobs;
 
 #[derive(Parser)]
 #[command(name = "jetrl", version, about = "RL post-training over NATS JetStream")]
@@ -43,7 +44,8 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
-    /// Log-probs of token sequences or chat messages: JSON lines on stdin, JSON lines on stdout.
+    /// Log-probs of token sequences or chat messages: JSON lines on stdin, one JSON line on stdout per input
+    /// line (`{"line", "ids", "logprobs"}` or `{"line", "error"}`). Exits with status 1 when a line was refused.
     Logprobs {
         #[arg(long)]
         model: PathBuf,
@@ -101,9 +103,12 @@ fn main() -> anyhow::Result<()> {
         Command::Logprobs { model, device, dtype } => {
             let device = jetrl_model::parse_device(&device)?;
             let dtype: jetrl_model::DType = dtype.parse()?;
-            let stdin = std::io::stdin();
-            let stdout = std::io::stdout();
-            jetrl_model::logprobs_jsonl_on(&model, device, dtype, stdin.lock(), stdout.lock())?;
+            let summary =
+                logprobs::logprobs_jsonl(&model, device, dtype, std::io::stdin().lock(), std::io::stdout().lock())?;
+            if summary.refused > 0 {
+                eprintln!("jetrl logprobs: {} of {} lines refused (see their `error`)", summary.refused, summary.lines);
+                std::process::exit(1);
+            }
             Ok(())
         }
         Command::Status { config, mut overrides, nats_url, namespace, ledger, uid, json, watch } => {

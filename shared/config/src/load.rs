@@ -22,8 +22,9 @@ pub fn load_value(file: Option<&Path>, overrides: &[String]) -> Result<serde_jso
         let text = std::fs::read_to_string(path)
             .map_err(|e| ConfigError::Read { path: path.display().to_string(), message: e.to_string() })?;
         // Parse once ourselves so YAML syntax errors carry the file name and line.
-        serde_yaml::from_str::<serde_yaml::Value>(&text)
-            .map_err(|e| ConfigError::Read { path: path.display().to_string(), message: e.to_string() })?;
+        let unreadable = |message: String| ConfigError::Read { path: path.display().to_string(), message };
+        check_nesting(&text).map_err(unreadable)?;
+        serde_yaml::from_str::<serde_yaml::Value>(&text).map_err(|e| unreadable(e.to_string()))?;
         builder = builder.add_source(config::File::from_str(&text, config::FileFormat::Yaml));
     }
     builder = builder
@@ -34,9 +35,10 @@ pub fn load_value(file: Option<&Path>, overrides: &[String]) -> Result<serde_jso
         if key.is_empty() || key.split('.').any(|p| p.is_empty()) {
             return Err(ConfigError::BadOverride(item.clone()));
         }
-        let value: serde_json::Value = match serde_yaml::from_str::<serde_yaml::Value>(raw) {
-            Ok(v) => serde_json::to_value(v).unwrap_or_else(|_| serde_json::Value::String(raw.to_string())),
-            Err(_) => serde_json::Value::String(raw.to_string()),
+        let yaml = check_nesting(raw).ok().and_then(|()| serde_yaml::from_str::<serde_yaml::Value>(raw).ok());
+        let value: serde_json::Value = match yaml {
+            Some(v) => serde_json::to_value(v).unwrap_or_else(|_| serde_json::Value::String(raw.to_string())),
+            None => serde_json::Value::String(raw.to_string()),
         };
         let mut nested = value;
         for part in key.rsplit('.') {
@@ -49,6 +51,21 @@ pub fn load_value(file: Option<&Path>, overrides: &[String]) -> Result<serde_jso
     }
     let merged = builder.build().map_err(|e| ConfigError::Merge(e.to_string()))?;
     merged.try_deserialize::<serde_json::Value>().map_err(|e| ConfigError::Merge(e.to_string()))
+}
+
+/// Streams `text` through yaml-rust2's parser (the one `config` uses), building nothing: it refuses flow
+/// collections nested deeper than 255 levels at once and does not expand aliases. serde_yaml's parser (libyaml)
+/// takes time quadratic in that nesting before its own recursion limit refuses it (`[[[…` 100,000 deep took
+/// 80 s), so it runs second, and refuses the alias bombs that yaml-rust2's loader would expand.
+fn check_nesting(text: &str) -> Result<(), String> {
+    let mut parser = yaml_rust2::parser::Parser::new_from_str(text);
+    loop {
+        match parser.next_token() {
+            Ok((yaml_rust2::Event::StreamEnd, _)) => return Ok(()),
+            Ok(_) => {}
+            Err(err) => return Err(err.to_string()),
+        }
+    }
 }
 
 /// Loads a typed configuration. Unknown keys (with `#[serde(deny_unknown_fields)]`) and type errors come

@@ -162,7 +162,22 @@ impl ModelConfig {
 
     /// Validates an already parsed `config.json`.
     pub fn from_json(raw: Value) -> Result<Self> {
-        let cfg: RawConfig = serde_json::from_value(raw.clone()).map_err(|e| ModelError::json("config.json", e))?;
+        let kind = match &raw {
+            Value::Object(_) => None,
+            Value::Null => Some("null"),
+            Value::Bool(_) => Some("a boolean"),
+            Value::Number(_) => Some("a number"),
+            Value::String(_) => Some("a string"),
+            Value::Array(_) => Some("an array"),
+        };
+        if let Some(kind) = kind {
+            return Err(ModelError::Config(format!("config.json must hold a JSON object, not {kind}")));
+        }
+        // The path names the field: serde_json's own message says only what type it expected.
+        let cfg: RawConfig = serde_path_to_error::deserialize(&raw).map_err(|e| {
+            let path = e.path().to_string();
+            ModelError::Config(format!("`{path}`: {}", e.into_inner()))
+        })?;
         let architecture = Self::architecture(&cfg)?;
 
         if let Some(act) = &cfg.hidden_act {
@@ -217,7 +232,11 @@ impl ModelConfig {
         let single_id =
             |v: Option<&Value>, field: &str| -> Result<Option<u32>> { Ok(token_ids(v, field)?.first().copied()) };
 
-        Ok(ModelConfig {
+        let rms_norm_eps = cfg.rms_norm_eps.unwrap_or(1e-6);
+        if rms_norm_eps < 0.0 {
+            return Err(ModelError::Config(format!("`rms_norm_eps` must not be negative, got {rms_norm_eps}")));
+        }
+        let config = ModelConfig {
             architecture,
             vocab_size: required(cfg.vocab_size, "vocab_size")?,
             hidden_size,
@@ -226,8 +245,11 @@ impl ModelConfig {
             num_attention_heads,
             num_key_value_heads,
             head_dim,
-            max_position_embeddings: cfg.max_position_embeddings.unwrap_or(2048),
-            rms_norm_eps: cfg.rms_norm_eps.unwrap_or(1e-6),
+            max_position_embeddings: match cfg.max_position_embeddings {
+                None => 2048,
+                given => required(given, "max_position_embeddings")?,
+            },
+            rms_norm_eps,
             rope_theta,
             rope_scaling,
             tie_word_embeddings: cfg.tie_word_embeddings.unwrap_or(false),
@@ -239,7 +261,45 @@ impl ModelConfig {
             bos_token_id: single_id(cfg.bos_token_id.as_ref(), "bos_token_id")?,
             pad_token_id: single_id(cfg.pad_token_id.as_ref(), "pad_token_id")?,
             raw,
-        })
+        };
+        config.parameter_count()?;
+        Ok(config)
+    }
+
+    /// The number of parameters, counting every optional bias and norm (an upper bound), or an error when the
+    /// sizes overflow `i64`: the products are tensor shapes, and an overflow would panic while building the
+    /// model instead of refusing the config.
+    pub fn parameter_count(&self) -> Result<i64> {
+        let overflow = || {
+            ModelError::Config(format!(
+                "the sizes overflow: vocab_size {}, hidden_size {}, intermediate_size {}, num_hidden_layers {}, \
+                 num_attention_heads {}, num_key_value_heads {}, head_dim {}",
+                self.vocab_size,
+                self.hidden_size,
+                self.intermediate_size,
+                self.num_hidden_layers,
+                self.num_attention_heads,
+                self.num_key_value_heads,
+                self.head_dim
+            ))
+        };
+        let mul = |a: i64, b: i64| a.checked_mul(b).ok_or_else(overflow);
+        let add = |terms: &[i64]| terms.iter().try_fold(0i64, |sum, &t| sum.checked_add(t)).ok_or_else(overflow);
+        let (hidden, head_dim) = (self.hidden_size, self.head_dim);
+        let q_out = mul(self.num_attention_heads, head_dim)?;
+        let kv_out = mul(self.num_key_value_heads, head_dim)?;
+        let layer = add(&[
+            mul(hidden, q_out)?,
+            mul(mul(hidden, kv_out)?, 2)?,
+            mul(q_out, hidden)?,
+            add(&[q_out, mul(kv_out, 2)?, hidden])?, // biases
+            mul(mul(hidden, self.intermediate_size)?, 3)?,
+            add(&[mul(self.intermediate_size, 2)?, hidden])?, // MLP biases
+            mul(hidden, 2)?,                                  // the two norms
+            mul(head_dim, 2)?,                                // q/k norms
+        ])?;
+        let embeddings = mul(mul(self.vocab_size, hidden)?, 2)?;
+        add(&[mul(layer, self.num_hidden_layers)?, embeddings, hidden])
     }
 
     fn architecture(cfg: &RawConfig) -> Result<Architecture> {
@@ -293,23 +353,45 @@ impl ModelConfig {
             .and_then(Value::as_str)
             .unwrap_or("default")
             .to_string();
+        // Every factor divides a frequency or a wavelength: zero or a negative one gives inf/NaN logits.
         let need = |key: &str| {
-            get_f64(&scaling, key)
-                .ok_or_else(|| ModelError::Config(format!("rope type `{rope_type}` needs a numeric `{key}`")))
+            let value = get_f64(&scaling, key)
+                .ok_or_else(|| ModelError::Config(format!("rope type `{rope_type}` needs a numeric `{key}`")))?;
+            if value.is_finite() && value > 0.0 {
+                Ok(value)
+            } else {
+                Err(ModelError::Config(format!("rope type `{rope_type}`: `{key}` must be positive, got {value}")))
+            }
         };
         let scaling = match rope_type.as_str() {
             "default" => RopeScaling::None,
             "linear" => RopeScaling::Linear { factor: need("factor")? },
-            "llama3" => RopeScaling::Llama3 {
-                factor: need("factor")?,
-                low_freq_factor: need("low_freq_factor")?,
-                high_freq_factor: need("high_freq_factor")?,
-                original_max_position_embeddings: get_f64(&scaling, "original_max_position_embeddings")
+            "llama3" => {
+                let (low_freq_factor, high_freq_factor) = (need("low_freq_factor")?, need("high_freq_factor")?);
+                if low_freq_factor == high_freq_factor {
+                    // the smoothing between the two divides by their difference
+                    return Err(ModelError::Config(format!(
+                        "rope type `llama3`: `low_freq_factor` and `high_freq_factor` must differ, both are \
+                         {low_freq_factor}"
+                    )));
+                }
+                let original = get_f64(&scaling, "original_max_position_embeddings")
                     .or(cfg.max_position_embeddings.map(|v| v as f64))
                     .ok_or_else(|| {
                         ModelError::Config("rope type `llama3` needs `original_max_position_embeddings`".into())
-                    })?,
-            },
+                    })?;
+                if !(original.is_finite() && original > 0.0) {
+                    return Err(ModelError::Config(format!(
+                        "rope type `llama3`: `original_max_position_embeddings` must be positive, got {original}"
+                    )));
+                }
+                RopeScaling::Llama3 {
+                    factor: need("factor")?,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position_embeddings: original,
+                }
+            }
             other => {
                 return Err(ModelError::Config(format!(
                     "rope type `{other}` is not supported (supported: default, linear, llama3)"

@@ -63,10 +63,6 @@ pub enum ModelError {
     #[error("input: {0}")]
     Input(String),
 
-    /// One line of a JSON-lines request is invalid.
-    #[error("line {line}: {reason}")]
-    Line { line: usize, reason: String },
-
     /// libtorch raised.
     #[error("torch: {0}")]
     Torch(#[from] tch::TchError),

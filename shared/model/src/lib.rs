@@ -11,7 +11,6 @@
 //!   [`token_log_probs`]).
 //! - [`engine`]: the rollout engine ([`Engine`]): continuous batching over a preallocated slot KV cache, group
 //!   forks, per-request sampling and seeds, weight swaps between steps, abort and resume.
-//! - [`logprobs`]: the JSON-lines driver behind `jetrl logprobs`.
 //! - [`init`]: random-init HF model directories ([`init_model`]).
 //! - [`device`]: `cpu` / `cuda:N` and `f32` / `bf16` strings.
 //!
@@ -23,7 +22,6 @@ pub mod engine;
 pub mod error;
 pub mod init;
 pub mod layers;
-pub mod logprobs;
 pub mod model;
 pub mod recompute;
 mod weights;
@@ -36,7 +34,6 @@ pub use engine::{
 pub use error::{ModelError, Result};
 pub use init::init_model;
 pub use jetrl_tokenizer::{chat_template, tokenizer, ChatTemplate, Tokenizer, TokenizerError};
-pub use logprobs::{logprobs_jsonl, logprobs_jsonl_on};
 pub use model::CausalLm;
 pub use recompute::{log_probs_of, token_log_probs};
 pub use weights::{WEIGHTS_FILE, WEIGHTS_INDEX_FILE};

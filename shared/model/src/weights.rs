@@ -69,10 +69,15 @@ impl CheckpointFiles {
             };
             let mut shards: Vec<String> = Vec::new();
             for (name, file) in map {
-                let Some(file) = file.as_str() else {
+                // A shard is a file of this directory: an index naming `../x` or `/dev/zero` would read elsewhere.
+                let plain = |f: &str| {
+                    let mut parts = Path::new(f).components();
+                    matches!((parts.next(), parts.next()), (Some(std::path::Component::Normal(_)), None))
+                };
+                let Some(file) = file.as_str().filter(|f| plain(f)) else {
                     return Err(ModelError::Safetensors {
                         location: index.display().to_string(),
-                        reason: format!("weight_map entry for `{name}` is not a file name"),
+                        reason: format!("weight_map entry for `{name}` is not a file name in the directory: {file}"),
                     });
                 };
                 if !shards.iter().any(|s| s == file) {
@@ -86,6 +91,14 @@ impl CheckpointFiles {
         };
         let mut files = Vec::with_capacity(paths.len());
         for path in paths {
+            // Only regular files: opening a FIFO would block, and a directory or device is no checkpoint.
+            let metadata = std::fs::metadata(&path).map_err(|e| ModelError::io(&path, e))?;
+            if !metadata.is_file() {
+                return Err(ModelError::Safetensors {
+                    location: path.display().to_string(),
+                    reason: "not a regular file".into(),
+                });
+            }
             let file = std::fs::File::open(&path).map_err(|e| ModelError::io(&path, e))?;
             // SAFETY: the mapping is read-only and lives only while loading; a checkpoint being rewritten under
             // a running load is outside what any loader can guard against.

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use jetrl_model::{logprobs_jsonl, CausalLm, DType, ModelError, Tokenizer};
+use jetrl_model::{CausalLm, DType, Tokenizer};
 use tch::Device;
 
 #[test]
@@ -34,49 +34,6 @@ fn hf_sample_special_tokens_come_from_generation_config_and_tokenizer_config() {
     assert_eq!(tokenizer.pad_token_id(), Some(0));
     let ids = tokenizer.encode("What is 7 times 6?", false).unwrap();
     assert_eq!(tokenizer.decode(&ids, false).unwrap(), "What is 7 times 6?");
-}
-
-#[test]
-fn logprobs_jsonl_answers_ids_and_messages_lines() {
-    let dir = hf_sample_llama();
-    let reference = read_reference(&dir);
-    let ids_line = serde_json::json!({ "ids": reference.sequences[1] }).to_string();
-    let chat = &reference.chat[0];
-    let messages_line = serde_json::json!({
-        "messages": [{"role": "user", "content": "What is 7 times 6?"}],
-        "add_generation_prompt": chat.add_generation_prompt,
-    })
-    .to_string();
-    let input = format!("{ids_line}\n\n{messages_line}\n");
-    let mut output = Vec::new();
-    logprobs_jsonl(&dir, input.as_bytes(), &mut output).unwrap();
-    let lines: Vec<serde_json::Value> =
-        String::from_utf8(output).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    assert_eq!(lines.len(), 2, "one answer per non-blank input line");
-
-    let answer_ids: Vec<u32> = serde_json::from_value(lines[0]["ids"].clone()).unwrap();
-    let answer_lp: Vec<f32> = serde_json::from_value(lines[0]["logprobs"].clone()).unwrap();
-    assert_eq!(answer_ids, reference.sequences[1]);
-    let d = diff(&[answer_lp], &[reference.logprobs[1].clone()]);
-    assert!(d.max <= LOGPROB_TOL, "{d:?}");
-
-    let chat_ids: Vec<u32> = serde_json::from_value(lines[1]["ids"].clone()).unwrap();
-    let chat_lp: Vec<f32> = serde_json::from_value(lines[1]["logprobs"].clone()).unwrap();
-    assert_eq!(chat_ids, chat.ids);
-    assert_eq!(chat_lp.len(), chat_ids.len() - 1);
-}
-
-#[test]
-fn logprobs_jsonl_names_the_bad_line() {
-    let input = "{\"ids\": [1, 2, 3]}\n{\"ids\": \"nope\"}\n";
-    let mut output = Vec::new();
-    let err = logprobs_jsonl(&hf_sample_llama(), input.as_bytes(), &mut output).unwrap_err();
-    assert!(matches!(err, ModelError::Line { line: 2, .. }), "{err}");
-    assert_eq!(String::from_utf8(output).unwrap().lines().count(), 1, "the good line before was answered");
-
-    let input = "{\"ids\": [1, 2, 100000]}\n";
-    let err = logprobs_jsonl(&hf_sample_llama(), input.as_bytes(), Vec::new()).unwrap_err();
-    assert!(matches!(err, ModelError::Line { line: 1, .. }), "{err}");
 }
 
 #[test]

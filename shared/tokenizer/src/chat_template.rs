@@ -14,6 +14,25 @@ use crate::error::{Result, TokenizerError};
 
 const TEMPLATE_NAME: &str = "chat";
 
+/// Instructions one render may execute. A template comes with a checkpoint, so it is outside input: one that
+/// loops for ever (`range` is capped at 100,000 items, but loops nest) stops here with an error. Real chat
+/// templates spend 30-45 instructions per message (measured: Qwen2.5's, a Llama-3-style one), so this renders
+/// about 6,000 messages (the tokenizer's fuzz suite checks 4,000 with tools).
+///
+/// What fuel does not bound is the cost of one instruction: `'x' * 100000000` builds 100 MB at once
+/// (minijinja's cap for repetition) and `~` doubles a string at once, so a hostile template can still spend
+/// seconds and gigabytes within its fuel. Rendering the templates of untrusted checkpoints with a hard bound on
+/// memory and time needs a process of its own.
+pub const RENDER_FUEL: u64 = 250_000;
+/// Bytes one render may write (a prompt of a million tokens is a few MB).
+pub const MAX_RENDERED_BYTES: usize = 16 << 20;
+/// Stack of the thread a render runs on. A template can nest a value one level per instruction, and minijinja
+/// prints and drops values recursively (up to ~520 bytes of stack per level): [`RENDER_FUEL`] levels fit twice
+/// over. Only the pages a render touches are ever committed.
+const RENDER_STACK_BYTES: usize = 256 << 20;
+/// Nesting `tojson` follows at most (its recursion uses the same stack).
+const MAX_TOJSON_DEPTH: usize = 512;
+
 /// A compiled chat template.
 #[derive(Debug)]
 pub struct ChatTemplate {
@@ -27,6 +46,7 @@ impl ChatTemplate {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
+        env.set_fuel(Some(RENDER_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         minijinja_contrib::add_to_environment(&mut env);
         env.add_filter("tojson", tojson);
@@ -42,10 +62,54 @@ impl ChatTemplate {
         &self.source
     }
 
-    /// Renders with the given variables (`messages`, `tools`, `add_generation_prompt`, special tokens, ...).
+    /// Renders with the given variables (`messages`, `tools`, `add_generation_prompt`, special tokens, ...),
+    /// within [`RENDER_FUEL`] instructions and [`MAX_RENDERED_BYTES`] of output, on a thread of its own whose
+    /// stack holds whatever the fuel lets a template build: a deeply nested value would otherwise overflow the
+    /// caller's stack, which aborts the whole process.
     pub fn render(&self, variables: BTreeMap<String, Value>) -> Result<String> {
+        std::thread::scope(|scope| {
+            let render = std::thread::Builder::new()
+                .name("chat-template".into())
+                .stack_size(RENDER_STACK_BYTES)
+                .spawn_scoped(scope, || self.render_here(variables))
+                .map_err(|e| TokenizerError::ChatTemplate(format!("cannot start a render thread: {e}")))?;
+            render.join().map_err(|_| TokenizerError::ChatTemplate("rendering panicked".into()))?
+        })
+    }
+
+    fn render_here(&self, variables: BTreeMap<String, Value>) -> Result<String> {
         let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| TokenizerError::ChatTemplate(describe(&e)))?;
-        template.render(Value::from(variables)).map_err(|e| TokenizerError::ChatTemplate(describe(&e)))
+        let mut output = BoundedOutput { text: Vec::new(), limit: MAX_RENDERED_BYTES, overflowed: false };
+        match template.render_captured_to(Value::from(variables), &mut output) {
+            Ok(_) => String::from_utf8(output.text)
+                .map_err(|e| TokenizerError::ChatTemplate(format!("rendered text is not UTF-8: {e}"))),
+            Err(_) if output.overflowed => {
+                Err(TokenizerError::ChatTemplate(format!("the rendered text exceeds {MAX_RENDERED_BYTES} bytes")))
+            }
+            Err(e) => Err(TokenizerError::ChatTemplate(describe(&e))),
+        }
+    }
+}
+
+/// Collects rendered text up to a limit; a write past it fails, which stops the render.
+struct BoundedOutput {
+    text: Vec<u8>,
+    limit: usize,
+    overflowed: bool,
+}
+
+impl std::io::Write for BoundedOutput {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.text.len() + buf.len() > self.limit {
+            self.overflowed = true;
+            return Err(std::io::Error::other("rendered text too long"));
+        }
+        self.text.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -210,6 +274,12 @@ impl JsonDumper {
     }
 
     fn dump(&self, value: &Value, level: usize, out: &mut String) -> std::result::Result<(), Error> {
+        if level > MAX_TOJSON_DEPTH {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("tojson: the value is nested deeper than {MAX_TOJSON_DEPTH} levels"),
+            ));
+        }
         match value.kind() {
             ValueKind::Undefined | ValueKind::None => out.push_str("null"),
             ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),

@@ -28,6 +28,16 @@ pub struct Tokenizer {
 const DEFAULT_TEMPLATE: &str = "default";
 const TOOL_USE_TEMPLATE: &str = "tool_use";
 
+/// Runs a `tokenizers` call, turning a panic into an error. The library panics at run time on some
+/// tokenizer.json it accepts (a single-sequence template naming sequence B indexes out of bounds on every
+/// encode), and a service must not die for a checkpoint's mistake.
+fn guarded<T>(what: &str, run: impl FnOnce() -> tokenizers::Result<T>) -> Result<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
+        Ok(result) => result.map_err(|e| TokenizerError::Tokenizer(e.to_string())),
+        Err(_) => Err(TokenizerError::Tokenizer(format!("the tokenizers library panicked {what}"))),
+    }
+}
+
 /// Reads an HF token-id field that may be null, an integer or a list of integers.
 fn token_ids(value: Option<&Value>, field: &str) -> Result<Vec<u32>> {
     let as_id = |v: &Value| {
@@ -98,8 +108,19 @@ impl Tokenizer {
     /// Loads `tokenizer.json` and the special tokens and chat template of a checkpoint directory.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| TokenizerError::Tokenizer(format!("{}: {e}", path.display())))?;
+        let invalid = |reason: String| TokenizerError::Tokenizer(format!("{}: {reason}", path.display()));
+        let text = std::fs::read_to_string(&path).map_err(|e| invalid(e.to_string()))?;
+        // `tokenizers` 0.22 panics (`expect("Helper")`) on a decoder object with a syntax error inside: the syntax
+        // is checked here first, and a panic while it builds the tokenizer becomes an error too.
+        serde_json::from_str::<serde::de::IgnoredAny>(&text).map_err(|e| invalid(format!("invalid JSON: {e}")))?;
+        let inner = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>())
+            .map_err(|_| invalid("the tokenizers library panicked reading it".into()))?
+            .map_err(|e| invalid(e.to_string()))?;
+        // One encode with the post-processor: a tokenizer that panics on every encode is refused here, by name
+        // (an error is left to the encodes that meet it: it may depend on the text).
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| inner.encode("a", true))).is_err() {
+            return Err(invalid("the tokenizers library panicked encoding with it".into()));
+        }
         let tokenizer_config = read_json(&dir.join("tokenizer_config.json"))?;
         let generation_config = read_json(&dir.join("generation_config.json"))?;
         let model_config = read_json(&dir.join("config.json"))?;
@@ -156,13 +177,12 @@ impl Tokenizer {
 
     /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (e.g. a BOS).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let encoding =
-            self.inner.encode(text, add_special_tokens).map_err(|e| TokenizerError::Tokenizer(e.to_string()))?;
+        let encoding = guarded("encoding", || self.inner.encode(text, add_special_tokens))?;
         Ok(encoding.get_ids().to_vec())
     }
 
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special_tokens).map_err(|e| TokenizerError::Tokenizer(e.to_string()))
+        guarded("decoding", || self.inner.decode(ids, skip_special_tokens))
     }
 
     /// Ids that end a generation.

@@ -40,12 +40,15 @@ impl TrajectoryKey {
         Self { uid: uid.into(), session_id, index }
     }
 
-    /// Parses `{uid}_{session_id}_{index}` from the right, as verl's `rsplit("_", 2)`.
+    /// Parses `{uid}_{session_id}_{index}` from the right, as verl's `rsplit("_", 2)`. The numbers must be
+    /// written as [`Display`](fmt::Display) writes them (no sign, no leading zero): `u_+1_0` or `u_01_0` would
+    /// otherwise name the same trajectory as `u_1_0` under a different `Nats-Msg-Id`, escaping de-duplication.
     pub fn parse(key: &str) -> Result<Self, KeyError> {
         let bad = || KeyError::BadTrajectoryKey(key.to_string());
+        let number = |s: &str| s.parse::<u32>().ok().filter(|n| n.to_string() == s);
         let mut parts = key.rsplitn(3, '_');
-        let index = parts.next().and_then(|s| s.parse().ok()).ok_or_else(bad)?;
-        let session_id = parts.next().and_then(|s| s.parse().ok()).ok_or_else(bad)?;
+        let index = parts.next().and_then(number).ok_or_else(bad)?;
+        let session_id = parts.next().and_then(number).ok_or_else(bad)?;
         let uid = parts.next().ok_or_else(bad)?;
         validate_uid(uid).map_err(|_| bad())?;
         Ok(Self { uid: uid.to_string(), session_id, index })
@@ -76,6 +79,11 @@ mod tests {
         assert!(TrajectoryKey::parse("abc_1").is_err());
         assert!(TrajectoryKey::parse("a_b_1_2").is_err());
         assert!(TrajectoryKey::parse("abc_x_1").is_err());
+        // found by the fuzz suite: numbers not written canonically would alias a canonical key
+        assert_eq!(TrajectoryKey::parse("u_+0_0"), Err(KeyError::BadTrajectoryKey("u_+0_0".into())));
+        assert!(TrajectoryKey::parse("u_01_0").is_err());
+        assert!(TrajectoryKey::parse("u_1_+2").is_err());
+        assert_eq!(TrajectoryKey::parse("u_0_10"), Ok(TrajectoryKey::new("u", 0, 10)));
         assert!(validate_uid("with_underscore").is_err());
         assert!(validate_uid("dot.ted").is_err());
         assert!(validate_uid("").is_err());
