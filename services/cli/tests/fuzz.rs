@@ -6,6 +6,8 @@
 //! log-prob per next token, exactly what the model computes; a refused line says why; over a whole input,
 //! output line i answers input line i.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 #[path = "../../../shared/wire/tests/fuzz_support/json.rs"]
 mod json_mutate;
 #[path = "../../../shared/wire/tests/fuzz_support/bytes.rs"]

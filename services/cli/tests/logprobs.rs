@@ -2,6 +2,8 @@
 //! positions, 62 tokens) and the golden checkpoint written by transformers 5 (`tests/golden/hf-sample/llama`).
 //! Output line i answers input line i; a bad line is reported with its number and the run goes on.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 

@@ -6,6 +6,8 @@
 //! Properties: no panic, bounded time, an error that names the file, the override or the key path it is about,
 //! and an override of a real key reads back exactly as the YAML value it was given.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 #[path = "../../wire/tests/fuzz_support/json.rs"]
 mod json_mutate;
 #[path = "../../wire/tests/fuzz_support/bytes.rs"]

@@ -8,6 +8,8 @@
 //! field, tensor or file it is about; a refused weight set leaves the model's weights untouched; an accepted
 //! config builds a model that runs; configs and weights round trip exactly.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 #[path = "../../wire/tests/fuzz_support/json.rs"]
 mod json_mutate;
 #[path = "../../wire/tests/fuzz_support/bytes.rs"]

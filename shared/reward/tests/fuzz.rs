@@ -7,6 +7,8 @@
 //! failures carry a kind and a message that says what was wrong; scores written as Python writes them read back
 //! bit-exactly.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 #[path = "../../wire/tests/fuzz_support/json.rs"]
 mod json_mutate;
 #[path = "../../wire/tests/fuzz_support/bytes.rs"]

@@ -8,6 +8,8 @@
 //! within a time bound (a template that loops for ever runs out of fuel), an error that names its stage and
 //! file, and text that encodes then decodes to itself.
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 #[path = "../../wire/tests/fuzz_support/json.rs"]
 mod json_mutate;
 #[path = "../../wire/tests/fuzz_support/bytes.rs"]

@@ -7,6 +7,8 @@
 //! prefixes lying, nested messages edited the same way) and at the byte level. Properties: no panic, an error
 //! that names what was wrong, and exact round trips (encode then decode; format then parse).
 
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
 #[path = "fuzz_support/bytes.rs"]
 mod mutate;
 
@@ -60,6 +62,9 @@ fn prompt_task() -> PromptTask {
         extra_info_json: r#"{"index": 5, "split": "train"}"#.into(),
         agent_name: "tool_agent".into(),
         row_index: 5,
+        min_policy_version: 40,
+        epoch: 1,
+        dataset_row: 5,
     }
 }
 
@@ -92,6 +97,9 @@ fn trajectory() -> Trajectory {
         stored_seq: 1234,
         prompt_len: 3,
         response_len: 4,
+        epoch: 1,
+        dataset_row: 5,
+        version_runs: vec![VersionRun { first_token: 0, version: 6 }, VersionRun { first_token: 2, version: 7 }],
     }
 }
 
@@ -145,6 +153,9 @@ fn group_status() -> GroupStatus {
         task: Some(prompt_task()),
         updated_unix_ms: 1_721_739_909_000,
         sample_request_id: "train-42".into(),
+        epoch: 1,
+        dataset_row: 5,
+        evicted_step: 43,
     }
 }
 
@@ -197,7 +208,7 @@ fn examples() -> Vec<Vec<u8>> {
             batch_size: 32,
             wait_ms: 500,
             refilled: 3,
-            peek: true,
+            incarnation: 1_721_739_909_000,
         }
         .encode_to_vec(),
         SampledGroup {
@@ -214,7 +225,6 @@ fn examples() -> Vec<Vec<u8>> {
             not_ready: true,
             error: "no such partition".into(),
             refill: 2,
-            sampleable: 9,
         }
         .encode_to_vec(),
         ReleaseRequest { step: 42, request_ids: vec!["train-42".into(), "train-41".into()] }.encode_to_vec(),
@@ -237,20 +247,28 @@ fn examples() -> Vec<Vec<u8>> {
         }
         .encode_to_vec(),
         manifest().encode_to_vec(),
-        WeightAnnounce { manifest: Some(manifest()), checkpoint: true }.encode_to_vec(),
+        WeightAnnounce { manifest: Some(manifest()) }.encode_to_vec(),
         WeightAnnounceResponse { version: 7, error: "crc mismatch".into() }.encode_to_vec(),
         Heartbeat {
             service: "rollout-worker".into(),
             instance_id: "w0".into(),
             policy_version: 7,
             unix_ms: 1_721_739_909_000,
-            state: "generating".into(),
+            state: WorkerState::Ready as i32,
+            message: "loading v8".into(),
             inflight: 3,
             tokens_per_s: 1234.5,
             host: "node-1".into(),
             running_sequences: 12,
             waiting_sequences: 4,
             kv_cache_usage: 0.8,
+            slots: 256,
+            engine_idle_seconds: 1.5,
+            pid: 4242,
+            step: 7,
+            total_steps: 100,
+            step_seconds: 2.5,
+            reward: 0.25,
         }
         .encode_to_vec(),
     ];
@@ -742,7 +760,8 @@ prop_compose! {
                 time_to_first_token_s, generate_s, completed_unix_ms,
             }),
             response_text, data_source, ground_truth, extra_info_json, worker_id, num_turns, tool_rewards, agent_name,
-            stop_reason, raw_prompt, stored_seq, prompt_len, response_len,
+            stop_reason, raw_prompt, stored_seq, prompt_len, response_len, epoch: u64::from(session_id),
+            dataset_row: submit_step, version_runs: vec![VersionRun { first_token: index, version: min_version }],
         }
     }
 }
@@ -857,16 +876,18 @@ proptest! {
         partition in "[A-Za-z0-9_-]{1,12}",
         uid in "[A-Za-z0-9-]{1,40}",
     ) {
-        let (traj, score) = (subjects::traj_subject(&partition, &uid), subjects::score_subject(&partition, &uid));
-        prop_assert_eq!(subjects::parse_group_subject(&traj), Some((partition.as_str(), uid.as_str())));
-        prop_assert_eq!(subjects::parse_group_subject(&score), Some((partition.as_str(), uid.as_str())));
+        let names = subjects::Names::new("fuzz-job").unwrap();
+        let (traj, score) = (names.traj_subject(&partition, &uid), names.score_subject(&partition, &uid));
+        prop_assert_eq!(names.parse_group_subject(&traj), Some((partition.as_str(), uid.as_str())));
+        prop_assert_eq!(names.parse_group_subject(&score), Some((partition.as_str(), uid.as_str())));
         let key = subjects::group_key(&partition, &uid);
         prop_assert_eq!(subjects::parse_group_key(&key), Some((partition.as_str(), uid.as_str())));
     }
 
     #[test]
     fn group_subject_parser_takes_any_subject(input in subject_input()) {
-        if let Some((partition, uid)) = subjects::parse_group_subject(&input) {
+        let names = subjects::Names::new("fuzz-job").unwrap();
+        if let Some((partition, uid)) = names.parse_group_subject(&input) {
             prop_assert!(!partition.is_empty() && !uid.is_empty() && !partition.contains('.'));
             let tail = format!(".{partition}.{uid}");
             prop_assert!(input.ends_with(&tail), "{:?} parsed as {:?}", input, (partition, uid));
@@ -911,8 +932,8 @@ fn every_example_decodes_as_its_own_type() {
 #[test]
 fn a_lying_length_prefix_is_an_error_naming_the_message() {
     let fields = split_fields(&trajectory().encode_to_vec()).unwrap();
-    // the last field (`response_len`, a varint) rewritten as length-delimited, its length running past the end
+    // the last field (`version_runs`, field 30) rewritten with a length running past the end
     let lying = lying_length(&fields, fields.len() - 1, 5);
     let err = Trajectory::decode(lying.as_slice()).unwrap_err().to_string();
-    assert!(err.starts_with("failed to decode Protobuf message: Trajectory.response_len"), "{err}");
+    assert!(err.starts_with("failed to decode Protobuf message: Trajectory.version_runs"), "{err}");
 }
