@@ -29,7 +29,7 @@ lint:
 golden *files="tests/golden/algos_sample.json tests/golden/rewards_sample.json": build
     ./target/debug/jetrl-golden {{files}}
 
-# a benchmark (benches/<name>/run.sh): dataplane, trainer_step, rollout_engine, reward; the last line
-# printed is one JSON object with the figures
+# a benchmark (benches/<name>/run.sh): dataplane, trainer_step, rollout_engine, reward, async_speedup,
+# weight_sync, gpu; the last line printed is one JSON object with the figures
 bench name: build
     benches/{{name}}/run.sh

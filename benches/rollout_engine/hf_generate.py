@@ -1,6 +1,6 @@
 """The reference side of `just bench rollout_engine`: HF transformers `generate` on the same tiny model, prompts,
 batch and lengths as jetrl's engine (`rollout_engine_bench`), sampled decoding (temperature 1, top-k and top-p
-off), on the CPU.
+off), on the CPU by default (`--device cuda`, `--dtype bf16` for a GPU).
 
 Workloads (batch = G prompts x N samples via `num_return_sequences`):
 - grpo:  a GRPO rollout: rows end at EOS or at T new tokens; tokens are counted through each row's first EOS
@@ -28,16 +28,21 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
     args = parser.parse_args()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    device = torch.device(args.device)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
     with open(os.path.join(args.dir, "prompts.json")) as f:
         prompts = json.load(f)
-    input_ids = torch.tensor(prompts, dtype=torch.long)  # every prompt has the same length: no padding
+    # every prompt has the same length: no padding
+    input_ids = torch.tensor(prompts, dtype=torch.long, device=device)
     attention_mask = torch.ones_like(input_ids)
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.dir, dtype=dtype).to(device).eval()
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     prompt_len = input_ids.shape[1]
@@ -57,6 +62,8 @@ def main() -> None:
         started = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - started
         tokens = 0
         for row in out[:, prompt_len:].tolist():
@@ -84,6 +91,8 @@ def main() -> None:
                 "batch": input_ids.shape[0] * args.n,
                 "new_tokens": args.new_tokens,
                 "threads": torch.get_num_threads(),
+                "device": args.device,
+                "dtype": args.dtype,
                 "transformers": transformers.__version__,
                 "torch": torch.__version__,
             }

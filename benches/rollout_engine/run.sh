@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# `just bench rollout_engine`: jetrl's rollout engine against HF transformers `generate`, on the CPU, in the same
-# run: the same tiny random-init model (the `tiny` preset: Qwen2, 2 layers, hidden 128, vocabulary 65), the same
+# `just bench rollout_engine`: jetrl's rollout engine against HF transformers `generate`, on the CPU (or the
+# device JETRL_BENCH_DEVICE names), in the same run: the same random-init model (by default the `tiny` preset:
+# Qwen2, 2 layers, hidden 128, vocabulary 65; JETRL_BENCH_SHAPE sets another), the same
 # prompts, batch (groups x n samples) and lengths, sampled decoding (temperature 1, top-k and top-p off).
 #
 # Two workloads, each measured on both sides:
@@ -14,7 +15,9 @@
 # Knobs (environment): JETRL_BENCH_GROUPS (4), JETRL_BENCH_N (8), JETRL_BENCH_PROMPT_LEN (32),
 # JETRL_BENCH_NEW_TOKENS (128), JETRL_BENCH_ROUNDS (3), JETRL_BENCH_REPS (2), JETRL_BENCH_THREADS (1: intra-op
 # threads on both sides; a tiny model gains nothing from more, and on a shared machine spinning threads only add
-# noise).
+# noise), JETRL_BENCH_DEVICE (cpu; or cuda) and JETRL_BENCH_DTYPE (f32; bf16 on a GPU) on both sides,
+# JETRL_BENCH_SHAPE (empty: the tiny preset; else the model's shape, e.g. `--hidden 896 --layers 24 --heads 14
+# --kv-heads 2 --intermediate 4864 --vocab 151936`, random init; `benches/gpu/run.sh` uses this).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
@@ -26,6 +29,9 @@ new_tokens="${JETRL_BENCH_NEW_TOKENS:-128}"
 rounds="${JETRL_BENCH_ROUNDS:-3}"
 reps="${JETRL_BENCH_REPS:-2}"
 threads="${JETRL_BENCH_THREADS:-1}"
+device="${JETRL_BENCH_DEVICE:-cpu}"
+dtype="${JETRL_BENCH_DTYPE:-f32}"
+read -r -a shape <<<"${JETRL_BENCH_SHAPE:-}"
 
 scripts/setup.sh transformers >&2
 cargo build -q -p jetrl-model --example rollout_engine_bench
@@ -34,10 +40,10 @@ py="$root/.venv/bin/python"
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-"$bin" prepare "$work/model" --groups "$groups" --prompt-len "$prompt_len"
+"$bin" prepare "$work/model" --groups "$groups" --prompt-len "$prompt_len" ${shape[@]+"${shape[@]}"}
 
 export TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 TQDM_DISABLE=1
-common=(--n "$n" --new-tokens "$new_tokens" --reps "$reps" --threads "$threads")
+common=(--n "$n" --new-tokens "$new_tokens" --reps "$reps" --threads "$threads" --device "$device" --dtype "$dtype")
 for round in $(seq "$rounds"); do
   for workload in fixed grpo; do
     "$bin" run "$work/model" --workload "$workload" --seed "$round" "${common[@]}" \
@@ -70,7 +76,7 @@ def pair(workload):
     }
 ours, ref, grpo = pair("grpo")
 _, _, fixed = pair("fixed")
-line = {"bench": "rollout_engine", "device": "cpu", **grpo, "workload": "grpo_sampled_until_eos",
+line = {"bench": "rollout_engine", "device": ours["device"], "dtype": ours["dtype"], **grpo, "workload": "grpo_sampled_until_eos",
         "fixed_length": fixed, "batch": ours["batch"], "new_tokens": ours["new_tokens"],
         "threads": ours["threads"], "reference": f"transformers {ref['transformers']} generate (torch {ref['torch']})"}
 print(json.dumps(line))

@@ -3,9 +3,13 @@
 //! (`benches/rollout_engine/`).
 //!
 //! ```text
-//! rollout_engine_bench prepare DIR [--groups G] [--prompt-len P] [--seed S]    # model + prompts.json in DIR
+//! rollout_engine_bench prepare DIR [--groups G] [--prompt-len P] [--seed S] [SHAPE]   # model + prompts.json
 //! rollout_engine_bench run DIR --workload grpo|fixed [--n N] [--new-tokens T] [--reps R] [--threads K]
+//!                          [--device cpu|cuda|cuda:N] [--dtype f32|bf16]
 //! ```
+//!
+//! `prepare` writes the `tiny` preset unless SHAPE is given: `--hidden H --layers L --heads A --kv-heads K
+//! --intermediate I --vocab V` (a random-init Qwen2 of that shape, EOS id 2, no tokenizer: the prompts are ids).
 //!
 //! Workloads (batch = G prompts × N samples, temperature 1, top-k and top-p off):
 //! - `grpo`: a GRPO rollout — every sequence ends at EOS or at T tokens; tokens counted through the EOS.
@@ -17,7 +21,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
-use jetrl_model::{init_model, CausalLm, DType, Engine, EngineConfig, Request, Sampling, Tokenizer};
+use jetrl_model::{
+    init_model, parse_device, CausalLm, DType, Engine, EngineConfig, ModelConfig, Request, Sampling, Tokenizer,
+};
 use rand::{Rng, SeedableRng};
 use tch::Device;
 
@@ -32,6 +38,10 @@ struct Args {
     reps: usize,
     threads: i32,
     seed: u64,
+    device: String,
+    dtype: String,
+    /// hidden, layers, heads, kv heads, intermediate, vocab (0: the `tiny` preset)
+    shape: [i64; 6],
 }
 
 fn parse() -> Result<Args, String> {
@@ -49,6 +59,9 @@ fn parse() -> Result<Args, String> {
         reps: 3,
         threads: 0,
         seed: 1,
+        device: "cpu".into(),
+        dtype: "f32".into(),
+        shape: [0; 6],
     };
     while let Some(flag) = it.next() {
         let value = it.next().ok_or(format!("{flag} needs a value"))?;
@@ -62,24 +75,84 @@ fn parse() -> Result<Args, String> {
             "--reps" => args.reps = number(&value)?.max(1) as usize,
             "--threads" => args.threads = number(&value)? as i32,
             "--seed" => args.seed = number(&value)?,
+            "--device" => args.device = value,
+            "--dtype" => args.dtype = value,
+            "--hidden" => args.shape[0] = number(&value)? as i64,
+            "--layers" => args.shape[1] = number(&value)? as i64,
+            "--heads" => args.shape[2] = number(&value)? as i64,
+            "--kv-heads" => args.shape[3] = number(&value)? as i64,
+            "--intermediate" => args.shape[4] = number(&value)? as i64,
+            "--vocab" => args.shape[5] = number(&value)? as i64,
             other => return Err(format!("unknown option {other}")),
         }
     }
     Ok(args)
 }
 
-/// Writes the tiny model and `prompts.json`: random ids of ordinary tokens (ids 0..3 are the special tokens of
-/// the character vocabulary).
+/// Writes the model (the tiny preset, or a random-init Qwen2 of the given shape) and `prompts.json`: random ids
+/// of ordinary tokens (ids 0..3 are the special tokens of the character vocabulary).
 fn prepare(args: &Args) -> Result<(), String> {
-    init_model("tiny", &args.dir, args.seed).map_err(|e| e.to_string())?;
-    let model = CausalLm::load(&args.dir, Device::Cpu, DType::F32).map_err(|e| e.to_string())?;
-    let vocab = model.config().vocab_size as u32;
+    if args.shape == [0; 6] {
+        init_model("tiny", &args.dir, args.seed).map_err(|e| e.to_string())?;
+    } else {
+        write_shaped_model(args)?;
+    }
+    let config_path = args.dir.join("config.json");
+    let config = std::fs::read_to_string(&config_path).map_err(|e| format!("{}: {e}", config_path.display()))?;
+    let config: serde_json::Value =
+        serde_json::from_str(&config).map_err(|e| format!("{}: {e}", config_path.display()))?;
+    let vocab = config["vocab_size"].as_u64().ok_or("config.json has no vocab_size")? as u32;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(args.seed);
     let prompts: Vec<Vec<u32>> =
         (0..args.groups).map(|_| (0..args.prompt_len).map(|_| rng.gen_range(3..vocab)).collect()).collect();
     let path = args.dir.join("prompts.json");
     std::fs::write(&path, serde_json::to_string(&prompts).map_err(|e| e.to_string())?)
         .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// A random-init Qwen2 of `args.shape` (every dimension required), saved in f32 with a generation config naming
+/// its EOS, which both sides of the bench read.
+fn write_shaped_model(args: &Args) -> Result<(), String> {
+    let [hidden, layers, heads, kv_heads, intermediate, vocab] = args.shape;
+    if args.shape.contains(&0) {
+        return Err("a shape needs all of --hidden --layers --heads --kv-heads --intermediate --vocab".into());
+    }
+    let config = serde_json::json!({
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": true,
+        "use_sliding_window": false,
+        "eos_token_id": 2,
+        "dtype": "float32",
+    });
+    let config = ModelConfig::from_json(config).map_err(|e| e.to_string())?;
+    tch::manual_seed(args.seed as i64);
+    let model = CausalLm::random(config, Device::Cpu, DType::F32, 0.02).map_err(|e| e.to_string())?;
+    model.save(&args.dir).map_err(|e| e.to_string())?;
+    let generation = serde_json::json!({ "eos_token_id": [2], "pad_token_id": 0 });
+    let path = args.dir.join("generation_config.json");
+    std::fs::write(&path, generation.to_string()).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// EOS ids: the tokenizer's, or (a shaped model has none) the generation config's.
+fn eos_ids(dir: &Path) -> Result<Vec<u32>, String> {
+    if dir.join("tokenizer.json").exists() {
+        return Ok(Tokenizer::from_dir(dir).map_err(|e| e.to_string())?.eos_token_ids().to_vec());
+    }
+    let path = dir.join("generation_config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(value["eos_token_id"].as_array().into_iter().flatten().filter_map(|v| v.as_u64()).map(|v| v as u32).collect())
 }
 
 fn read_prompts(dir: &Path) -> Result<Vec<Vec<u32>>, String> {
@@ -98,8 +171,10 @@ fn run(args: &Args) -> Result<(), String> {
         other => return Err(format!("unknown workload {other} (grpo, fixed)")),
     };
     let prompts = read_prompts(&args.dir)?;
-    let model = CausalLm::load(&args.dir, Device::Cpu, DType::F32).map_err(|e| e.to_string())?;
-    let eos = Tokenizer::from_dir(&args.dir).map_err(|e| e.to_string())?.eos_token_ids().to_vec();
+    let device = parse_device(&args.device).map_err(|e| e.to_string())?;
+    let dtype: DType = args.dtype.parse().map_err(|e: jetrl_model::ModelError| e.to_string())?;
+    let model = CausalLm::load(&args.dir, device, dtype).map_err(|e| e.to_string())?;
+    let eos = eos_ids(&args.dir)?;
     let config = EngineConfig {
         max_num_seqs: prompts.len() * args.n,
         max_model_len: prompts.iter().map(Vec::len).max().unwrap_or(0) + args.new_tokens,
@@ -141,6 +216,8 @@ fn run(args: &Args) -> Result<(), String> {
             "batch": prompts.len() * args.n,
             "new_tokens": args.new_tokens,
             "threads": tch::get_num_threads(),
+            "device": args.device,
+            "dtype": args.dtype,
         })
     );
     Ok(())

@@ -6,7 +6,9 @@
 //! advantages) to a scratch directory, starts the reference on the same files, then alternates one jetrl update
 //! (`Actor::ppo_update`) and one reference update, `--warmup` untimed pairs then `--iters` timed ones, so load
 //! from other processes on a shared CPU falls on both sides alike; each side's median counts. Both sides must
-//! compute the same first update (pg_loss, grad_norm) or the bench fails. Last line:
+//! compute the same first update (pg_loss, grad_norm) or the bench fails. `--device cuda --dtype bf16` runs both
+//! sides on a GPU in bf16 (jetrl keeps fp32 master weights in its AdamW; the reference steps torch's AdamW on
+//! the bf16 parameters, which is less work). Last line:
 //! `{"bench":"trainer_step","jetrl_tok_per_s":…,"reference_tok_per_s":…,"ratio":…}`.
 
 use std::io::{BufRead, BufReader, Write};
@@ -35,6 +37,25 @@ struct Args {
     layers: i64,
     #[arg(long, default_value_t = 4096)]
     vocab: i64,
+    /// attention heads (default hidden / 64)
+    #[arg(long)]
+    heads: Option<i64>,
+    /// key/value heads (default hidden / 128, at least 1)
+    #[arg(long)]
+    kv_heads: Option<i64>,
+    /// MLP width (default 3 × hidden)
+    #[arg(long)]
+    intermediate: Option<i64>,
+    /// every sequence exactly `prompt_len` + `response_len` tokens (default: 3/4 to full prompts, 2/3 to full
+    /// responses)
+    #[arg(long)]
+    exact_lengths: bool,
+    /// `auto` (CUDA when libtorch sees one), `cpu`, `cuda`, `cuda:N`: both sides
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// `f32` or `bf16` (bf16 only on a GPU: jetrl trains in f32 on the CPU)
+    #[arg(long, default_value = "f32")]
+    dtype: String,
     /// sequences in the batch (groups of 4)
     #[arg(long, default_value_t = 16)]
     rows: usize,
@@ -59,10 +80,10 @@ fn model_config(a: &Args) -> serde_json::Value {
         "model_type": "qwen2",
         "vocab_size": a.vocab,
         "hidden_size": a.hidden,
-        "intermediate_size": a.hidden * 3,
+        "intermediate_size": a.intermediate.unwrap_or(a.hidden * 3),
         "num_hidden_layers": a.layers,
-        "num_attention_heads": a.hidden / 64,
-        "num_key_value_heads": (a.hidden / 128).max(1),
+        "num_attention_heads": a.heads.unwrap_or(a.hidden / 64),
+        "num_key_value_heads": a.kv_heads.unwrap_or((a.hidden / 128).max(1)),
         "hidden_act": "silu",
         "max_position_embeddings": 1024,
         "initializer_range": 0.02,
@@ -84,8 +105,8 @@ fn batch(a: &Args) -> (Vec<Sample>, Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let mut samples = Vec::new();
     let (mut old, mut adv) = (Vec::new(), Vec::new());
     for i in 0..a.rows {
-        let p = rng.gen_range(a.prompt_len * 3 / 4..=a.prompt_len);
-        let r = rng.gen_range(a.response_len * 2 / 3..=a.response_len);
+        let p = if a.exact_lengths { a.prompt_len } else { rng.gen_range(a.prompt_len * 3 / 4..=a.prompt_len) };
+        let r = if a.exact_lengths { a.response_len } else { rng.gen_range(a.response_len * 2 / 3..=a.response_len) };
         let tok = |rng: &mut rand_chacha::ChaCha8Rng| rng.gen_range(3..a.vocab as u32);
         samples.push(Sample {
             key: format!("g{}_{}_0", i / 4, i % 4),
@@ -131,6 +152,13 @@ fn main() -> anyhow::Result<()> {
 
     let mut cfg = JobConfig::default();
     cfg.model.path = model_dir.display().to_string();
+    cfg.model.device = args.device.parse().map_err(|e| anyhow::anyhow!("--device {}: {e}", args.device))?;
+    cfg.model.dtype = args.dtype.parse().map_err(|e| anyhow::anyhow!("--dtype {}: {e}", args.dtype))?;
+    let (device, dtype) = jetrl_trainer::actor::compute_dtype(&cfg)?;
+    let (device_name, dtype_name) = match device {
+        tch::Device::Cuda(i) => (format!("cuda:{i}"), if dtype == DType::BF16 { "bf16" } else { "f32" }),
+        _ => ("cpu".to_string(), "f32"),
+    };
     cfg.rollout.temperature = 1.0;
     cfg.actor.optim.lr = 1e-5;
     cfg.actor.optim.weight_decay = 0.01;
@@ -146,6 +174,10 @@ fn main() -> anyhow::Result<()> {
         .arg(&batch_file)
         .arg("--threads")
         .arg(threads.to_string())
+        .arg("--device")
+        .arg(&device_name)
+        .arg("--dtype")
+        .arg(dtype_name)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -169,12 +201,17 @@ fn main() -> anyhow::Result<()> {
     for i in 0..args.warmup + args.iters {
         let t = Instant::now();
         let m = actor.ppo_update(&samples, &old, &adv, cfg.actor.optim.lr)?;
+        if let tch::Device::Cuda(i) = device {
+            tch::Cuda::synchronize(i as i64);
+        }
         let jetrl_s = t.elapsed().as_secs_f64();
         writeln!(to_ref, "step")?;
         to_ref.flush()?;
         let r = read_reply()?;
         if i == 0 {
-            check_same_update(m["actor/pg_loss"], m["actor/grad_norm"], &r)?;
+            // bf16 kernels differ between the two sides in the last bits of every product
+            let tolerance = if dtype == DType::BF16 { 5e-2 } else { 1e-3 };
+            check_same_update(m["actor/pg_loss"], m["actor/grad_norm"], &r, tolerance)?;
             eprintln!(
                 "first update: pg_loss {:.6} / {:.6}, grad_norm {:.6} / {:.6} (jetrl / reference)",
                 m["actor/pg_loss"], r["pg_loss"], m["actor/grad_norm"], r["grad_norm"]
@@ -202,16 +239,19 @@ fn main() -> anyhow::Result<()> {
             "jetrl_tok_per_s": (jetrl_tps * 10.0).round() / 10.0,
             "reference_tok_per_s": (ref_tps * 10.0).round() / 10.0,
             "ratio": (jetrl_tps / ref_tps * 1000.0).round() / 1000.0,
+            "tokens_per_update": tokens,
+            "device": device_name,
+            "dtype": dtype_name,
         })
     );
     Ok(())
 }
 
 /// Both sides must compute the same update, or the comparison means nothing.
-fn check_same_update(loss: f64, grad_norm: f64, reference: &serde_json::Value) -> anyhow::Result<()> {
+fn check_same_update(loss: f64, grad_norm: f64, reference: &serde_json::Value, tolerance: f64) -> anyhow::Result<()> {
     let ref_loss = reference["pg_loss"].as_f64().unwrap_or(f64::NAN);
     let ref_norm = reference["grad_norm"].as_f64().unwrap_or(f64::NAN);
-    let close = |a: f64, b: f64| (a - b).abs() <= 1e-3 * b.abs().max(1e-3);
+    let close = |a: f64, b: f64| (a - b).abs() <= tolerance * b.abs().max(1e-3);
     if !close(loss, ref_loss) || !close(grad_norm, ref_norm) {
         bail!("jetrl and the reference disagree: pg_loss {loss} vs {ref_loss}, grad_norm {grad_norm} vs {ref_norm}");
     }

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# `just bench weight_sync`: one weight version of ≥ 500 MB (random-init Qwen2 shape, f32) into two rollout
+# workers on both of jetrl's paths, each against moving the same bytes by hand, in the same run:
+#   same node  jetrl's shared_fs store + per-tensor CRC manifest + two readers that read and verify it,
+#              against writing the bytes to a file and reading it twice
+#   broker     the JetStream object store through Bus::store_weights / load_weights + verify, against a raw
+#              async-nats object-store put (same chunk size) and two gets
+# plus the swap into the engine, reported on its own. Arguments pass through to bench-weight-sync
+# (`--hidden`, `--layers`, `--vocab`, `--rounds` (5), `--warmup` (1), `--chunk-bytes`). Medians over the rounds;
+# the sides alternate order round by round (this machine class is shared: load from others falls on all alike).
+# Last line: {"bench":"weight_sync","bytes":…,"jetrl_s":…,"raw_copy_s":…,"ratio":…,"broker_jetrl_s":…,
+# "broker_raw_s":…,"broker_ratio":…,…}
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+# `just bench` has built the workspace; this keeps the script usable on its own.
+cargo build --quiet -p jetrl-tests --bin bench-weight-sync
+exec ./target/debug/bench-weight-sync "$@"

@@ -1,0 +1,111 @@
+//! `just bench gpu` in its CPU mode: the same script, binaries and reference programs as on a GPU, at tiny shapes
+//! (`JETRL_BENCH_GPU_SHAPE=tiny`), so the GPU benchmark cannot rot on machines without one. Skipped (with the
+//! reason printed) where the project's python cannot import transformers (`./dev.sh test` installs it).
+
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn python_with_transformers(root: &Path) -> bool {
+    let python = root.join(".venv/bin/python");
+    match Command::new(&python).args(["-c", "import transformers"]).output() {
+        Ok(out) if out.status.success() => true,
+        Ok(out) => {
+            eprintln!(
+                "SKIP: `{} -c \"import transformers\"` failed: {}",
+                python.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            false
+        }
+        Err(err) => {
+            eprintln!("SKIP: cannot run {}: {err}", python.display());
+            false
+        }
+    }
+}
+
+#[test]
+fn gpu_bench_runs_at_tiny_shapes_on_the_cpu_and_prints_one_json_line() {
+    let root = repo_root();
+    if !python_with_transformers(&root) {
+        return;
+    }
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut command = Command::new(root.join("benches/gpu/run.sh"));
+    // The script's own `cargo build`s must see the environment a person's shell has: the variables cargo sets
+    // for this test (OUT_DIR above all, CARGO_MANIFEST_DIR, ...) change the fingerprints of crates that read them
+    // (ring, async-nats and every crate above), which then rebuild twice: here, and in the next build outside.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy().into_owned();
+        let set_by_cargo_test =
+            ["CARGO_MANIFEST_", "CARGO_PKG_", "CARGO_BIN_", "CARGO_CRATE_NAME"].iter().any(|p| name.starts_with(p))
+                || ["OUT_DIR", "CARGO_PRIMARY_PACKAGE", "CARGO_TARGET_TMPDIR", "CARGO_RUSTC_CURRENT_DIR"]
+                    .contains(&name.as_str());
+        if set_by_cargo_test {
+            command.env_remove(&name);
+        }
+    }
+    let mut child = command
+        .env("JETRL_BENCH_GPU_SHAPE", "tiny")
+        .current_dir(&root)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(log.reopen().unwrap())
+        // its own process group: on a timeout the whole tree (services, nats-server, python) is killed
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut stdout, &mut text).unwrap();
+        text
+    });
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(420) {
+            // SAFETY: kill(2) on the process group this test created, with a valid signal number.
+            #[allow(unsafe_code)]
+            unsafe {
+                libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL);
+            }
+            panic!("benches/gpu/run.sh did not finish in 420 s:\n{}", std::fs::read_to_string(log.path()).unwrap());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let stdout = reader.join().unwrap();
+    let stderr = std::fs::read_to_string(log.path()).unwrap();
+    assert!(status.success(), "benches/gpu/run.sh failed ({status}):\n{stderr}");
+    eprintln!("benches/gpu/run.sh (tiny, CPU) took {:.0} s", started.elapsed().as_secs_f64());
+
+    let lines: Vec<&str> = stdout.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "stdout is exactly the JSON line:\n{stdout}");
+    let line: serde_json::Value = serde_json::from_str(lines[0]).unwrap();
+    assert_eq!(line["bench"], "gpu");
+    assert_eq!((line["device"].as_str(), line["shape"].as_str()), (Some("cpu"), Some("tiny")));
+    let positive = |v: &serde_json::Value| v.as_f64().is_some_and(|x| x > 0.0);
+    for side in ["rollout", "trainer_step"] {
+        for key in ["jetrl_tok_per_s", "reference_tok_per_s", "ratio"] {
+            assert!(positive(&line[side][key]), "{side}.{key} = {}", line[side][key]);
+        }
+    }
+    let schedule = &line["separate_vs_sync"];
+    for key in ["sync_s", "separate_async_s", "speedup_separate"] {
+        assert!(positive(&schedule[key]), "separate_vs_sync.{key} = {}", schedule[key]);
+    }
+    for key in ["final_reward_sync", "final_reward_separate"] {
+        assert!(schedule[key].as_f64().is_some_and(|r| (0.0..=1.0).contains(&r)), "{key} = {}", schedule[key]);
+    }
+    assert!(line.get("targets").is_none(), "GPU targets are not judged at tiny shapes");
+}
