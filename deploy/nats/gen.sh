@@ -177,6 +177,8 @@ obj_read() { for b in "$@"; do direct_get "OBJ_$b"; read_stream "OBJ_$b"; done; 
 obj_write() { for b in "$@"; do echo "\$O.$b.C.>"; echo "\$O.$b.M.>"; direct_get "OBJ_$b"; echo "$API.STREAM.PURGE.OBJ_$b"; done; }
 # a service's heartbeat, under its own service's keys of WORKERS (shared/bus/src/heartbeat.rs)
 heartbeat() { echo "\$KV.$KV_WORKERS.$1.>"; }
+# a service's dead letters: the malformed messages it set aside (shared/bus/src/consume.rs `dead_letter`)
+dead_letters() { echo "jetrl.${ns}.dlq.$1"; }
 
 publish_allow() { # user
   case "$1" in
@@ -192,7 +194,7 @@ publish_allow() { # user
       echo "\$KV.$KV_GROUPS.>"; kv_read "$KV_GROUPS"  # group records: created pending, re-issued on resume
       echo "\$KV.$KV_LEASE.trainer"; kv_read "$KV_LEASE"  # one trainer per job
       kv_read "$KV_WORKERS" "$KV_WEIGHTS"       # which workers run which version
-      heartbeat trainer
+      heartbeat trainer; dead_letters trainer
       ;;
     rollout-worker)
       expect_topology
@@ -200,7 +202,7 @@ publish_allow() { # user
       echo "$P_TRAJ.>"; echo "$P_SCORE.>"         # trajectories, score requests
       direct_get "$S_TRAJ"                        # a duplicate trajectory's stored copy
       echo "\$KV.$KV_GROUPS.>"; kv_read "$KV_GROUPS"  # group status
-      heartbeat rollout
+      heartbeat rollout; dead_letters rollout
       kv_read "$KV_WEIGHTS"; obj_read "$OBJ_BLOBS"  # weights
       ;;
     reward-service)
@@ -209,7 +211,7 @@ publish_allow() { # user
       echo "$API.STREAM.PURGE.$S_SCORE"           # settled requests, purged below the ack floor
       direct_get "$S_TRAJ" "$S_REWARDS"; read_stream "$S_REWARDS"  # payloads; rewards already stored
       echo "$P_REWARDS.*.>"                       # reward batches (never the buffer's release markers)
-      heartbeat reward
+      heartbeat reward; dead_letters reward
       ;;
     replay-buffer)
       expect_topology
@@ -218,13 +220,13 @@ publish_allow() { # user
       read_stream "$S_REWARDS"; direct_get "$S_REWARDS"
       echo "$P_REWARDS.released"                  # release markers
       echo "$API.STREAM.PURGE.$S_REWARDS"; echo "$API.STREAM.PURGE.$S_TRAJ"  # released and evicted payloads
-      heartbeat buffer
+      heartbeat buffer; dead_letters buffer
       ;;
     checkpoint-sync)
       expect_topology
       echo "\$KV.$KV_WEIGHTS.>"; kv_read "$KV_WEIGHTS"  # weight manifests: only checkpoint-sync writes them
       obj_read "$OBJ_BLOBS"; obj_write "$OBJ_BLOBS"     # verifies blobs, deletes old versions
-      heartbeat checkpoint
+      heartbeat checkpoint; dead_letters checkpoint
       ;;
     status)
       stream_info "${ALL_STREAMS[@]}" "$S_DLQ"   # streams (the dead letters' count by service too)

@@ -36,6 +36,7 @@ pub async fn run(
     let shutdown = Shutdown::new(shutdown);
     let bus = Bus::connect_job(&cfg, "jetrl-checkpoint-sync").await?;
     bus.expect_topology().await?;
+    consume::route_dead_letters(&bus);
     let heartbeat = jetrl_bus::heartbeat::start(&bus, &cfg, SERVICE, None, shutdown.clone());
     let stop = shutdown.clone();
     jetrl_telemetry::serve_metrics(&cfg.checkpoint.metrics_addr, async move { stop.wait().await }).await?;
@@ -62,7 +63,8 @@ pub async fn run(
                         }
                     },
                     Err(err) => {
-                        consume::count_malformed(SERVICE, bus.names().weights_announce());
+                        let reason = format!("malformed WeightAnnounce: {err}");
+                        consume::dead_letter(SERVICE, bus.names().weights_announce(), &msg.subject, &reason, &msg.payload);
                         tracing::error!(subject = %msg.subject, error = %err, "malformed weight announcement");
                         WeightAnnounceResponse { version: 0, error: format!("malformed WeightAnnounce: {err}") }
                     }

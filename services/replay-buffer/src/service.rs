@@ -60,6 +60,7 @@ pub async fn run(
     let shutdown = Shutdown::new(shutdown);
     let bus = Bus::connect_job(&cfg, "jetrl-replay-buffer").await?;
     bus.expect_topology().await?;
+    jetrl_bus::consume::route_dead_letters(&bus);
     let heartbeat = jetrl_bus::heartbeat::start(&bus, &cfg, SERVICE, None, shutdown.clone());
     let stop = shutdown.clone();
     jetrl_telemetry::serve_metrics(&cfg.buffer.metrics_addr, async move { stop.wait().await }).await?;
@@ -189,7 +190,8 @@ impl Buffer {
                                     self.state.apply_group_at(status, entry.revision);
                                 }
                                 Some(Err(err)) => {
-                                    consume::count_malformed(SERVICE, names.groups_bucket());
+                                    let reason = format!("malformed group record: {err}");
+                                    consume::dead_letter(SERVICE, names.groups_bucket(), &entry.key, &reason, &entry.value);
                                     tracing::error!(key = %entry.key, error = %err, "malformed group record ignored");
                                 }
                                 None => {
@@ -254,7 +256,14 @@ impl Buffer {
                     }
                 }
                 Err(err) => {
-                    consume::count_malformed(SERVICE, self.bus.names().rewards_stream());
+                    let reason = format!("malformed release marker: {err}");
+                    consume::dead_letter(
+                        SERVICE,
+                        self.bus.names().rewards_stream(),
+                        &msg.subject,
+                        &reason,
+                        &msg.payload,
+                    );
                     tracing::error!(subject = %msg.subject, error = %err, "malformed release marker ignored");
                 }
             }
@@ -271,7 +280,8 @@ impl Buffer {
                 }
             }
             Err(err) => {
-                consume::count_malformed(SERVICE, self.bus.names().rewards_stream());
+                let reason = format!("malformed reward batch: {err}");
+                consume::dead_letter(SERVICE, self.bus.names().rewards_stream(), &msg.subject, &reason, &msg.payload);
                 tracing::error!(subject = %msg.subject, error = %err, "malformed reward batch ignored");
             }
         }
@@ -354,7 +364,8 @@ impl Buffer {
                 self.waiting.push_back(Waiting { request, reply, deadline: now + wait, received: now });
             }
             Err(err) => {
-                consume::count_malformed(SERVICE, self.bus.names().buffer_sample());
+                let reason = format!("malformed SampleRequest: {err}");
+                consume::dead_letter(SERVICE, self.bus.names().buffer_sample(), &msg.subject, &reason, &msg.payload);
                 tracing::error!(subject = %msg.subject, error = %err, "malformed sample request");
                 let response =
                     SampleResponse { error: format!("malformed SampleRequest: {err}"), ..Default::default() };
@@ -598,7 +609,8 @@ impl Buffer {
         let request = match ReleaseRequest::decode(msg.payload.as_ref()) {
             Ok(r) => r,
             Err(err) => {
-                consume::count_malformed(SERVICE, self.bus.names().buffer_release());
+                let reason = format!("malformed ReleaseRequest: {err}");
+                consume::dead_letter(SERVICE, self.bus.names().buffer_release(), &msg.subject, &reason, &msg.payload);
                 let response =
                     ReleaseResponse { error: format!("malformed ReleaseRequest: {err}"), ..Default::default() };
                 self.reply(&reply, &response).await;
@@ -653,7 +665,8 @@ impl Buffer {
                 }
             }
             Err(err) => {
-                consume::count_malformed(SERVICE, self.bus.names().buffer_ledger());
+                let reason = format!("malformed LedgerRequest: {err}");
+                consume::dead_letter(SERVICE, self.bus.names().buffer_ledger(), &msg.subject, &reason, &msg.payload);
                 LedgerResponse { error: format!("malformed LedgerRequest: {err}"), ..Default::default() }
             }
         };

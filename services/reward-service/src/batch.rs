@@ -236,7 +236,9 @@ async fn decode(context: &BatchContext, held: Pulled) -> Item {
             Item::Decoded { held, request, id }
         }
         Err(err) => {
-            consume::count_malformed(SERVICE, context.bus.names().score_stream());
+            let reason = format!("malformed score request: {err}");
+            let (source, subject) = (context.bus.names().score_stream(), &held.msg.subject);
+            consume::dead_letter(SERVICE, source, subject, &reason, &held.msg.payload);
             metrics::counter!(FAILURES_METRIC, "reason" => "malformed_score_request").increment(1);
             tracing::error!(subject = %held.msg.subject, error = %err, "malformed score request terminated");
             let batch = match context.bus.names().parse_group_subject(&held.msg.subject) {

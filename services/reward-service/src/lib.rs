@@ -94,6 +94,7 @@ pub async fn run(
     let shutdown = Shutdown::new(shutdown);
     let bus = Bus::connect_job(&cfg, "jetrl-reward-service").await?;
     bus.expect_topology().await?;
+    jetrl_bus::consume::route_dead_letters(&bus);
     let heartbeat =
         jetrl_bus::heartbeat::start(&bus, &cfg, SERVICE, cfg.reward.instance_id.as_deref(), shutdown.clone());
     let stop = shutdown.clone();

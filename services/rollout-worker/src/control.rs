@@ -50,7 +50,7 @@ pub(crate) async fn serve(worker: Arc<Worker>, handshake_timeout: Duration, shut
                         Err(err) => PauseResponse { error: err.to_string(), ..Default::default() },
                     },
                     Err(err) => {
-                        consume::count_malformed(SERVICE, &msg.subject);
+                        consume::dead_letter(SERVICE, &msg.subject, &msg.subject, &format!("malformed PauseRequest: {err}"), &msg.payload);
                         PauseResponse { error: format!("malformed PauseRequest: {err}"), ..Default::default() }
                     }
                 };
@@ -62,7 +62,7 @@ pub(crate) async fn serve(worker: Arc<Worker>, handshake_timeout: Duration, shut
                 let response = match ResumeRequest::decode(msg.payload.as_ref()) {
                     Ok(request) => resume(&worker, request).await,
                     Err(err) => {
-                        consume::count_malformed(SERVICE, &msg.subject);
+                        consume::dead_letter(SERVICE, &msg.subject, &msg.subject, &format!("malformed ResumeRequest: {err}"), &msg.payload);
                         ResumeResponse { error: format!("malformed ResumeRequest: {err}"), ..Default::default() }
                     }
                 };

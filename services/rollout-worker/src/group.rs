@@ -82,7 +82,8 @@ impl Worker {
     pub(crate) async fn handle(self: Arc<Self>, msg: jetstream::Message, mut slots: OwnedSemaphorePermit) {
         let Some(task) = consume::decode_or_term::<PromptTask>(&msg, SERVICE).await else { return };
         if let Err(err) = validate_uid(&task.uid) {
-            consume::count_malformed(SERVICE, self.bus.names().prompts_stream());
+            let reason = format!("prompt task with an invalid uid: {err}");
+            consume::dead_letter(SERVICE, self.bus.names().prompts_stream(), &msg.subject, &reason, &msg.payload);
             tracing::error!(subject = %msg.subject, error = %err, "task with an invalid uid terminated");
             consume::settle(&msg, AckKind::Term).await;
             return;

@@ -153,6 +153,7 @@ pub async fn run(
     let instance = cfg.rollout.instance_id.clone().unwrap_or_else(default_instance_id);
     let bus = Bus::connect_job(&cfg, &format!("jetrl-rollout-worker-{instance}")).await?;
     bus.expect_topology().await?;
+    jetrl_bus::consume::route_dead_letters(&bus);
     let stop = shutdown.clone();
     jetrl_telemetry::serve_metrics(&cfg.rollout.metrics_addr, async move { stop.wait().await }).await?;
     describe_metrics();

@@ -163,7 +163,9 @@ pub(crate) async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
                         }
                     }
                     Err(err) => {
-                        consume::count_malformed(SERVICE, worker.bus.names().weights_bucket());
+                        let bucket = worker.bus.names().weights_bucket();
+                        let reason = format!("malformed weight manifest: {err}");
+                        consume::dead_letter(SERVICE, bucket, &entry.key, &reason, &entry.value);
                         tracing::error!(error = %err, "malformed weight manifest ignored");
                         continue;
                     }

@@ -91,7 +91,14 @@ impl Fleet {
                             task_shared.beats.lock().unwrap_or_else(PoisonError::into_inner).insert(entry.key, beat);
                         }
                         Err(err) => {
-                            jetrl_bus::consume::count_malformed("trainer", &malformed_source);
+                            let reason = format!("malformed heartbeat: {err}");
+                            jetrl_bus::consume::dead_letter(
+                                "trainer",
+                                &malformed_source,
+                                &entry.key,
+                                &reason,
+                                &entry.value,
+                            );
                             tracing::warn!(key = %entry.key, error = %err, "malformed heartbeat ignored");
                         }
                     }

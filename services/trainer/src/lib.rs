@@ -82,6 +82,7 @@ pub async fn run(
 ) -> Result<(), TrainerError> {
     let bus = Bus::connect_job(&cfg, "jetrl-trainer").await?;
     bus.declare_topology().await?;
+    jetrl_bus::consume::route_dead_letters(&bus);
     // One trainer per job: a second one is refused here; a trainer that loses the lease stops.
     let lease = Lease::acquire(&bus, subjects::TRAINER_LEASE_KEY).await?;
     let shutdown = Shutdown::new(lease.or_lost(shutdown));

@@ -1,11 +1,52 @@
 //! Pull consumption: decoding with poison-message handling, and acknowledgement helpers.
 
+use std::sync::{PoisonError, RwLock};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::PullConsumer, AckKind};
 use futures::StreamExt;
 
-use crate::BusError;
+use crate::{Bus, BusError};
+
+/// Where this process sets malformed messages aside: a connection and the job's dead-letter prefix
+/// (`jetrl.<ns>.dlq`). Set by each service when it connects ([`route_dead_letters`]); the last one wins.
+static DEAD_LETTERS: RwLock<Option<(async_nats::Client, String)>> = RwLock::new(None);
+
+/// At most this much of a dead letter's payload is kept (an oversized message is cut; `Jetrl-Bytes` says how
+/// long it was).
+pub const DEAD_LETTER_MAX_BYTES: usize = 64 * 1024;
+
+/// Sends this process's dead letters to `bus`'s job (its DLQ stream, declared with the topology).
+pub fn route_dead_letters(bus: &Bus) {
+    let prefix = bus.names().dlq_subject("");
+    let prefix = prefix.trim_end_matches('.').to_string();
+    *DEAD_LETTERS.write().unwrap_or_else(PoisonError::into_inner) = Some((bus.client().clone(), prefix));
+}
+
+/// Sets a malformed or invalid message aside: counted as [`count_malformed`] does, and copied (best effort, never
+/// waited on) to the job's dead-letter stream on `jetrl.<ns>.dlq.<service>` with headers naming where it came
+/// from (`Jetrl-Subject`), who refused it (`Jetrl-Service`), why (`Jetrl-Reason`) and its size (`Jetrl-Bytes`).
+/// The stream keeps a bounded history (see the topology); `jetrl status` counts it by service.
+pub fn dead_letter(service: &str, source: &str, subject: &str, reason: &str, payload: &[u8]) {
+    count_malformed(service, source);
+    let Some((client, prefix)) = DEAD_LETTERS.read().unwrap_or_else(PoisonError::into_inner).clone() else {
+        return;
+    };
+    let mut headers = async_nats::HeaderMap::new();
+    let one_line =
+        |text: &str| -> String { text.chars().map(|c| if c.is_control() { ' ' } else { c }).take(512).collect() };
+    headers.insert("Jetrl-Subject", one_line(subject).as_str());
+    headers.insert("Jetrl-Service", service);
+    headers.insert("Jetrl-Reason", one_line(reason).as_str());
+    headers.insert("Jetrl-Bytes", payload.len().to_string().as_str());
+    let kept = bytes::Bytes::copy_from_slice(&payload[..payload.len().min(DEAD_LETTER_MAX_BYTES)]);
+    let target = format!("{prefix}.{service}");
+    tokio::spawn(async move {
+        if let Err(err) = client.publish_with_headers(target.clone(), headers, kept).await {
+            tracing::warn!(subject = %target, error = %err, "dead letter not sent");
+        }
+    });
+}
 
 /// Decodes a protobuf message. A message that does not decode is counted in
 /// `jetrl_<service>_malformed_messages_total{stream}`, logged with its subject and terminated, so it is
@@ -15,7 +56,8 @@ pub async fn decode_or_term<M: prost::Message + Default>(msg: &jetstream::Messag
         Ok(decoded) => Some(decoded),
         Err(err) => {
             let stream = msg.info().map(|i| i.stream.to_string()).unwrap_or_else(|_| "unknown".into());
-            count_malformed(service, &stream);
+            let reason = format!("does not decode as {}: {err}", std::any::type_name::<M>());
+            dead_letter(service, &stream, &msg.subject, &reason, &msg.payload);
             tracing::error!(subject = %msg.subject, %stream, error = %err, bytes = msg.payload.len(), "malformed message terminated");
             if let Err(err) = msg.ack_with(AckKind::Term).await {
                 tracing::warn!(subject = %msg.subject, error = %err, "could not terminate malformed message");

@@ -164,9 +164,10 @@ async fn pipelined_publisher_acks_every_message_with_distinct_sequences() {
 }
 
 #[tokio::test]
-async fn malformed_message_is_counted_terminated_and_not_redelivered() {
+async fn malformed_message_is_counted_terminated_set_aside_and_not_redelivered() {
     let server = NatsServer::start().unwrap();
     let bus = bus(&server).await;
+    crate::consume::route_dead_letters(&bus);
     let metrics_addr = jetrl_telemetry::serve_metrics("127.0.0.1:0", std::future::pending()).await.unwrap();
     let consumer = bus
         .shared_pull_consumer(
@@ -201,6 +202,22 @@ async fn malformed_message_is_counted_terminated_and_not_redelivered() {
     assert!(again.is_empty(), "got {} redeliveries", again.len());
     let body = jetrl_telemetry::scrape(metrics_addr).await.unwrap();
     assert!(body.contains("jetrl_bustest_malformed_messages_total{source=\"JETRL_test_TRAJ\"} 1"), "{body}");
+    // and a copy of it waits in the job's dead-letter stream, saying where it came from, who refused it and why
+    let dlq = bus.stream(bus.names().dlq_stream()).await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let letter = loop {
+        match dlq.direct_get_last_for_subject(bus.names().dlq_subject("bustest")).await {
+            Ok(letter) => break letter,
+            Err(err) => assert!(std::time::Instant::now() < deadline, "no dead letter: {err}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(letter.payload.as_ref(), &[0xff, 0xff, 0xff]);
+    let header = |name: &str| letter.headers.get(name).map(|v| v.as_str().to_string()).unwrap_or_default();
+    assert_eq!(header("Jetrl-Subject"), bus.names().traj_subject("train", "bad"));
+    assert_eq!(header("Jetrl-Service"), "bustest");
+    assert!(header("Jetrl-Reason").contains("does not decode as") && header("Jetrl-Reason").contains("Trajectory"));
+    assert_eq!(header("Jetrl-Bytes"), "3");
 }
 
 #[tokio::test]

@@ -20,6 +20,11 @@ pub const DEDUP_WINDOW: Duration = Duration::from_secs(120);
 /// Safety net for payload streams: anything not released by the trainer within a day is dropped.
 const PAYLOAD_MAX_AGE: Duration = Duration::from_secs(24 * 3600);
 
+/// Dead letters are kept this long (and at most [`DEAD_LETTER_MAX_MESSAGES`] / [`DEAD_LETTER_MAX_BYTES`]).
+pub const DEAD_LETTER_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
+pub const DEAD_LETTER_MAX_MESSAGES: i64 = 100_000;
+pub const DEAD_LETTER_MAX_BYTES: i64 = 256 * 1024 * 1024;
+
 /// Heartbeats older than this disappear from the WORKERS bucket.
 pub const HEARTBEAT_MAX_AGE: Duration = Duration::from_secs(15);
 
@@ -199,6 +204,21 @@ impl Bus {
             // their consumer's ack floor), which costs the broker far less than deleting each one on its ack.
             Part::Stream(Box::new(payload_stream(names.score_stream(), names.score_filter(), replicas))),
             Part::Stream(Box::new(payload_stream(names.rewards_stream(), names.rewards_filter(), replicas))),
+            // what the services refused (consume::dead_letter): bounded, oldest dropped first
+            Part::Stream(Box::new(stream::Config {
+                name: names.dlq_stream().into(),
+                subjects: vec![format!("{}>", names.dlq_subject(""))],
+                retention: stream::RetentionPolicy::Limits,
+                storage: stream::StorageType::File,
+                max_age: DEAD_LETTER_MAX_AGE,
+                max_messages: DEAD_LETTER_MAX_MESSAGES,
+                max_bytes: DEAD_LETTER_MAX_BYTES,
+                discard: stream::DiscardPolicy::Old,
+                duplicate_window: DEDUP_WINDOW,
+                allow_direct: true,
+                num_replicas: replicas,
+                ..Default::default()
+            })),
             Part::Bucket(bucket(names.groups_bucket(), 1, Duration::ZERO, stream::StorageType::File)),
             Part::Bucket(bucket(names.weights_bucket(), 4, Duration::ZERO, stream::StorageType::File)),
             // Memory: heartbeats are worth nothing after HEARTBEAT_MAX_AGE.
