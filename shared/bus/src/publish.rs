@@ -3,22 +3,39 @@
 //! Awaiting each publish ack in turn caps a publisher at one round trip per message (~5k msg/s on
 //! loopback); keeping a bounded window of acks in flight gives the broker's full rate (60–70k msg/s)
 //! while still knowing, for each message, that it is durable. A failed or timed-out ack is retried with
-//! the same `Nats-Msg-Id`, so the stream stores the message once. A publish the server refuses (a permissions
-//! violation: it sends no ack, only an error) fails at once and is not retried.
+//! the same `Nats-Msg-Id`, so the stream stores the message once, after a backoff (0.1 s doubling, at most 2 s)
+//! and at most [`MAX_ATTEMPTS`] times. What cannot succeed however often it is tried fails at once, without a
+//! retry: a publish the server refuses (a permissions violation: it sends no ack, only an error), a message above
+//! the server's `max_payload`, a stream refusing it on its expectations.
 
 use std::future::IntoFuture;
 use std::pin::Pin;
 
 use async_nats::header::{HeaderMap, NATS_MESSAGE_ID};
-use async_nats::jetstream::context::PublishAckFuture;
+use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use bytes::Bytes;
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 
 use crate::{Bus, BusError};
 
-/// Publish attempts per message before giving up.
+/// Publish attempts per message before giving up (transient failures only).
 const MAX_ATTEMPTS: u32 = 5;
+
+/// Backoff before the second attempt; doubled per attempt up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: std::time::Duration = std::time::Duration::from_millis(100);
+const MAX_BACKOFF: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Whether an unacknowledged publish may succeed when tried again. A lost or late ack, a broken connection, a full
+/// ack window may; so may "no stream" (no responders), which a cluster answers while a stream's leader is being
+/// elected. A message above the server's `max_payload` or one a stream refuses on its expectations (last id or
+/// sequence) will not, however often it is sent.
+pub fn publish_error_is_transient(kind: PublishErrorKind) -> bool {
+    !matches!(
+        kind,
+        PublishErrorKind::MaxPayloadExceeded | PublishErrorKind::WrongLastMessageId | PublishErrorKind::WrongLastSequence
+    )
+}
 
 /// Largest ack window a [`Publisher`] keeps (below the context's `max_ack_inflight` of 4096).
 pub const MAX_WINDOW: usize = 4000;
@@ -71,7 +88,10 @@ pub struct Acked {
 
 /// Why a publish was not acknowledged: a refusal (permissions violation) is permanent and not retried.
 enum NotAcked {
+    /// may succeed when sent again
     Failed(String),
+    /// will not: the kind says why
+    Permanent(String),
     Refused(String),
 }
 
@@ -118,9 +138,15 @@ impl Publisher {
                 Ok(())
             }
             Err(NotAcked::Refused(why)) => Err(BusError::Publish { subject: message.subject, message: why }),
+            Err(NotAcked::Permanent(err)) => {
+                metrics::counter!("jetrl_bus_publish_permanent_failures_total").increment(1);
+                Err(BusError::Publish { subject: message.subject, message: format!("{err} (permanent: not retried)") })
+            }
             Err(NotAcked::Failed(err)) if attempt < MAX_ATTEMPTS => {
-                tracing::warn!(subject = %message.subject, attempt, error = %err, "publish not acknowledged; retrying");
+                let backoff = FIRST_BACKOFF.saturating_mul(1 << (attempt - 1).min(8)).min(MAX_BACKOFF);
+                tracing::warn!(subject = %message.subject, attempt, error = %err, ?backoff, "publish not acknowledged; retrying");
                 metrics::counter!("jetrl_bus_publish_retries_total").increment(1);
+                tokio::time::sleep(backoff).await;
                 let future = send(&self.bus, message, attempt + 1).await?;
                 self.inflight.push(future);
                 Ok(())
@@ -170,7 +196,13 @@ async fn send(bus: &Bus, message: Outgoing, attempt: u32) -> Result<AckFuture, B
                     sequence: ack.sequence,
                     duplicate: ack.duplicate,
                 })
-                .map_err(|e| NotAcked::Failed(e.to_string())),
+                .map_err(|e| {
+                    if publish_error_is_transient(e.kind()) {
+                        NotAcked::Failed(e.to_string())
+                    } else {
+                        NotAcked::Permanent(e.to_string())
+                    }
+                }),
             refused = refusals.refused(&message.subject, sent) => Err(NotAcked::Refused(refused)),
         };
         (message, attempt, acked)

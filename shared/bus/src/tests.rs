@@ -545,3 +545,30 @@ async fn a_holder_whose_lease_was_taken_over_learns_it_and_its_release_fails() {
     let entry = kv.entry("trainer").await.unwrap().expect("entry");
     assert_eq!(entry.operation, async_nats::jetstream::kv::Operation::Put);
 }
+
+#[test]
+fn only_failures_that_can_pass_on_a_retry_are_retried() {
+    use async_nats::jetstream::context::PublishErrorKind as Kind;
+    for kind in [Kind::TimedOut, Kind::BrokenPipe, Kind::MaxAckPending, Kind::StreamNotFound, Kind::Other] {
+        assert!(crate::publish::publish_error_is_transient(kind), "{kind:?} is transient");
+    }
+    for kind in [Kind::MaxPayloadExceeded, Kind::WrongLastMessageId, Kind::WrongLastSequence] {
+        assert!(!crate::publish::publish_error_is_transient(kind), "{kind:?} is permanent");
+    }
+}
+
+#[tokio::test]
+async fn a_publish_no_stream_takes_is_retried_with_backoff_then_fails_naming_the_attempts() {
+    let server = NatsServer::start().unwrap();
+    let bus = bus(&server).await;
+    let started = std::time::Instant::now();
+    let err = bus
+        .publish_durable(Outgoing::new("nowhere.at.all".into(), None, vec![1, 2, 3].into()))
+        .await
+        .expect_err("no stream takes this subject")
+        .to_string();
+    let waited = started.elapsed();
+    assert!(err.contains("after 5 attempts"), "{err}");
+    // 0.1 + 0.2 + 0.4 + 0.8 s of backoff between the five attempts: not a tight loop, not forever
+    assert!(waited >= Duration::from_millis(1500) && waited < Duration::from_secs(30), "{waited:?}");
+}

@@ -110,6 +110,22 @@ impl fmt::Display for DType {
     }
 }
 
+/// Sets this process's torch intra-op and inter-op thread counts (each only when given) and logs what torch then
+/// uses. Call it before any tensor work: torch fixes a thread's pool size on its first use.
+pub fn set_torch_threads(intra_op: Option<usize>, inter_op: Option<usize>) {
+    if let Some(n) = intra_op {
+        tch::set_num_threads(i32::try_from(n).unwrap_or(i32::MAX));
+    }
+    if let Some(n) = inter_op {
+        tch::set_num_interop_threads(i32::try_from(n).unwrap_or(i32::MAX));
+    }
+    tracing::info!(
+        torch_threads = tch::get_num_threads(),
+        torch_interop_threads = tch::get_num_interop_threads(),
+        "torch threads"
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

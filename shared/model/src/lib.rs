@@ -27,7 +27,7 @@ pub mod recompute;
 mod weights;
 
 pub use config::{Architecture, ModelConfig, RopeScaling};
-pub use device::{parse_device, resolve_device, DType};
+pub use device::{parse_device, resolve_device, set_torch_threads, DType};
 pub use engine::{
     Engine, EngineConfig, EngineStats, Finish, LogprobsMode, Prefix, Request, RequestId, Sampling, SequenceOutput,
 };
