@@ -119,6 +119,10 @@ impl Worker {
                 tracing::info!(uid = %task.uid, %reason, "task skipped");
                 consume::settle(&msg, AckKind::Ack).await;
             }
+            Some(Err(TaskError::Fail(reason))) => {
+                tracing::warn!(uid = %task.uid, %reason, "task failed permanently");
+                consume::settle(&msg, AckKind::Ack).await;
+            }
             Some(Err(TaskError::Retry(reason))) => {
                 tracing::warn!(uid = %task.uid, %reason, "task failed transiently; naking for redelivery");
                 consume::settle(&msg, AckKind::Nak(Some(Duration::from_secs(1)))).await;
@@ -157,7 +161,10 @@ impl Worker {
             metrics::counter!("jetrl_rollout_redelivered_tasks_total").increment(1);
         }
 
-        let (keys, failure) = self.generate_and_publish(task, received).await?;
+        let (keys, failure) = match self.generate_and_publish(task, received).await {
+            Err(TaskError::Fail(reason)) => (Vec::new(), Some(reason)),
+            other => other?,
+        };
         // Terminal status last: every trajectory above is already durable.
         let terminal = if failure.is_some() { GroupState::Failure } else { GroupState::Finished };
         let reason = failure.clone().unwrap_or_default();
@@ -385,7 +392,7 @@ impl<'a> GroupPublisher<'a> {
         self.publisher
             .publish(Outgoing::protobuf(subject, Some(key.clone()), &traj))
             .await
-            .map_err(|e| TaskError::Retry(e.to_string()))?;
+            .map_err(task_error)?;
         self.scoring.add(&traj);
         self.keys.push(key);
         // fault injection (inert unless JETRL_CRASH_AT names it): part of the group published, not its status
@@ -396,8 +403,8 @@ impl<'a> GroupPublisher<'a> {
     /// Waits until every trajectory is stored, then publishes the group's score request (the reward service's
     /// input) and waits until it is stored too; returns the keys (in session order) and the failure, if any.
     async fn finish(mut self) -> Result<(Vec<String>, Option<String>), TaskError> {
-        let acks = self.publisher.drain().await.map_err(|e| TaskError::Retry(e.to_string()))?;
-        self.scoring.publish(&self.worker.bus, &acks).await.map_err(|e| TaskError::Retry(e.to_string()))?;
+        let acks = self.publisher.drain().await.map_err(task_error)?;
+        self.scoring.publish(&self.worker.bus, &acks).await.map_err(task_error)?;
         self.keys.sort();
         Ok((self.keys, self.failure))
     }
@@ -409,6 +416,21 @@ enum TaskError {
     Skip(String),
     /// transient (broker or engine trouble): nak for redelivery
     Retry(String),
+    /// permanent (a trajectory or score request above the server's max_payload): generating the group again
+    /// would fail again, so it ends `failure` with the reason, without trajectories
+    Fail(String),
+}
+
+/// A broker error while publishing a group: a message the server can never take fails the group for good;
+/// anything else is worth a redelivery.
+fn task_error(err: jetrl_bus::BusError) -> TaskError {
+    match err {
+        jetrl_bus::BusError::PayloadTooLarge { .. } => {
+            metrics::counter!("jetrl_rollout_permanent_failures_total", "reason" => "payload_too_large").increment(1);
+            TaskError::Fail(err.to_string())
+        }
+        other => TaskError::Retry(other.to_string()),
+    }
 }
 
 /// Runs `work` while sending in-progress acks every ack_wait/3, so a long group is not redelivered.

@@ -349,3 +349,29 @@ async fn a_stopped_worker_naks_the_group_it_cannot_finish_and_another_worker_com
     }
     second.stop().await;
 }
+
+/// A group whose score request can never fit the server's max_payload (many sessions: the "large n")
+/// fails for good with the reason, and is acknowledged: not naked and regenerated every ack_wait forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_too_large_for_the_broker_fails_once_with_the_reason_instead_of_looping() {
+    let nats = NatsServer::start_with_max_payload(4096).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    jetrl_model::init_model("tiny", dir.path(), 3).unwrap();
+    let cfg = config(&nats, dir.path());
+    let bus = Bus::connect_job(&cfg, "test").await.unwrap();
+    bus.declare_topology().await.unwrap();
+    let groups = GroupStore::open(&bus).await.unwrap();
+    let worker = start(cfg);
+
+    submit(&bus, &groups, task("huge", 64, &prompt(10, 1), 1.0)).await;
+    let status = wait_terminal(&groups, "huge", Duration::from_secs(120)).await;
+    assert_eq!(status.state(), GroupState::Failure, "{status:?}");
+    assert!(status.failure_reason.contains("max_payload"), "{}", status.failure_reason);
+    assert!(status.trajectory_keys.is_empty(), "a failed group names no trajectories: {status:?}");
+    // past two ack_waits (2 s each): the task was acknowledged, never redelivered and regenerated
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (again, _) = groups.get("train", "huge").await.unwrap().unwrap();
+    assert_eq!(again.updated_unix_ms, status.updated_unix_ms, "the group was touched again: {again:?}");
+    assert_eq!(again.state(), GroupState::Failure);
+    worker.stop().await;
+}

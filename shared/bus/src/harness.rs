@@ -19,6 +19,7 @@ pub struct NatsServer {
     dir: Option<tempfile::TempDir>,
     root: PathBuf,
     child: Option<Child>,
+    max_payload: usize,
 }
 
 impl NatsServer {
@@ -32,6 +33,18 @@ impl NatsServer {
         Self::launch(find_binary()?, free_port()?, Some(dir), root)
     }
 
+    /// Starts a server as [`NatsServer::start`] does, with another `max_payload` (tests of oversized messages).
+    pub fn start_with_max_payload(max_payload: usize) -> Result<Self, BusError> {
+        let dir = tempfile::Builder::new()
+            .prefix("jetrl-nats-")
+            .tempdir()
+            .map_err(|e| BusError::Server(format!("temp dir: {e}")))?;
+        let root = dir.path().to_path_buf();
+        let mut server = Self { binary: find_binary()?, port: free_port()?, dir: Some(dir), root, child: None, max_payload };
+        server.spawn()?;
+        Ok(server)
+    }
+
     /// Starts a server whose store lives in `root` (kept after drop), e.g. a run directory.
     pub fn start_in(root: &Path) -> Result<Self, BusError> {
         std::fs::create_dir_all(root).map_err(|e| BusError::Server(format!("{}: {e}", root.display())))?;
@@ -39,7 +52,7 @@ impl NatsServer {
     }
 
     fn launch(binary: PathBuf, port: u16, dir: Option<tempfile::TempDir>, root: PathBuf) -> Result<Self, BusError> {
-        let mut server = Self { binary, port, dir, root, child: None };
+        let mut server = Self { binary, port, dir, root, child: None, max_payload: MAX_PAYLOAD_BYTES };
         server.spawn()?;
         Ok(server)
     }
@@ -51,7 +64,7 @@ impl NatsServer {
         let text = format!(
             "host: 127.0.0.1\nport: {}\nmax_payload: {}\njetstream {{\n  store_dir: {:?}\n}}\n",
             self.port,
-            MAX_PAYLOAD_BYTES,
+            self.max_payload,
             store.display().to_string()
         );
         std::fs::write(&conf, text).map_err(|e| BusError::Server(format!("{}: {e}", conf.display())))?;
