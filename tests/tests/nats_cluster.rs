@@ -1,0 +1,157 @@
+//! A training job on a three-node JetStream cluster (deploy/nats/gen.sh --cluster: routes over TLS, the
+//! least-privilege identities, replicas 3), every service under its own identity: the node leading the PROMPTS
+//! stream is SIGKILLed mid-run and started again later. The run completes, the ledger shows every row trained
+//! exactly once, and the services counted the disconnections and the leader elections.
+
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use jetrl_tests::bin;
+use jetrl_tests::secure_nats::SecureCluster;
+
+const STEPS: usize = 10;
+const BATCH: usize = 4;
+
+/// A child process killed on drop.
+struct Service(Child);
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_addr() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().to_string()
+}
+
+fn metric_lines(run: &Path) -> usize {
+    std::fs::read_to_string(run.join("metrics.jsonl")).map(|t| t.lines().count()).unwrap_or(0)
+}
+
+/// Sum of a counter family on a service's /metrics endpoint.
+fn scrape_sum(addr: &str, family: &str) -> f64 {
+    let Ok(mut stream) = std::net::TcpStream::connect(addr) else { return 0.0 };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+    let _ = write!(stream, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+    let mut body = String::new();
+    let _ = stream.read_to_string(&mut body);
+    body.lines()
+        .filter(|l| l.starts_with(family))
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum()
+}
+
+fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !done() {
+        assert!(started.elapsed() < timeout, "{what} (waited {timeout:?})");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_job_on_a_three_node_cluster_survives_a_killed_node_and_trains_every_row_once() {
+    let mut cluster = SecureCluster::start();
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    jetrl_model::init_model("tiny-digits", &model, 1).unwrap();
+    let run: PathBuf = dir.path().join("run");
+    let reward_metrics = free_addr();
+    let job = [
+        format!("run.dir={}", run.display()),
+        format!("model.path={}", model.display()),
+        format!("trainer.total_training_steps={STEPS}"),
+        "trainer.test_freq=-1".to_string(),
+        format!("data.train_batch_size={BATCH}"),
+        "rollout.n=2".to_string(),
+        format!("reward.metrics_addr={reward_metrics}"),
+    ];
+    let spawn = |user: &str, binary: &str| {
+        let log = dir.path().join(format!("{user}.log"));
+        let file = std::fs::File::create(&log).unwrap();
+        let child = Command::new(bin(binary))
+            .arg("--config")
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/job.yaml"))
+            .args(&job)
+            .args(cluster.overrides(user))
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .unwrap();
+        Service(child)
+    };
+    let logs = || -> String {
+        ["trainer", "checkpoint-sync", "replay-buffer", "reward-service", "rollout-worker"]
+            .iter()
+            .map(|u| {
+                let text = std::fs::read_to_string(dir.path().join(format!("{u}.log"))).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect();
+                format!("----- {u} (last 40 lines) -----\n{}\n", tail.join("\n"))
+            })
+            .collect()
+    };
+    let mut trainer = spawn("trainer", "jetrl-trainer");
+    let _services: Vec<Service> = [
+        ("checkpoint-sync", "jetrl-checkpoint-sync"),
+        ("replay-buffer", "jetrl-replay-buffer"),
+        ("reward-service", "jetrl-reward-service"),
+        ("rollout-worker", "jetrl-rollout-worker"),
+    ]
+    .iter()
+    .map(|(user, binary)| spawn(user, binary))
+    .collect();
+
+    wait_until("three steps before the node is killed", Duration::from_secs(240), || metric_lines(&run) >= 3);
+    // the node leading the job's PROMPTS stream: its death forces an election
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let leader = runtime.block_on(async {
+        let bus = cluster.connect("status").await;
+        let mut stream = bus.jetstream().get_stream(bus.names().prompts_stream()).await.unwrap();
+        let info = stream.info().await.unwrap();
+        assert_eq!(info.config.num_replicas, 3, "the job's streams are replicated on the three nodes");
+        info.cluster.as_ref().and_then(|c| c.leader.clone()).expect("a stream leader")
+    });
+    assert!(cluster.nodes().contains(&leader), "leader {leader} is not one of {:?}", cluster.nodes());
+    let killed_at = metric_lines(&run);
+    cluster.kill(&leader);
+    wait_until(&format!("training went on while {leader} was down\n{}", logs()), Duration::from_secs(240), || {
+        metric_lines(&run) >= killed_at + 3
+    });
+    cluster.restart(&leader);
+
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = trainer.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(started.elapsed() < Duration::from_secs(300), "the trainer did not finish\n{}", logs());
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(status.success(), "the trainer failed:\n{}", logs());
+    assert_eq!(metric_lines(&run), STEPS, "one metrics line per step");
+
+    // every dataset row drawn was trained exactly once
+    let ledger = std::fs::read_to_string(run.join("ledger.jsonl")).expect("ledger.jsonl");
+    let mut rows = std::collections::HashMap::new();
+    for line in ledger.lines() {
+        let row: serde_json::Value = serde_json::from_str(line).unwrap();
+        *rows.entry((row["epoch"].as_u64().unwrap(), row["row"].as_u64().unwrap())).or_insert(0) += 1;
+        assert_eq!(row["fate"], "trained", "{row}");
+    }
+    assert_eq!(rows.len(), STEPS * BATCH, "{rows:?}");
+    assert!(rows.values().all(|&n| n == 1), "a row was decided twice: {rows:?}");
+
+    // the reward service (subscribed to JetStream advisories) counted the election
+    let elections = scrape_sum(&reward_metrics, "jetrl_bus_leader_elections_total");
+    assert!(elections >= 1.0, "no leader election counted by the reward service\n{}", logs());
+    assert!(cluster.violations().is_empty(), "refused: {:?}", cluster.violations());
+}
