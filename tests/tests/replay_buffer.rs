@@ -10,7 +10,7 @@ use jetrl_bus::{Bus, GroupStore, NatsServer, Publisher};
 use jetrl_config::JobConfig;
 use jetrl_tests::sim::{self, GroupSpec};
 use jetrl_wire::v1::{
-    GroupState, LedgerRequest, LedgerResponse, ReleaseRequest, ReleaseResponse, ReleasedGroups, SampleRequest,
+    ErrorCode, GroupState, LedgerRequest, LedgerResponse, ReleaseRequest, ReleaseResponse, ReleasedGroups, SampleRequest,
     SampleResponse,
 };
 use jetrl_wire::Message;
@@ -327,5 +327,48 @@ async fn a_waiting_request_is_answered_as_soon_as_its_last_group_completes_not_o
     let latency = answered.saturating_duration_since(completed);
     // verl polls every 2 s; an event-driven answer comes within a few milliseconds (the benchmark reports p99)
     assert!(latency < Duration::from_millis(500), "answered {latency:?} after the last group completed");
+    drop(stop);
+}
+
+/// A resumed trainer (a newer incarnation) takes the groups its dead predecessor's request was waiting for: the
+/// old waiting request is dropped, a late request of the old incarnation is refused as SUPERSEDED, and a
+/// malformed request is answered MALFORMED (callers decide on the code, not the text).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newer_trainer_incarnation_takes_over_from_the_dead_ones_waiting_request() {
+    let server = NatsServer::start().unwrap();
+    let stop = start_buffer(job(&server.url(), "sync"));
+    let (bus, groups) = connect(&server.url()).await;
+    // the dead trainer's request waits (it will never read the answer)
+    let old = SampleRequest { incarnation: 1_000, wait_ms: 10_000, ..request("train-old-1", 1, 2) };
+    let subject = bus.names().buffer_sample().to_string();
+    bus.client().publish_with_reply(subject.clone(), "_INBOX.nobody".to_string(), old.encode_to_vec().into()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // the resumed trainer asks, then the groups complete
+    let new = SampleRequest { incarnation: 2_000, ..request("train-new-1", 1, 2) };
+    let waiter = {
+        let bus = bus.clone();
+        tokio::spawn(async move { sample(&bus, &new).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    make_group(&bus, &groups, &GroupSpec::finished("a", 1, &[1.0])).await;
+    make_group(&bus, &groups, &GroupSpec::finished("b", 1, &[0.0])).await;
+    let answer = waiter.await.unwrap();
+    assert_eq!(answer.code(), ErrorCode::None, "{}", answer.error);
+    let mut uids: Vec<String> = answer.groups.iter().map(|g| g.uid.clone()).collect();
+    uids.sort();
+    assert_eq!(uids, vec!["a", "b"], "the new incarnation got the groups");
+    for uid in ["a", "b"] {
+        let (record, _) = groups.get("train", uid).await.unwrap().unwrap();
+        assert_eq!(record.sample_request_id, "train-new-1");
+    }
+    // the old incarnation, still talking, is fenced off
+    let late = SampleRequest { incarnation: 1_000, ..request("train-old-2", 2, 2) };
+    let refused: SampleResponse = bus.request(&subject, &late, Duration::from_secs(10)).await.unwrap();
+    assert_eq!(refused.code(), ErrorCode::Superseded, "{}", refused.error);
+    assert!(refused.error.contains("superseded"), "{}", refused.error);
+    // garbage is MALFORMED
+    let reply = bus.client().request(subject, vec![0xff, 0xff].into()).await.unwrap();
+    let malformed = SampleResponse::decode(reply.payload.as_ref()).unwrap();
+    assert_eq!(malformed.code(), ErrorCode::Malformed, "{}", malformed.error);
     drop(stop);
 }

@@ -13,7 +13,7 @@ use futures::StreamExt;
 use jetrl_bus::{consume, Bus, BusError};
 use jetrl_config::JobConfig;
 use jetrl_telemetry::Shutdown;
-use jetrl_wire::v1::{WeightAnnounce, WeightAnnounceResponse, WeightManifest};
+use jetrl_wire::v1::{ErrorCode, WeightAnnounce, WeightAnnounceResponse, WeightManifest};
 use jetrl_wire::Message;
 
 const SERVICE: &str = "checkpoint";
@@ -55,18 +55,22 @@ pub async fn run(
                 let started = Instant::now();
                 let response = match WeightAnnounce::decode(msg.payload.as_ref()) {
                     Ok(announce) => match registry.accept(announce).await {
-                        Ok(version) => WeightAnnounceResponse { version, error: String::new() },
+                        Ok(version) => WeightAnnounceResponse { version, ..Default::default() },
                         Err(err) => {
                             metrics::counter!("jetrl_checkpoint_rejected_total").increment(1);
                             tracing::error!(error = %err, "weight announcement rejected");
-                            WeightAnnounceResponse { version: 0, error: err.to_string() }
+                            WeightAnnounceResponse { version: 0, error: err.to_string(), code: ErrorCode::Invalid as i32 }
                         }
                     },
                     Err(err) => {
                         let reason = format!("malformed WeightAnnounce: {err}");
                         consume::dead_letter(SERVICE, bus.names().weights_announce(), &msg.subject, &reason, &msg.payload);
                         tracing::error!(subject = %msg.subject, error = %err, "malformed weight announcement");
-                        WeightAnnounceResponse { version: 0, error: format!("malformed WeightAnnounce: {err}") }
+                        WeightAnnounceResponse {
+                            version: 0,
+                            error: format!("malformed WeightAnnounce: {err}"),
+                            code: ErrorCode::Malformed as i32,
+                        }
                     }
                 };
                 metrics::histogram!("jetrl_checkpoint_announce_seconds").record(started.elapsed().as_secs_f64());

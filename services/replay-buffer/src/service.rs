@@ -14,7 +14,7 @@ use jetrl_config::JobConfig;
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::subjects::{self, Names};
 use jetrl_wire::v1::{
-    GroupState, LedgerRequest, LedgerResponse, ReleaseRequest, ReleaseResponse, ReleasedGroups, RewardBatch,
+    ErrorCode, GroupState, LedgerRequest, LedgerResponse, ReleaseRequest, ReleaseResponse, ReleasedGroups, RewardBatch,
     SampleRequest, SampleResponse,
 };
 use jetrl_wire::Message;
@@ -350,6 +350,7 @@ impl Buffer {
                         "trainer incarnation {} is superseded by {} (a newer trainer holds the job)",
                         request.incarnation, self.incarnation
                     ),
+                    code: ErrorCode::Superseded as i32,
                     ..Default::default()
                 };
                 let client = self.bus.client().clone();
@@ -368,7 +369,11 @@ impl Buffer {
                 consume::dead_letter(SERVICE, self.bus.names().buffer_sample(), &msg.subject, &reason, &msg.payload);
                 tracing::error!(subject = %msg.subject, error = %err, "malformed sample request");
                 let response =
-                    SampleResponse { error: format!("malformed SampleRequest: {err}"), ..Default::default() };
+                    SampleResponse {
+                    error: format!("malformed SampleRequest: {err}"),
+                    code: ErrorCode::Malformed as i32,
+                    ..Default::default()
+                };
                 let client = self.bus.client().clone();
                 tokio::spawn(async move { client.publish(reply, response.encode_to_vec().into()).await });
             }
@@ -490,6 +495,7 @@ impl Buffer {
                     return Some(SampleResponse {
                         request_id: request.request_id.clone(),
                         error,
+                        code: ErrorCode::Invalid as i32,
                         ..Default::default()
                     });
                 }
@@ -612,7 +618,11 @@ impl Buffer {
                 let reason = format!("malformed ReleaseRequest: {err}");
                 consume::dead_letter(SERVICE, self.bus.names().buffer_release(), &msg.subject, &reason, &msg.payload);
                 let response =
-                    ReleaseResponse { error: format!("malformed ReleaseRequest: {err}"), ..Default::default() };
+                    ReleaseResponse {
+                    error: format!("malformed ReleaseRequest: {err}"),
+                    code: ErrorCode::Malformed as i32,
+                    ..Default::default()
+                };
                 self.reply(&reply, &response).await;
                 return;
             }
@@ -628,7 +638,7 @@ impl Buffer {
         // on storage. A purge that did not happen (a crash) leaves bytes behind for the streams' max age,
         // never a group that can be sampled again (its record says sampled); a restart purges again.
         tokio::spawn(purge_payloads(self.traj.clone(), self.bus.names().clone(), groups));
-        let response = ReleaseResponse { released_trajectories: released as u64, error: String::new() };
+        let response = ReleaseResponse { released_trajectories: released as u64, ..Default::default() };
         self.reply(&reply, &response).await;
     }
 
@@ -661,13 +671,17 @@ impl Buffer {
                 LedgerResponse {
                     entries: self.state.ledger(&req.partition, &req.uids, limit),
                     counts: self.state.counts(&req.partition).into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
-                    error: String::new(),
+                    ..Default::default()
                 }
             }
             Err(err) => {
                 let reason = format!("malformed LedgerRequest: {err}");
                 consume::dead_letter(SERVICE, self.bus.names().buffer_ledger(), &msg.subject, &reason, &msg.payload);
-                LedgerResponse { error: format!("malformed LedgerRequest: {err}"), ..Default::default() }
+                LedgerResponse {
+                    error: format!("malformed LedgerRequest: {err}"),
+                    code: ErrorCode::Malformed as i32,
+                    ..Default::default()
+                }
             }
         };
         self.reply(&reply, &response).await;

@@ -11,7 +11,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use jetrl_bus::consume;
 use jetrl_telemetry::Shutdown;
-use jetrl_wire::v1::{PauseRequest, PauseResponse, ResumeRequest, ResumeResponse, WorkerState};
+use jetrl_wire::v1::{ErrorCode, PauseRequest, PauseResponse, ResumeRequest, ResumeResponse, WorkerState};
 use jetrl_wire::Message;
 
 use crate::{Worker, SERVICE};
@@ -45,13 +45,13 @@ pub(crate) async fn serve(worker: Arc<Worker>, handshake_timeout: Duration, shut
                         Ok(parked) => {
                             worker.status.set(WorkerState::Paused, format!("paused for trainer step {}", request.step));
                             overdue = Some(tokio::time::Instant::now() + handshake_timeout);
-                            PauseResponse { parked_sequences: parked.sequences as u32, parked_tokens: parked.tokens, error: String::new() }
+                            PauseResponse { parked_sequences: parked.sequences as u32, parked_tokens: parked.tokens, ..Default::default() }
                         }
-                        Err(err) => PauseResponse { error: err.to_string(), ..Default::default() },
+                        Err(err) => PauseResponse { error: err.to_string(), code: ErrorCode::Unavailable as i32, ..Default::default() },
                     },
                     Err(err) => {
                         consume::dead_letter(SERVICE, &msg.subject, &msg.subject, &format!("malformed PauseRequest: {err}"), &msg.payload);
-                        PauseResponse { error: format!("malformed PauseRequest: {err}"), ..Default::default() }
+                        PauseResponse { error: format!("malformed PauseRequest: {err}"), code: ErrorCode::Malformed as i32, ..Default::default() }
                     }
                 };
                 reply(&worker, msg.reply, response.encode_to_vec()).await;
@@ -63,7 +63,7 @@ pub(crate) async fn serve(worker: Arc<Worker>, handshake_timeout: Duration, shut
                     Ok(request) => resume(&worker, request).await,
                     Err(err) => {
                         consume::dead_letter(SERVICE, &msg.subject, &msg.subject, &format!("malformed ResumeRequest: {err}"), &msg.payload);
-                        ResumeResponse { error: format!("malformed ResumeRequest: {err}"), ..Default::default() }
+                        ResumeResponse { error: format!("malformed ResumeRequest: {err}"), code: ErrorCode::Malformed as i32, ..Default::default() }
                     }
                 };
                 overdue = None;
@@ -95,6 +95,7 @@ async fn resume(worker: &Worker, request: ResumeRequest) -> ResumeResponse {
                     version: worker.engine.version(),
                     resumed_sequences: resumed as u32,
                     error: format!("weights v{} not loaded: {err}", manifest.version),
+                    code: ErrorCode::Unavailable as i32,
                 };
             }
         },
@@ -107,9 +108,14 @@ async fn resume(worker: &Worker, request: ResumeRequest) -> ResumeResponse {
             if let Some(manifest) = &request.manifest {
                 metrics::gauge!("jetrl_rollout_policy_version").set(manifest.version as f64);
             }
-            ResumeResponse { version: worker.engine.version(), resumed_sequences: resumed as u32, error: String::new() }
+            ResumeResponse { version: worker.engine.version(), resumed_sequences: resumed as u32, ..Default::default() }
         }
-        Err(err) => ResumeResponse { version: worker.engine.version(), error: err.to_string(), ..Default::default() },
+        Err(err) => ResumeResponse {
+            version: worker.engine.version(),
+            error: err.to_string(),
+            code: ErrorCode::Unavailable as i32,
+            ..Default::default()
+        },
     }
 }
 

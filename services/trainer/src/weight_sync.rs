@@ -19,7 +19,7 @@ use jetrl_bus::Bus;
 use jetrl_config::{JobConfig, TrainerMode, WeightTransportKind};
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::v1::{
-    PauseRequest, PauseResponse, ResumeRequest, ResumeResponse, WeightAnnounce, WeightAnnounceResponse, WeightManifest,
+    ErrorCode, PauseRequest, PauseResponse, ResumeRequest, ResumeResponse, WeightAnnounce, WeightAnnounceResponse, WeightManifest,
 };
 
 use crate::error::{TrainerError, WeightSyncFailure};
@@ -125,6 +125,8 @@ impl WeightSync {
                 .await;
             let last = match reply {
                 Ok(resp) if resp.error.is_empty() => return Ok(manifest),
+                // checkpoint-sync could not do it now (its store failed): worth another attempt
+                Ok(resp) if resp.code() == ErrorCode::Unavailable => resp.error,
                 Ok(resp) => {
                     return Err(TrainerError::WeightSync { version, reason: WeightSyncFailure::Rejected(resp.error) })
                 }
