@@ -41,10 +41,10 @@ async fn a_declaration_creates_what_is_missing_and_updates_only_what_differs() {
     let cfg = NatsConfig { url: server.url(), ..NatsConfig::default() };
     let bus = Bus::connect(&cfg, &Names::new("decl").unwrap(), "bus-test").await.expect("connect");
     let first = bus.declare_topology().await.expect("declare");
-    assert_eq!(first.created.len(), 9, "{first:?}");
+    assert_eq!(first.created.len(), 10, "{first:?}");
     assert!(first.created.contains(&"KV bucket JETRL_decl_LEASE".to_string()), "{first:?}");
     let again = bus.declare_topology().await.expect("declare again");
-    assert!(again.created.is_empty() && again.updated.is_empty() && again.unchanged.len() == 9, "{again:?}");
+    assert!(again.created.is_empty() && again.updated.is_empty() && again.unchanged.len() == 10, "{again:?}");
 
     // an operator changed TRAJ's max age and the WORKERS bucket's history
     let js = bus.jetstream();
