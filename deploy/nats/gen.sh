@@ -136,7 +136,7 @@ inbox() { echo "_INBOX_$(user "$1")"; }
 
 API='$JS.API'
 DATA_STREAMS=("$S_PROMPTS" "$S_TRAJ" "$S_SCORE" "$S_REWARDS")
-ALL_STREAMS=("${DATA_STREAMS[@]}" "KV_$KV_GROUPS" "KV_$KV_WEIGHTS" "KV_$KV_WORKERS" "KV_$KV_LEASE" "OBJ_$OBJ_BLOBS")
+ALL_STREAMS=("${DATA_STREAMS[@]}" "$S_DLQ" "KV_$KV_GROUPS" "KV_$KV_WEIGHTS" "KV_$KV_WORKERS" "KV_$KV_LEASE" "OBJ_$OBJ_BLOBS")
 
 # JetStream API subjects, one helper per kind of call (see docs/deploy.md, "What each identity may do").
 stream_info() { for s in "$@"; do echo "$API.STREAM.INFO.$s"; done; }
@@ -229,7 +229,7 @@ publish_allow() { # user
       heartbeat checkpoint; dead_letters checkpoint
       ;;
     status)
-      stream_info "${ALL_STREAMS[@]}" "$S_DLQ"   # streams (the dead letters' count by service too)
+      stream_info "${ALL_STREAMS[@]}"   # streams (the dead letters' count by service too)
       echo "$API.STREAM.NAMES"                   # the account's jobs, when asked for one that is not there
       echo "$API.CONSUMER.INFO.$S_PROMPTS.$C_ROLLOUT"; echo "$API.CONSUMER.INFO.$S_SCORE.$C_REWARD"  # lag
       kv_read "$KV_WEIGHTS" "$KV_WORKERS"
