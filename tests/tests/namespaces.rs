@@ -85,7 +85,7 @@ async fn two_jobs_on_one_server_train_side_by_side_each_on_its_own_records() {
     }
     let mut expected = BTreeSet::new();
     for job in ["alpha", "beta"] {
-        for kind in ["PROMPTS", "TRAJ", "SCORE", "REWARDS"] {
+        for kind in ["PROMPTS", "TRAJ", "SCORE", "REWARDS", "DLQ"] {
             expected.insert(format!("JETRL_{job}_{kind}"));
         }
         for bucket in ["GROUPS", "WEIGHTS", "WORKERS", "LEASE"] {
@@ -102,9 +102,16 @@ async fn a_second_trainer_for_a_running_job_is_refused_and_the_first_one_finishe
     // no rollout worker yet: the first trainer holds the lease and waits for one until the second is refused
     let mut job = start_job(&nats, "solo", "1.0e-3");
     let bus = Bus::connect_job(&job.config(), "lease-check").await.expect("connect");
-    let lease = bus.key_value(bus.names().lease_bucket()).await.expect("LEASE bucket");
-    // the first trainer holds the lease: the second one comes after that, not after a guessed delay
+    // the trainer declares the job's buckets when it starts: wait for the LEASE bucket, then for the lease in it
     let deadline = Instant::now() + Duration::from_secs(60);
+    let lease = loop {
+        match bus.key_value(bus.names().lease_bucket()).await {
+            Ok(lease) => break lease,
+            Err(err) => assert!(Instant::now() < deadline, "no LEASE bucket: {err}\n{}", job.log("trainer")),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // the first trainer holds the lease: the second one comes after that, not after a guessed delay
     while lease.get(TRAINER_LEASE_KEY).await.expect("lease read").is_none() {
         assert!(Instant::now() < deadline, "the trainer never took its lease:\n{}", job.log("trainer"));
         tokio::time::sleep(Duration::from_millis(50)).await;
