@@ -169,6 +169,19 @@ async fn malformed_message_on_each_subject_is_counted_set_aside_and_services_kee
         "{checkpoint}"
     );
 
+    // each refused message also waits in the job's dead-letter stream, under the service that refused it, with
+    // where it came from and why
+    let dlq = bus.stream(names.dlq_stream()).await.unwrap();
+    for service in ["rollout", "reward", "buffer", "checkpoint"] {
+        let letter = dlq.direct_get_last_for_subject(names.dlq_subject(service)).await.unwrap_or_else(|e| {
+            panic!("no dead letter from {service}: {e}");
+        });
+        let header = |name: &str| letter.headers.get(name).map(|v| v.as_str().to_string()).unwrap_or_default();
+        assert_eq!(header("Jetrl-Service"), service);
+        assert!(!header("Jetrl-Subject").is_empty() && header("Jetrl-Reason").contains("malformed"), "{service}: {letter:?}");
+    }
+    assert_eq!(sample.code(), jetrl_wire::v1::ErrorCode::Malformed, "{sample:?}");
+
     // and the malformed sample request did not stop the buffer from answering a real one
     let ok: SampleResponse = bus
         .request(
