@@ -56,7 +56,7 @@ pub async fn decode_or_term<M: prost::Message + Default>(msg: &jetstream::Messag
         Ok(decoded) => Some(decoded),
         Err(err) => {
             let stream = msg.info().map(|i| i.stream.to_string()).unwrap_or_else(|_| "unknown".into());
-            let reason = format!("does not decode as {}: {err}", std::any::type_name::<M>());
+            let reason = format!("malformed: does not decode as {}: {err}", std::any::type_name::<M>());
             dead_letter(service, &stream, &msg.subject, &reason, &msg.payload);
             tracing::error!(subject = %msg.subject, %stream, error = %err, bytes = msg.payload.len(), "malformed message terminated");
             if let Err(err) = msg.ack_with(AckKind::Term).await {
