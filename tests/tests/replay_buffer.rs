@@ -38,11 +38,18 @@ fn start_buffer(cfg: JobConfig) -> tokio::sync::oneshot::Sender<()> {
     tx
 }
 
-/// A connection to the default job (the one [`job`] and the buffer process's job file describe).
+/// A connection to the default job (the one [`job`] and the buffer process's job file describe), once the buffer
+/// started before it answers (it waits for the topology this declares, then subscribes).
 async fn connect(url: &str) -> (Bus, GroupStore) {
     let bus = Bus::connect_job(&job(url, "sync"), "test").await.unwrap();
     bus.declare_topology().await.unwrap();
     let groups = GroupStore::open(&bus).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let probe = LedgerRequest { limit: 1, ..Default::default() };
+    while bus.request::<_, LedgerResponse>(bus.names().buffer_ledger(), &probe, Duration::from_secs(2)).await.is_err() {
+        assert!(Instant::now() < deadline, "the replay buffer never answered");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     (bus, groups)
 }
 
