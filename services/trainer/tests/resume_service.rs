@@ -51,6 +51,8 @@ async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
     job.spawn("reward-0", "jetrl-reward-service", &[]);
     job.spawn("rollout-0", "jetrl-rollout-worker", &["rollout.instance_id=rollout-0"]);
     let bus = Bus::connect_job(&cfg, "resume-check").await.unwrap();
+    // (the trainer declares the same topology when it starts; the test reads the records before that)
+    bus.declare_topology().await.unwrap();
     let groups = GroupStore::open(&bus).await.unwrap();
 
     // first incarnation: once step 2 is checkpointed and logged, the only rollout worker is killed; the

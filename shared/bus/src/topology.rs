@@ -221,8 +221,10 @@ impl Bus {
             })),
             Part::Bucket(bucket(names.groups_bucket(), 1, Duration::ZERO, stream::StorageType::File)),
             Part::Bucket(bucket(names.weights_bucket(), 4, Duration::ZERO, stream::StorageType::File)),
-            // Memory: heartbeats are worth nothing after HEARTBEAT_MAX_AGE.
-            Part::Bucket(bucket(names.workers_bucket(), 1, HEARTBEAT_MAX_AGE, stream::StorageType::Memory)),
+            // File, though heartbeats are worth nothing after HEARTBEAT_MAX_AGE: a memory bucket is gone after a
+            // restart of the NATS server, and only the trainer may declare it again (every other service only
+            // opens it), so heartbeats would fail and weight syncs wait on workers nobody hears.
+            Part::Bucket(bucket(names.workers_bucket(), 1, HEARTBEAT_MAX_AGE, stream::StorageType::File)),
             // File storage: a lease outlives a restart of the NATS server, as its holder does.
             Part::Bucket(bucket(names.lease_bucket(), 1, LEASE_TTL, stream::StorageType::File)),
             Part::Objects(object_store::Config {
