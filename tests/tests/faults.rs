@@ -178,7 +178,10 @@ async fn malformed_message_on_each_subject_is_counted_set_aside_and_services_kee
         });
         let header = |name: &str| letter.headers.get(name).map(|v| v.as_str().to_string()).unwrap_or_default();
         assert_eq!(header("Jetrl-Service"), service);
-        assert!(!header("Jetrl-Subject").is_empty() && header("Jetrl-Reason").contains("malformed"), "{service}: {letter:?}");
+        assert!(
+            !header("Jetrl-Subject").is_empty() && header("Jetrl-Reason").contains("malformed"),
+            "{service}: {letter:?}"
+        );
     }
     assert_eq!(sample.code(), jetrl_wire::v1::ErrorCode::Malformed, "{sample:?}");
 

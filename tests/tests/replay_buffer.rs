@@ -10,8 +10,8 @@ use jetrl_bus::{Bus, GroupStore, NatsServer, Publisher};
 use jetrl_config::JobConfig;
 use jetrl_tests::sim::{self, GroupSpec};
 use jetrl_wire::v1::{
-    ErrorCode, GroupState, LedgerRequest, LedgerResponse, ReleaseRequest, ReleaseResponse, ReleasedGroups, SampleRequest,
-    SampleResponse,
+    ErrorCode, GroupState, LedgerRequest, LedgerResponse, ReleaseRequest, ReleaseResponse, ReleasedGroups,
+    SampleRequest, SampleResponse,
 };
 use jetrl_wire::Message;
 
@@ -348,7 +348,10 @@ async fn a_newer_trainer_incarnation_takes_over_from_the_dead_ones_waiting_reque
     // the dead trainer's request waits (it will never read the answer)
     let old = SampleRequest { incarnation: 1_000, wait_ms: 10_000, ..request("train-old-1", 1, 2) };
     let subject = bus.names().buffer_sample().to_string();
-    bus.client().publish_with_reply(subject.clone(), "_INBOX.nobody".to_string(), old.encode_to_vec().into()).await.unwrap();
+    bus.client()
+        .publish_with_reply(subject.clone(), "_INBOX.nobody".to_string(), old.encode_to_vec().into())
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     // the resumed trainer asks, then the groups complete
     let new = SampleRequest { incarnation: 2_000, ..request("train-new-1", 1, 2) };

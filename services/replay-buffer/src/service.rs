@@ -368,8 +368,7 @@ impl Buffer {
                 let reason = format!("malformed SampleRequest: {err}");
                 consume::dead_letter(SERVICE, self.bus.names().buffer_sample(), &msg.subject, &reason, &msg.payload);
                 tracing::error!(subject = %msg.subject, error = %err, "malformed sample request");
-                let response =
-                    SampleResponse {
+                let response = SampleResponse {
                     error: format!("malformed SampleRequest: {err}"),
                     code: ErrorCode::Malformed as i32,
                     ..Default::default()
@@ -617,8 +616,7 @@ impl Buffer {
             Err(err) => {
                 let reason = format!("malformed ReleaseRequest: {err}");
                 consume::dead_letter(SERVICE, self.bus.names().buffer_release(), &msg.subject, &reason, &msg.payload);
-                let response =
-                    ReleaseResponse {
+                let response = ReleaseResponse {
                     error: format!("malformed ReleaseRequest: {err}"),
                     code: ErrorCode::Malformed as i32,
                     ..Default::default()

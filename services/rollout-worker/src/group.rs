@@ -389,10 +389,7 @@ impl<'a> GroupPublisher<'a> {
             ..Default::default()
         };
         let subject = self.worker.bus.names().traj_subject(&task.partition, &task.uid);
-        self.publisher
-            .publish(Outgoing::protobuf(subject, Some(key.clone()), &traj))
-            .await
-            .map_err(task_error)?;
+        self.publisher.publish(Outgoing::protobuf(subject, Some(key.clone()), &traj)).await.map_err(task_error)?;
         self.scoring.add(&traj);
         self.keys.push(key);
         // fault injection (inert unless JETRL_CRASH_AT names it): part of the group published, not its status

@@ -7,11 +7,8 @@ fn main() -> anyhow::Result<()> {
         |cfg, shutdown| {
             // Before the engine thread does any tensor work: torch fixes a thread's pool size on its first use.
             let on_cpu = matches!(jetrl_model::resolve_device(cfg.model.device), Ok(tch::Device::Cpu));
-            let threads = TorchThreads::for_this_process(
-                cfg.rollout.torch_threads,
-                cfg.rollout.torch_interop_threads,
-                on_cpu,
-            );
+            let threads =
+                TorchThreads::for_this_process(cfg.rollout.torch_threads, cfg.rollout.torch_interop_threads, on_cpu);
             jetrl_model::set_torch_threads(threads.intra_op, threads.inter_op);
             jetrl_rollout_worker::run(cfg, shutdown)
         },

@@ -8,11 +8,8 @@ fn main() -> anyhow::Result<()> {
         |cfg, shutdown| {
             // Before the actor thread does any tensor work: torch fixes a thread's pool size on its first use.
             let on_cpu = matches!(jetrl_model::resolve_device(cfg.model.device), Ok(tch::Device::Cpu));
-            let threads = TorchThreads::for_this_process(
-                cfg.trainer.torch_threads,
-                cfg.trainer.torch_interop_threads,
-                on_cpu,
-            );
+            let threads =
+                TorchThreads::for_this_process(cfg.trainer.torch_threads, cfg.trainer.torch_interop_threads, on_cpu);
             jetrl_model::set_torch_threads(threads.intra_op, threads.inter_op);
             jetrl_trainer::run(cfg, shutdown)
         },

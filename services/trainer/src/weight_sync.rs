@@ -19,7 +19,8 @@ use jetrl_bus::Bus;
 use jetrl_config::{JobConfig, TrainerMode, WeightTransportKind};
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::v1::{
-    ErrorCode, PauseRequest, PauseResponse, ResumeRequest, ResumeResponse, WeightAnnounce, WeightAnnounceResponse, WeightManifest,
+    ErrorCode, PauseRequest, PauseResponse, ResumeRequest, ResumeResponse, WeightAnnounce, WeightAnnounceResponse,
+    WeightManifest,
 };
 
 use crate::error::{TrainerError, WeightSyncFailure};

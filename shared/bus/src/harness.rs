@@ -40,7 +40,8 @@ impl NatsServer {
             .tempdir()
             .map_err(|e| BusError::Server(format!("temp dir: {e}")))?;
         let root = dir.path().to_path_buf();
-        let mut server = Self { binary: find_binary()?, port: free_port()?, dir: Some(dir), root, child: None, max_payload };
+        let mut server =
+            Self { binary: find_binary()?, port: free_port()?, dir: Some(dir), root, child: None, max_payload };
         server.spawn()?;
         Ok(server)
     }

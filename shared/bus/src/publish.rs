@@ -33,7 +33,9 @@ const MAX_BACKOFF: std::time::Duration = std::time::Duration::from_secs(2);
 pub fn publish_error_is_transient(kind: PublishErrorKind) -> bool {
     !matches!(
         kind,
-        PublishErrorKind::MaxPayloadExceeded | PublishErrorKind::WrongLastMessageId | PublishErrorKind::WrongLastSequence
+        PublishErrorKind::MaxPayloadExceeded
+            | PublishErrorKind::WrongLastMessageId
+            | PublishErrorKind::WrongLastSequence
     )
 }
 

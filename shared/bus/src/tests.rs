@@ -563,7 +563,7 @@ async fn a_publish_no_stream_takes_is_retried_with_backoff_then_fails_naming_the
     let bus = bus(&server).await;
     let started = std::time::Instant::now();
     let err = bus
-        .publish_durable(Outgoing::new("nowhere.at.all".into(), None, vec![1, 2, 3].into()))
+        .publish_durable(Outgoing::new("nowhere.at.all", None, vec![1u8, 2, 3].into()))
         .await
         .expect_err("no stream takes this subject")
         .to_string();

@@ -229,7 +229,8 @@ fn examples() -> Vec<Vec<u8>> {
         }
         .encode_to_vec(),
         ReleaseRequest { step: 42, request_ids: vec!["train-42".into(), "train-41".into()] }.encode_to_vec(),
-        ReleaseResponse { released_trajectories: 256, error: "late".into(), code: ErrorCode::Unavailable as i32 }.encode_to_vec(),
+        ReleaseResponse { released_trajectories: 256, error: "late".into(), code: ErrorCode::Unavailable as i32 }
+            .encode_to_vec(),
         ReleasedGroups { step: 42, request_ids: vec!["train-42".into()], groups: vec!["train.0b6c1f9e".into()] }
             .encode_to_vec(),
         LedgerRequest { partition: "val".into(), uids: vec!["0b6c1f9e".into()], limit: 100 }.encode_to_vec(),
@@ -250,7 +251,8 @@ fn examples() -> Vec<Vec<u8>> {
         .encode_to_vec(),
         manifest().encode_to_vec(),
         WeightAnnounce { manifest: Some(manifest()) }.encode_to_vec(),
-        WeightAnnounceResponse { version: 7, error: "crc mismatch".into(), code: ErrorCode::Invalid as i32 }.encode_to_vec(),
+        WeightAnnounceResponse { version: 7, error: "crc mismatch".into(), code: ErrorCode::Invalid as i32 }
+            .encode_to_vec(),
         Heartbeat {
             service: "rollout-worker".into(),
             instance_id: "w0".into(),
