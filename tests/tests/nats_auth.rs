@@ -149,7 +149,7 @@ async fn only_the_trainer_creates_or_updates_the_jobs_streams_and_buckets() {
         assert!(started.elapsed() < Duration::from_secs(5), "{user}: the refusal took {:?}", started.elapsed());
     }
     let declared = nats.connect("trainer").await.declare_topology().await.expect("the trainer declares");
-    assert_eq!(declared.created.len(), 9, "{declared:?}");
+    assert_eq!(declared.created.len(), 10, "{declared:?}");
     for user in services {
         nats.connect(user).await.expect_topology().await.unwrap_or_else(|e| panic!("{user} reads it: {e}"));
     }

@@ -48,10 +48,11 @@ fn scrape_sum(addr: &str, family: &str) -> f64 {
         .sum()
 }
 
-fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+/// Waits for `done`; on a timeout, fails with `what` and `context()` (read then: the logs so far).
+fn wait_until(what: &str, timeout: Duration, context: impl Fn() -> String, mut done: impl FnMut() -> bool) {
     let started = Instant::now();
     while !done() {
-        assert!(started.elapsed() < timeout, "{what} (waited {timeout:?})");
+        assert!(started.elapsed() < timeout, "{what} (waited {timeout:?})\n{}", context());
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -110,7 +111,7 @@ fn a_job_on_a_three_node_cluster_survives_a_killed_node_and_trains_every_row_onc
     .map(|(user, binary)| spawn(user, binary))
     .collect();
 
-    wait_until("three steps before the node is killed", Duration::from_secs(240), || metric_lines(&run) >= 3);
+    wait_until("three steps before the node is killed", Duration::from_secs(240), logs, || metric_lines(&run) >= 3);
     // the node leading the job's PROMPTS stream: its death forces an election
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let leader = runtime.block_on(async {
@@ -123,7 +124,7 @@ fn a_job_on_a_three_node_cluster_survives_a_killed_node_and_trains_every_row_onc
     assert!(cluster.nodes().contains(&leader), "leader {leader} is not one of {:?}", cluster.nodes());
     let killed_at = metric_lines(&run);
     cluster.kill(&leader);
-    wait_until(&format!("training went on while {leader} was down\n{}", logs()), Duration::from_secs(240), || {
+    wait_until(&format!("training went on while {leader} was down"), Duration::from_secs(240), logs, || {
         metric_lines(&run) >= killed_at + 3
     });
     cluster.restart(&leader);

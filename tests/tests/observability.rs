@@ -318,8 +318,9 @@ async fn jetrl_status_and_the_dashboard_show_a_running_job() {
         assert!(c.get("error").is_none() && c["num_pending"].is_u64() && c["num_ack_pending"].is_u64(), "{c}");
     }
     assert_eq!(s["dead_letters"]["stream"], "JETRL_jetrl_DLQ");
+    assert_eq!(s["dead_letters"]["exists"], true, "{}", s["dead_letters"]);
     let streams = s["streams"].as_array().unwrap();
-    assert_eq!(streams.len(), 9);
+    assert_eq!(streams.len(), 10);
     assert!(streams.iter().all(|st| st.get("error").is_none() && st["replicas"] == 1), "{streams:?}");
 
     // the text form, and --watch refreshing (JSON lines with --json)

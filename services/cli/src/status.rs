@@ -329,6 +329,7 @@ async fn streams(bus: &Bus) -> Value {
         names.traj_stream().into(),
         names.score_stream().into(),
         names.rewards_stream().into(),
+        names.dlq_stream().into(),
         format!("KV_{}", names.groups_bucket()),
         format!("KV_{}", names.weights_bucket()),
         format!("KV_{}", names.workers_bucket()),

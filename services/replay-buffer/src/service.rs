@@ -163,6 +163,9 @@ impl Buffer {
         let mut rewards = ordered.messages().await.map_err(|e| rewards_err(&e))?;
         tracing::info!("replay buffer serving");
         let mut gauge_tick = tokio::time::interval(Duration::from_secs(1));
+        // the newest GROUPS revision seen: a watch that fails (its consumer lost with a cluster node) is started
+        // again from the next one
+        let mut groups_revision = 0u64;
         loop {
             // Whether this event could let a waiting request be answered. Most cannot (a group created or
             // started, the buffer's own `sampled` write, a reward of a group still running), and running the
@@ -181,6 +184,7 @@ impl Buffer {
                     let entry = entry.ok_or(BufferError::InputClosed { what: "groups watch" })?;
                     match entry {
                         Ok(entry) => {
+                            groups_revision = groups_revision.max(entry.revision);
                             if entry.delta == 0 { self.groups_current = true; }
                             match decode_entry(&entry) {
                                 Some(Ok(status)) => {
@@ -202,7 +206,23 @@ impl Buffer {
                                 }
                             }
                         }
-                        Err(err) => tracing::warn!(error = %err, "groups watch error"),
+                        Err(err) => {
+                            // the watch's consumer may be gone (a cluster node died): start a new one after what
+                            // was seen, retried with backoff while JetStream elects leaders
+                            tracing::warn!(error = %err, revision = groups_revision, "groups watch error; watching again from the next revision");
+                            metrics::counter!("jetrl_buffer_watch_restarts_total").increment(1);
+                            let mut delay = Duration::from_millis(200);
+                            watch = loop {
+                                match self.groups.watch_from(groups_revision + 1).await {
+                                    Ok(watch) => break watch,
+                                    Err(err) => {
+                                        tracing::warn!(error = %err, "groups watch not restarted; retrying");
+                                        tokio::time::sleep(delay).await;
+                                        delay = (delay * 2).min(Duration::from_secs(5));
+                                    }
+                                }
+                            };
+                        }
                     }
                 }
                 msg = rewards.next() => {

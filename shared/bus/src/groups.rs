@@ -149,6 +149,12 @@ impl GroupStore {
     pub async fn watch(&self) -> Result<kv::Watch, BusError> {
         self.kv.watch_with_history(">").await.map_err(|e| kv_err(&self.kv, ">", e))
     }
+
+    /// Watches every record from `revision` on (a watch started again after it failed: nothing before it is
+    /// delivered twice, nothing after it is missed).
+    pub async fn watch_from(&self, revision: u64) -> Result<kv::Watch, BusError> {
+        self.kv.watch_all_from_revision(revision).await.map_err(|e| kv_err(&self.kv, ">", e))
+    }
 }
 
 /// Decodes a watched entry; `None` for deletes/purges or undecodable values (counted by the caller).

@@ -241,10 +241,11 @@ impl Bus {
     /// `jetrl run`, and tests) call it; it needs the rights to create and update the job's streams.
     pub async fn declare_topology(&self) -> Result<Declared, BusError> {
         let mut declared = Declared::default();
+        let started = Instant::now();
         for part in self.parts() {
             let what = part.what();
-            match self.jetstream().get_stream(part.stream_name()).await {
-                Ok(existing) => {
+            match self.look_up(&part, started).await? {
+                Some(existing) => {
                     let differences = part.differences(&existing.cached_info().config);
                     if differences.is_empty() {
                         declared.unchanged.push(what);
@@ -253,17 +254,50 @@ impl Bus {
                         declared.updated.push((what, differences));
                     }
                 }
-                Err(err) if is_not_found(&err) => {
+                None => {
                     self.create_part(&part).await?;
                     declared.created.push(what);
                 }
-                Err(err) => return Err(declare_err(&what, err)),
             }
         }
         if !declared.created.is_empty() || !declared.updated.is_empty() {
             tracing::info!(created = ?declared.created, updated = ?declared.updated, replicas = self.replicas(), "declared the job's topology");
         }
         Ok(declared)
+    }
+
+    /// The part's stream as the server has it (None: it does not exist). A lookup that times out (a cluster that
+    /// just started and has no JetStream leader yet, a stream leader being elected) is transient: asked again
+    /// with backoff (0.1 s doubling to 2 s) while the declaration is younger than `nats.connect_timeout_s`. A
+    /// refusal by the server is permanent and ends it at once.
+    async fn look_up(
+        &self,
+        part: &Part,
+        started: Instant,
+    ) -> Result<Option<jetstream::stream::Stream>, BusError> {
+        let mut delay = Duration::from_millis(100);
+        loop {
+            let (refusals, since) = (self.refusals(), Instant::now());
+            let lookup = tokio::select! {
+                result = self.jetstream().get_stream(part.stream_name()) => result,
+                refused = refusals.refused_under("$JS.API.", since) => {
+                    return Err(declare_err(&part.what(), format!("{refused}; {WHO_DECLARES}")));
+                }
+            };
+            match lookup {
+                Ok(existing) => return Ok(Some(existing)),
+                Err(err) if is_not_found(&err) => return Ok(None),
+                Err(err) if started.elapsed() + delay < self.topology_wait() => {
+                    tracing::warn!(part = %part.what(), error = %err, ?delay, "JetStream did not answer a lookup; asking again");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(2));
+                }
+                Err(err) => {
+                    let waited = started.elapsed().as_secs_f64();
+                    return Err(declare_err(&part.what(), format!("{err} (still failing after {waited:.1}s)")));
+                }
+            }
+        }
     }
 
     /// Runs a JetStream API call that an identity without the right to it would wait out its timeout for: a
