@@ -18,6 +18,9 @@ use jetrl_wire::Message;
 
 const SERVICE: &str = "checkpoint";
 
+/// How long an announced blob may stay invisible (a lagging replica) before the announcement is rejected.
+const BLOB_LOOKUP_PATIENCE: std::time::Duration = std::time::Duration::from_secs(5);
+
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     #[error(transparent)]
@@ -125,7 +128,21 @@ impl Registry {
         if manifest.location.is_empty() || manifest.tensors.is_empty() {
             return Err(reject("manifest has no location or no tensors".into()));
         }
-        let size = self.bus.weights_size(&manifest.location).await?;
+        // In a cluster the blob's metadata may be read from a replica that has not caught up with the trainer's
+        // write yet: a lookup that fails is asked again with backoff for a few seconds before it counts.
+        let started = std::time::Instant::now();
+        let mut delay = std::time::Duration::from_millis(100);
+        let size = loop {
+            match self.bus.weights_size(&manifest.location).await {
+                Ok(size) => break size,
+                Err(err) if started.elapsed() < BLOB_LOOKUP_PATIENCE => {
+                    tracing::debug!(version, error = %err, "weight blob not visible yet; looking again");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(std::time::Duration::from_secs(1));
+                }
+                Err(err) => return Err(err.into()),
+            }
+        };
         if size != manifest.total_bytes {
             return Err(reject(format!(
                 "blob at {} has {size} bytes, manifest says {}",

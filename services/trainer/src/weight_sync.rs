@@ -105,7 +105,22 @@ impl WeightSync {
 
     /// Stores `blob` as version `version` where the transport says (object store or file); returns its manifest.
     pub async fn store(&self, version: u64, blob: Bytes) -> Result<WeightManifest, TrainerError> {
-        let location = self.bus.store_weights(&self.transport, version, blob.clone()).await?;
+        // A store that fails (a chunk not acknowledged while a cluster elects a leader, a full disk being
+        // cleared) is tried again with backoff until the weight-sync deadline; then the error is the trainer's.
+        let started = Instant::now();
+        let mut backoff = Duration::from_millis(200);
+        let location = loop {
+            match self.bus.store_weights(&self.transport, version, blob.clone()).await {
+                Ok(location) => break location,
+                Err(err) if started.elapsed() + backoff < self.deadline => {
+                    tracing::warn!(version, error = %err, ?backoff, "weights not stored; trying again");
+                    metrics::counter!("jetrl_trainer_weight_store_retries_total").increment(1);
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+                Err(err) => return Err(err.into()),
+            }
+        };
         Ok(manifest_for(&blob, version, version, &location)?)
     }
 

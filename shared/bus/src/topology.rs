@@ -270,11 +270,7 @@ impl Bus {
     /// just started and has no JetStream leader yet, a stream leader being elected) is transient: asked again
     /// with backoff (0.1 s doubling to 2 s) while the declaration is younger than `nats.connect_timeout_s`. A
     /// refusal by the server is permanent and ends it at once.
-    async fn look_up(
-        &self,
-        part: &Part,
-        started: Instant,
-    ) -> Result<Option<jetstream::stream::Stream>, BusError> {
+    async fn look_up(&self, part: &Part, started: Instant) -> Result<Option<jetstream::stream::Stream>, BusError> {
         let mut delay = Duration::from_millis(100);
         loop {
             let (refusals, since) = (self.refusals(), Instant::now());
