@@ -194,28 +194,35 @@ impl GroupStore {
 
     /// Marks a group evicted at trainer step `step` with `reason` (ledger), whatever its non-final state.
     pub async fn evict(&self, partition: &str, uid: &str, reason: &str, step: u64) -> Result<(), GroupUpdateError> {
-        let reason = reason.to_string();
-        self.update(partition, uid, |s| {
-            if matches!(s.state(), GroupState::Sampled | GroupState::Evicted) {
-                return None;
-            }
-            s.evicted_reason = reason.clone();
-            s.evicted_step = step;
-            Some(GroupState::Evicted)
+        self.evict_unless(partition, uid, reason, step, |s, _| {
+            matches!(s.state(), GroupState::Sampled | GroupState::Evicted)
         })
         .await
-        .map(|_| ())
     }
 
     /// Marks a group evicted at `step` with `reason` whatever state it is in: a sampled one (a rollback after a
     /// resume, a group the trainer rejected) or an evicted one (its reason amended by a rollback).
     pub async fn retract(&self, partition: &str, uid: &str, reason: &str, step: u64) -> Result<(), GroupUpdateError> {
-        let reason = reason.to_string();
+        self.evict_unless(partition, uid, reason, step, |s, reason| {
+            s.state() == GroupState::Evicted && s.evicted_reason == reason
+        })
+        .await
+    }
+
+    /// Evicts the group at `step` with `reason`, unless `keep(record, reason)` says to leave it as it is.
+    async fn evict_unless(
+        &self,
+        partition: &str,
+        uid: &str,
+        reason: &str,
+        step: u64,
+        keep: impl Fn(&GroupStatus, &str) -> bool,
+    ) -> Result<(), GroupUpdateError> {
         self.update(partition, uid, |s| {
-            if s.state() == GroupState::Evicted && s.evicted_reason == reason {
+            if keep(s, reason) {
                 return None;
             }
-            s.evicted_reason = reason.clone();
+            s.evicted_reason = reason.to_string();
             s.evicted_step = step;
             Some(GroupState::Evicted)
         })
