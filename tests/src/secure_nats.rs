@@ -325,3 +325,31 @@ impl Drop for SecureCluster {
         }
     }
 }
+
+/// A service process killed (and waited for) on drop.
+pub struct Service(pub Child);
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `binary` with `deploy/job.yaml`, the job's `key=value` arguments and `identity` (its NATS overrides),
+/// logging to `<log_dir>/<user>.log`.
+pub fn spawn_service(log_dir: &Path, user: &str, binary: &str, job: &[String], identity: &[String]) -> Service {
+    let file = std::fs::File::create(log_dir.join(format!("{user}.log"))).expect("log");
+    let child = Command::new(crate::bin(binary))
+        .arg("--config")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/job.yaml"))
+        .args(job)
+        .args(identity)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(file.try_clone().expect("log"))
+        .stderr(file)
+        .spawn()
+        .expect("spawn");
+    Service(child)
+}

@@ -4,7 +4,7 @@
 //! deployment uses.
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -12,7 +12,7 @@ use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{Bus, BusError};
 use jetrl_config::NatsConfig;
 use jetrl_tests::bin;
-use jetrl_tests::secure_nats::{gen, SecureNats};
+use jetrl_tests::secure_nats::{gen, spawn_service, SecureNats, Service};
 use jetrl_wire::v1::{PromptTask, WeightAnnounce, WeightAnnounceResponse};
 use jetrl_wire::Message;
 
@@ -265,16 +265,6 @@ async fn a_token_from_a_file_authenticates_and_a_wrong_one_fails_at_once() {
     assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
 }
 
-/// A child process killed on drop.
-struct Service(Child);
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// The five services as processes, each with its own identity, the deploy job file, two steps: the job
 /// completes and the server refused nothing (the generated permissions cover everything the services do).
 #[test]
@@ -292,22 +282,7 @@ fn a_training_job_runs_with_every_service_under_its_own_identity() {
         "data.train_batch_size=4".to_string(),
         "rollout.n=2".to_string(),
     ];
-    let spawn = |user: &str, binary: &str| {
-        let log = dir.path().join(format!("{user}.log"));
-        let file = std::fs::File::create(&log).expect("log");
-        let child = Command::new(bin(binary))
-            .arg("--config")
-            .arg(repo().join("deploy/job.yaml"))
-            .args(&job)
-            .args(nats.overrides(user))
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(file.try_clone().expect("log"))
-            .stderr(file)
-            .spawn()
-            .expect("spawn");
-        Service(child)
-    };
+    let spawn = |user: &str, binary: &str| spawn_service(dir.path(), user, binary, &job, &nats.overrides(user));
     let _services: Vec<Service> = [
         ("checkpoint-sync", "jetrl-checkpoint-sync"),
         ("replay-buffer", "jetrl-replay-buffer"),

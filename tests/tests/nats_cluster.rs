@@ -14,24 +14,12 @@
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use jetrl_tests::bin;
-use jetrl_tests::secure_nats::SecureCluster;
+use jetrl_tests::secure_nats::{spawn_service, SecureCluster, Service};
 
 const STEPS: usize = 10;
 const BATCH: usize = 4;
-
-/// A child process killed on drop.
-struct Service(Child);
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn free_addr() -> String {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -85,22 +73,7 @@ fn a_job_on_a_three_node_cluster_survives_a_killed_node_and_trains_every_row_onc
         "rollout.n=2".to_string(),
         format!("reward.metrics_addr={reward_metrics}"),
     ];
-    let spawn = |user: &str, binary: &str| {
-        let log = dir.path().join(format!("{user}.log"));
-        let file = std::fs::File::create(&log).unwrap();
-        let child = Command::new(bin(binary))
-            .arg("--config")
-            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/job.yaml"))
-            .args(&job)
-            .args(cluster.overrides(user))
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(file.try_clone().unwrap())
-            .stderr(file)
-            .spawn()
-            .unwrap();
-        Service(child)
-    };
+    let spawn = |user: &str, binary: &str| spawn_service(dir.path(), user, binary, &job, &cluster.overrides(user));
     let logs = || -> String {
         ["trainer", "checkpoint-sync", "replay-buffer", "reward-service", "rollout-worker"]
             .iter()
