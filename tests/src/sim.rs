@@ -140,7 +140,7 @@ pub async fn produce_built(
     let kv_err = |e: jetrl_bus::groups::GroupUpdateError| BusError::Kv {
         bucket: groups.kv().name.clone(),
         key: spec.uid.clone(),
-        message: e.to_string(),
+        cause: jetrl_bus::Cause::other(e),
     };
     let running =
         groups.update_from(&spec.partition, &spec.uid, known, |_| Some(GroupState::Running)).await.map_err(kv_err)?;

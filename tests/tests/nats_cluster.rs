@@ -3,12 +3,10 @@
 //! stream is SIGKILLed mid-run and started again later. The run completes, the ledger shows every row trained
 //! exactly once, and the services counted the disconnections and the leader elections.
 //!
-//! Not part of `just test` yet: run it with `JETRL_CLUSTER_TEST=1` (`just test-cluster`). On the 2-core
-//! development machine it passed 1 run of 5: the job starts and trains on the cluster, but during the election
-//! that follows the leader's death some calls fail instead of waiting (a GROUPS read answered "no stream found",
-//! a weight chunk not acknowledged) and end the trainer. Declarations, the buffer's watch, the checkpoint-sync
-//! blob lookup and the trainer's weight store now wait out an election; the KV reads and writes of group records
-//! do not yet.
+//! Not part of `just test`: it needs three nats-servers and a training job on a 2-core machine for minutes, and
+//! one node's death. Run it with `JETRL_CLUSTER_TEST=1` (`just test-cluster`). Every call of the services waits out
+//! the election that follows the leader's death (group records, lease, weight store and announcement, topology
+//! lookups, the buffer's watch); see docs/deploy.md, "The cluster", for the runs measured.
 
 #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
 
@@ -138,5 +136,13 @@ fn a_job_on_a_three_node_cluster_survives_a_killed_node_and_trains_every_row_onc
     // the reward service (subscribed to JetStream advisories) counted the election
     let elections = scrape_sum(&reward_metrics, "jetrl_bus_leader_elections_total");
     assert!(elections >= 1.0, "no leader election counted by the reward service\n{}", logs());
-    assert!(cluster.violations().is_empty(), "refused: {:?}", cluster.violations());
+    // A reply's permission (allow_responses) lives on the node that delivered the request: a responder whose
+    // connection moved to another node while the cluster re-formed has that one reply refused, and the requester
+    // asks again after its timeout (the run above completed through it). Anything else refused is a defect.
+    let (replies, others): (Vec<String>, Vec<String>) =
+        cluster.violations().into_iter().partition(|v| v.contains("Publish Violation - Subject \"_INBOX_"));
+    if !replies.is_empty() {
+        eprintln!("replies refused during the failover: {replies:?}");
+    }
+    assert!(others.is_empty(), "refused: {others:?}");
 }

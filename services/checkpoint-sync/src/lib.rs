@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use futures::StreamExt;
-use jetrl_bus::{consume, Bus, BusError};
+use jetrl_bus::{consume, Bus, BusError, Cause, Patience};
 use jetrl_config::JobConfig;
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::v1::{ErrorCode, WeightAnnounce, WeightAnnounceResponse, WeightManifest};
@@ -31,6 +31,17 @@ pub enum CheckpointError {
     Announce { version: u64, message: String },
 }
 
+impl CheckpointError {
+    /// The code of the answer to the trainer: a store that failed in a way a retry can pass (a timeout, a cluster
+    /// electing a leader) is `UNAVAILABLE`, and the trainer announces again; anything else is refused for good.
+    fn code(&self) -> ErrorCode {
+        match self {
+            CheckpointError::Bus(err) if err.recovery().retryable() => ErrorCode::Unavailable,
+            _ => ErrorCode::Invalid,
+        }
+    }
+}
+
 /// Runs checkpoint-sync until `shutdown` resolves.
 pub async fn run(
     cfg: JobConfig,
@@ -48,7 +59,7 @@ pub async fn run(
         .client()
         .queue_subscribe(bus.names().weights_announce().to_string(), "checkpoint-sync".into())
         .await
-        .map_err(|e| BusError::Consume { what: bus.names().weights_announce().into(), message: e.to_string() })?;
+        .map_err(|e| BusError::Consume { what: bus.names().weights_announce().into(), cause: Cause::of(e) })?;
     tracing::info!(versions = registry.versions.len(), "checkpoint-sync serving");
     loop {
         tokio::select! {
@@ -59,10 +70,14 @@ pub async fn run(
                 let response = match WeightAnnounce::decode(msg.payload.as_ref()) {
                     Ok(announce) => match registry.accept(announce).await {
                         Ok(version) => WeightAnnounceResponse { version, ..Default::default() },
+                        Err(err) if err.code() == ErrorCode::Unavailable => {
+                            tracing::warn!(error = %err, "weight announcement not stored yet; the trainer announces again");
+                            WeightAnnounceResponse { version: 0, error: err.to_string(), code: ErrorCode::Unavailable as i32 }
+                        }
                         Err(err) => {
                             metrics::counter!("jetrl_checkpoint_rejected_total").increment(1);
                             tracing::error!(error = %err, "weight announcement rejected");
-                            WeightAnnounceResponse { version: 0, error: err.to_string(), code: ErrorCode::Invalid as i32 }
+                            WeightAnnounceResponse { version: 0, error: err.to_string(), code: err.code() as i32 }
                         }
                     },
                     Err(err) => {
@@ -103,14 +118,10 @@ impl Registry {
     async fn load(bus: &Bus, cfg: &JobConfig) -> Result<Self, CheckpointError> {
         let kv = bus.key_value(bus.names().weights_bucket()).await?;
         let mut versions = BTreeMap::new();
-        let kv_err = |e: &dyn std::fmt::Display| BusError::Kv {
-            bucket: kv.name.clone(),
-            key: "v.*".into(),
-            message: e.to_string(),
-        };
-        let mut keys = kv.keys().await.map_err(|e| kv_err(&e))?;
+        let kv_err = |cause: Cause| BusError::Kv { bucket: kv.name.clone(), key: "v.*".into(), cause };
+        let mut keys = kv.keys().await.map_err(|e| kv_err(Cause::of(e)))?;
         while let Some(key) = keys.next().await {
-            let key = key.map_err(|e| kv_err(&e))?;
+            let key = key.map_err(|e| kv_err(Cause::of(e)))?;
             let Some(v) = key.strip_prefix("v.").and_then(|v| v.parse::<u64>().ok()) else { continue };
             if let Ok(Some(bytes)) = kv.get(&key).await {
                 if let Ok(manifest) = WeightManifest::decode(bytes.as_ref()) {
@@ -150,14 +161,20 @@ impl Registry {
             )));
         }
         let encoded: bytes::Bytes = manifest.encode_to_vec().into();
+        // a put is idempotent: asked again through a timeout or a leader election, within nats.connect_timeout_s
+        let patience = Patience::within(self.bus.topology_wait());
         let put = |key: String, value: bytes::Bytes| {
             let kv = self.kv.clone();
             async move {
-                kv.put(&key, value).await.map_err(|e| BusError::Kv {
-                    bucket: kv.name.clone(),
-                    key,
-                    message: e.to_string(),
-                })
+                patience
+                    .retry("store weight version", || async {
+                        kv.put(&key, value.clone()).await.map_err(|e| BusError::Kv {
+                            bucket: kv.name.clone(),
+                            key: key.clone(),
+                            cause: Cause::of(e),
+                        })
+                    })
+                    .await
             }
         };
         put(format!("v.{version}"), encoded.clone()).await?;

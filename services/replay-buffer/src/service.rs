@@ -9,7 +9,7 @@ use async_nats::jetstream::consumer::{self, DeliverPolicy};
 use futures::StreamExt;
 use jetrl_bus::groups::decode_entry;
 use jetrl_bus::publish::Outgoing;
-use jetrl_bus::{consume, Bus, BusError, GroupStore};
+use jetrl_bus::{consume, Bus, BusError, Cause, GroupStore};
 use jetrl_config::JobConfig;
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::subjects::{self, Names};
@@ -33,6 +33,8 @@ const MARKERS_KEPT: u64 = 1000;
 /// group follows its rewards within moments; these belong to deleted or foreign groups and would hold the
 /// purge floor down for ever).
 const ORPHAN_TTL: Duration = Duration::from_secs(120);
+/// How long the GROUPS watch may deliver nothing before the buffer checks the bucket for revisions it missed.
+const WATCH_CHECK: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum BufferError {
@@ -107,14 +109,14 @@ impl Buffer {
         let empty_bucket = groups.kv().status().await.map(|s| s.values() == 0).map_err(|e| BusError::Kv {
             bucket: groups.kv().name.clone(),
             key: "*".into(),
-            message: e.to_string(),
+            cause: Cause::of(e),
         })?;
         let mut rewards = bus.stream(bus.names().rewards_stream()).await?;
         let empty_stream = rewards
             .info()
             .await
             .map(|i| i.state.messages == 0)
-            .map_err(|e| BusError::Consume { what: bus.names().rewards_stream().into(), message: e.to_string() })?;
+            .map_err(|e| BusError::Consume { what: bus.names().rewards_stream().into(), cause: Cause::of(e) })?;
         let traj = bus.stream(bus.names().traj_stream()).await?;
         Ok(Self {
             bus,
@@ -141,17 +143,14 @@ impl Buffer {
     async fn serve(mut self, shutdown: Shutdown) -> Result<(), BufferError> {
         let (client, names) = (self.bus.client().clone(), self.bus.names().clone());
         let sub_err =
-            |e: async_nats::SubscribeError| BusError::Consume { what: "subscribe".into(), message: e.to_string() };
+            |e: async_nats::SubscribeError| BusError::Consume { what: "subscribe".into(), cause: Cause::of(e) };
         let subscribe = |subject: &str| client.queue_subscribe(subject.to_string(), "replay-buffer".into());
         let mut sample_sub = subscribe(names.buffer_sample()).await.map_err(sub_err)?;
         let mut release_sub = subscribe(names.buffer_release()).await.map_err(sub_err)?;
         let mut ledger_sub = subscribe(names.buffer_ledger()).await.map_err(sub_err)?;
         let mut watch = self.groups.watch().await?;
         let rewards_stream = self.bus.stream(names.rewards_stream()).await?;
-        let rewards_err = |e: &dyn std::fmt::Display| BusError::Consume {
-            what: names.rewards_stream().into(),
-            message: e.to_string(),
-        };
+        let rewards_err = |cause: Cause| BusError::Consume { what: names.rewards_stream().into(), cause };
         let ordered = rewards_stream
             .create_consumer(consumer::pull::OrderedConfig {
                 filter_subject: names.rewards_filter(),
@@ -159,13 +158,17 @@ impl Buffer {
                 ..Default::default()
             })
             .await
-            .map_err(|e| rewards_err(&e))?;
-        let mut rewards = ordered.messages().await.map_err(|e| rewards_err(&e))?;
+            .map_err(|e| rewards_err(Cause::of(e)))?;
+        let mut rewards = ordered.messages().await.map_err(|e| rewards_err(Cause::of(e)))?;
         tracing::info!("replay buffer serving");
         let mut gauge_tick = tokio::time::interval(Duration::from_secs(1));
         // the newest GROUPS revision seen: a watch that fails (its consumer lost with a cluster node) is started
         // again from the next one
         let mut groups_revision = 0u64;
+        // A watch can also stall without an error (its consumer's node died and the consumer was not recreated):
+        // while no entry comes, the bucket's last revision is compared with the newest seen now and then.
+        let mut last_entry = Instant::now();
+        let mut watch_check = tokio::time::interval(WATCH_CHECK);
         loop {
             // Whether this event could let a waiting request be answered. Most cannot (a group created or
             // started, the buffer's own `sampled` write, a reward of a group still running), and running the
@@ -184,6 +187,7 @@ impl Buffer {
                     let entry = entry.ok_or(BufferError::InputClosed { what: "groups watch" })?;
                     match entry {
                         Ok(entry) => {
+                            last_entry = Instant::now();
                             groups_revision = groups_revision.max(entry.revision);
                             if entry.delta == 0 { self.groups_current = true; }
                             match decode_entry(&entry) {
@@ -210,18 +214,8 @@ impl Buffer {
                             // the watch's consumer may be gone (a cluster node died): start a new one after what
                             // was seen, retried with backoff while JetStream elects leaders
                             tracing::warn!(error = %err, revision = groups_revision, "groups watch error; watching again from the next revision");
-                            metrics::counter!("jetrl_buffer_watch_restarts_total").increment(1);
-                            let mut delay = Duration::from_millis(200);
-                            watch = loop {
-                                match self.groups.watch_from(groups_revision + 1).await {
-                                    Ok(watch) => break watch,
-                                    Err(err) => {
-                                        tracing::warn!(error = %err, "groups watch not restarted; retrying");
-                                        tokio::time::sleep(delay).await;
-                                        delay = (delay * 2).min(Duration::from_secs(5));
-                                    }
-                                }
-                            };
+                            watch = self.watch_again(groups_revision, "error").await?;
+                            last_entry = Instant::now();
                         }
                     }
                 }
@@ -244,6 +238,13 @@ impl Buffer {
                 Some(msg) = release_sub.next() => self.on_release(msg).await,
                 Some(msg) = ledger_sub.next() => self.on_ledger(msg).await,
                 _ = expiry => self.expire_waiting().await,
+                _ = watch_check.tick(), if self.groups_current && last_entry.elapsed() >= WATCH_CHECK => {
+                    if self.watch_behind(groups_revision).await {
+                        tracing::warn!(revision = groups_revision, "groups watch stalled behind the bucket; watching again from the next revision");
+                        watch = self.watch_again(groups_revision, "stalled").await?;
+                    }
+                    last_entry = Instant::now();
+                }
                 _ = gauge_tick.tick() => {
                     self.export_gauges();
                     self.purge_rewards();
@@ -260,6 +261,37 @@ impl Buffer {
         }
         tracing::info!(waiting = self.waiting.len(), "replay buffer stopping");
         Ok(())
+    }
+
+    /// A new watch of the group records from the revision after `seen`, asked again (with backoff) until it
+    /// starts; a permanent failure (the bucket gone, a refusal) ends the service, for its supervisor to restart.
+    async fn watch_again(&self, seen: u64, why: &'static str) -> Result<async_nats::jetstream::kv::Watch, BufferError> {
+        metrics::counter!("jetrl_buffer_watch_restarts_total", "reason" => why).increment(1);
+        let mut delay = Duration::from_millis(200);
+        loop {
+            match self.groups.watch_from(seen + 1).await {
+                Ok(watch) => return Ok(watch),
+                Err(err) if !err.recovery().retryable() => return Err(err.into()),
+                Err(err) => {
+                    tracing::warn!(error = %err, "groups watch not restarted; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+
+    /// Whether the GROUPS bucket holds revisions after `seen` (so a watch that delivered nothing for a while is
+    /// stalled). A bucket that cannot be asked now is not taken as behind.
+    async fn watch_behind(&self, seen: u64) -> bool {
+        match tokio::time::timeout(Duration::from_secs(2), self.groups.kv().status()).await {
+            Ok(Ok(status)) => status.info.state.last_sequence > seen,
+            Ok(Err(err)) => {
+                tracing::debug!(error = %err, "GROUPS status not read");
+                false
+            }
+            Err(_) => false,
+        }
     }
 
     /// A message of the REWARDS stream: a reward batch (indexed), or a release marker. Returns whether it could

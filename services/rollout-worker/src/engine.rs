@@ -17,23 +17,38 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use jetrl_model::engine::Detokenizer;
-use jetrl_model::{CausalLm, DType, Engine, EngineConfig, Prefix, Request, RequestId, Sampling, SequenceOutput};
+use jetrl_model::{
+    CausalLm, DType, Engine, EngineConfig, ModelError, Prefix, Request, RequestId, Sampling, SequenceOutput,
+};
 use tokio::sync::mpsc::error::TryRecvError;
 use tokio::sync::{mpsc, oneshot};
 
-/// Why the engine could not serve a request.
+/// Why the engine could not serve a request. The model's error is kept as the source (shared: one failed step
+/// fails every request it held, each receiver gets the same cause).
 #[derive(Debug, thiserror::Error, Clone)]
 pub enum EngineError {
-    #[error("loading the model: {0}")]
-    Load(String),
+    #[error("loading the model from {path}: {source}")]
+    Load {
+        path: PathBuf,
+        #[source]
+        source: Arc<ModelError>,
+    },
+    #[error("starting the engine thread: {0}")]
+    Thread(#[source] Arc<dyn std::error::Error + Send + Sync>),
     #[error("request refused: {0}")]
-    Request(String),
+    Request(#[source] Arc<ModelError>),
+    #[error("resuming a sample after a pause: {0}")]
+    Resume(#[source] Arc<ModelError>),
     #[error("decode step failed: {0}")]
-    Step(String),
-    #[error("weight swap to version {version}: {message}")]
-    Swap { version: u64, message: String },
+    Step(#[source] Arc<ModelError>),
+    #[error("weight swap to version {version}: {source}")]
+    Swap {
+        version: u64,
+        #[source]
+        source: Arc<ModelError>,
+    },
     #[error("pause: {0}")]
-    Pause(String),
+    Pause(#[source] Arc<ModelError>),
     #[error("the engine thread has stopped")]
     Stopped,
 }
@@ -42,13 +57,20 @@ impl EngineError {
     /// A stable label for metrics.
     pub fn kind(&self) -> &'static str {
         match self {
-            EngineError::Load(_) => "load",
+            EngineError::Load { .. } => "load",
+            EngineError::Thread(_) => "thread",
             EngineError::Request(_) => "request",
+            EngineError::Resume(_) => "resume",
             EngineError::Step(_) => "step",
             EngineError::Swap { .. } => "swap",
             EngineError::Pause(_) => "pause",
             EngineError::Stopped => "stopped",
         }
+    }
+
+    /// A model that could not be loaded from `path`.
+    pub fn load(path: &std::path::Path, source: ModelError) -> Self {
+        EngineError::Load { path: path.to_path_buf(), source: Arc::new(source) }
     }
 }
 
@@ -158,7 +180,8 @@ impl Generation {
 impl EngineHandle {
     /// Loads the model on a new thread and allocates the KV cache; returns once it is ready (or failed).
     pub fn start(settings: EngineSettings) -> Result<Self, EngineError> {
-        let device = jetrl_model::resolve_device(settings.device).map_err(|e| EngineError::Load(e.to_string()))?;
+        let device =
+            jetrl_model::resolve_device(settings.device).map_err(|e| EngineError::load(&settings.model_dir, e))?;
         let dtype = DType::from(settings.dtype);
         let (tx, rx) = mpsc::channel::<Command>(1024);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -173,7 +196,7 @@ impl EngineHandle {
                         let bytes = Engine::kv_cache_bytes(&model, &config);
                         Engine::new(model, config).map(|e| (e, bytes))
                     })
-                    .map_err(|e| EngineError::Load(format!("{}: {e}", model_dir.display())));
+                    .map_err(|e| EngineError::load(&model_dir, e));
                 match built {
                     Ok((engine, kv_bytes)) => {
                         let engine = match detokenizer {
@@ -188,7 +211,7 @@ impl EngineHandle {
                     }
                 }
             })
-            .map_err(|e| EngineError::Load(e.to_string()))?;
+            .map_err(|e| EngineError::Thread(Arc::new(e)))?;
         let (slots, max_model_len, kv_bytes) = ready_rx.recv().map_err(|_| EngineError::Stopped)??;
         metrics::gauge!("jetrl_rollout_engine_slots").set(slots as f64);
         metrics::gauge!("jetrl_rollout_kv_cache_bytes").set(kv_bytes as f64);
@@ -395,8 +418,9 @@ impl EngineThread {
                 metrics::counter!("jetrl_rollout_engine_errors_total", "stage" => "step").increment(1);
                 let _ = self.engine.abort_all();
                 self.routes.clear();
+                let err = Arc::new(err);
                 for (_, s) in self.serving.drain() {
-                    let _ = s.results.try_send(Err(EngineError::Step(err.to_string())));
+                    let _ = s.results.try_send(Err(EngineError::Step(err.clone())));
                 }
             }
         }
@@ -415,7 +439,7 @@ impl EngineThread {
                     }
                     Err(err) => {
                         metrics::counter!("jetrl_rollout_engine_errors_total", "stage" => "request").increment(1);
-                        let _ = results.try_send(Err(EngineError::Request(err.to_string())));
+                        let _ = results.try_send(Err(EngineError::Request(Arc::new(err))));
                     }
                 }
             }
@@ -443,7 +467,7 @@ impl EngineThread {
 
     fn load_weights(&mut self, bytes: &[u8], version: u64) -> Result<(), EngineError> {
         let started = Instant::now();
-        self.engine.load_weights(bytes, version).map_err(|e| EngineError::Swap { version, message: e.to_string() })?;
+        self.engine.load_weights(bytes, version).map_err(|e| EngineError::Swap { version, source: Arc::new(e) })?;
         self.load.version.store(version, Ordering::SeqCst);
         metrics::histogram!("jetrl_rollout_weight_swap_seconds").record(started.elapsed().as_secs_f64());
         tracing::info!(version, running = self.engine.stats().running, "weights swapped between decode steps");
@@ -453,7 +477,7 @@ impl EngineThread {
     fn pause(&mut self, free_cache: bool) -> Result<Parked, EngineError> {
         if self.paused.is_none() {
             // Only running sequences hold KV rows: queued samples stay queued and start after the resume.
-            let aborted = self.engine.preempt_running().map_err(|e| EngineError::Pause(e.to_string()))?;
+            let aborted = self.engine.preempt_running().map_err(|e| EngineError::Pause(Arc::new(e)))?;
             let parked: Vec<(RequestId, SequenceOutput)> = aborted
                 .into_iter()
                 .filter_map(|o| {
@@ -464,7 +488,7 @@ impl EngineThread {
             self.paused = Some(parked);
         }
         if free_cache {
-            self.engine.free_cache().map_err(|e| EngineError::Pause(e.to_string()))?;
+            self.engine.free_cache().map_err(|e| EngineError::Pause(Arc::new(e)))?;
         }
         let parked = self.paused.as_deref().unwrap_or_default();
         let report =
@@ -502,7 +526,7 @@ impl EngineThread {
                     resumed += 1;
                 }
                 Err(err) => {
-                    let _ = serving.results.try_send(Err(EngineError::Request(format!("resuming a sample: {err}"))));
+                    let _ = serving.results.try_send(Err(EngineError::Resume(Arc::new(err))));
                 }
             }
         }

@@ -65,8 +65,12 @@ pub enum RolloutError {
     Metrics(#[from] jetrl_telemetry::TelemetryError),
     #[error("engine: {0}")]
     Engine(#[from] EngineError),
-    #[error("tokenizer of {path}: {message}")]
-    Tokenizer { path: String, message: String },
+    #[error("tokenizer of {path}: {source}")]
+    Tokenizer {
+        path: PathBuf,
+        #[source]
+        source: jetrl_model::TokenizerError,
+    },
 }
 
 /// The rollout settings checked once at start-up (the keys this service adds to `rollout.*`).
@@ -159,10 +163,12 @@ pub async fn run(
     describe_metrics();
 
     let model_dir = PathBuf::from(&cfg.model.path);
-    let tokenizer_error = |message: String| RolloutError::Tokenizer { path: model_dir.display().to_string(), message };
-    let tokenizer = Arc::new(Tokenizer::from_dir(&model_dir).map_err(|e| tokenizer_error(e.to_string()))?);
+    let tokenizer = Arc::new(
+        Tokenizer::from_dir(&model_dir)
+            .map_err(|source| RolloutError::Tokenizer { path: model_dir.clone(), source })?,
+    );
     let model_config = ModelConfig::from_file(&model_dir.join("config.json"))
-        .map_err(|e| RolloutError::Engine(EngineError::Load(e.to_string())))?;
+        .map_err(|e| RolloutError::Engine(EngineError::load(&model_dir, e)))?;
     let seed = cfg.rollout.seed.unwrap_or_else(|| {
         cfg.run.seed.wrapping_add(instance.bytes().fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b))))
     });
@@ -182,7 +188,7 @@ pub async fn run(
     // Loading a model takes a while: off the reactor.
     let engine = tokio::task::spawn_blocking(move || EngineHandle::start(engine_settings))
         .await
-        .map_err(|e| EngineError::Load(e.to_string()))??;
+        .map_err(|e| EngineError::Thread(Arc::new(e)))??;
     tracing::info!(%instance, model = %model_dir.display(), device = %cfg.model.device, slots = engine.slots(), "rollout worker ready");
 
     let tool_agent = ToolTurnEncoder::new(&tokenizer).map(|encoder| ToolAgent {

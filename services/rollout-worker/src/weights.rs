@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use jetrl_bus::{consume, weights, BusError};
+use jetrl_bus::{consume, weights, BusError, Cause};
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::v1::{Heartbeat, WeightManifest, WorkerState};
 use jetrl_wire::Message;
@@ -87,7 +87,7 @@ impl Worker {
         kv.put(&key, beat.encode_to_vec().into()).await.map_err(|e| BusError::Kv {
             bucket: bucket.into(),
             key,
-            message: e.to_string(),
+            cause: Cause::of(e),
         })?;
         Ok(())
     }
@@ -125,7 +125,7 @@ pub(crate) async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
             kv.watch_with_history("latest").await.map_err(|e| BusError::Kv {
                 bucket: bucket.into(),
                 key: "latest".into(),
-                message: e.to_string(),
+                cause: Cause::of(e),
             })
         };
         let mut entries = match watch.await {

@@ -42,8 +42,8 @@ pub enum TrainerError {
         #[source]
         source: std::io::Error,
     },
-    #[error("replay buffer answered sample request {request_id}: {message}")]
-    Buffer { request_id: String, message: String },
+    #[error("replay buffer answered sample request {request_id} with {}: {message}", code.as_str_name())]
+    Buffer { request_id: String, code: jetrl_wire::v1::ErrorCode, message: String },
     #[error("weight sync of version {version}: {reason}")]
     WeightSync { version: u64, reason: WeightSyncFailure },
     #[error("trainer.mode {0}: {1}")]

@@ -268,8 +268,17 @@ impl RolloutClient {
                 r = self.bus.request::<_, SampleResponse>(self.bus.names().buffer_sample(), &request, timeout) => r,
             };
             match reply {
+                // the buffer could not answer now (its store failed): ask again like an unanswered request
+                Ok(resp) if !resp.error.is_empty() && resp.code() == v1::ErrorCode::Unavailable => {
+                    failures += 1;
+                    tracing::warn!(request_id, error = %resp.error, attempts = failures, "replay buffer unavailable; retrying");
+                    metrics::counter!("jetrl_trainer_buffer_retries_total").increment(1);
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
                 Ok(resp) if !resp.error.is_empty() => {
-                    return Err(TrainerError::Buffer { request_id: request_id.to_string(), message: resp.error })
+                    let (code, message) = (resp.code(), resp.error);
+                    return Err(TrainerError::Buffer { request_id: request_id.to_string(), code, message });
                 }
                 Ok(resp) if resp.refill > 0 => {
                     let rows = self.loader.next_rows(resp.refill as usize);
@@ -284,6 +293,8 @@ impl RolloutClient {
                     backoff = Duration::from_millis(200);
                 }
                 Ok(resp) => return Ok((resp, request.refilled)),
+                // refused by the server, or an answer that does not decode: asking again gets the same
+                Err(err) if !err.recovery().retryable() => return Err(err.counted().into()),
                 Err(err) => {
                     failures += 1;
                     if failures % 10 == 1 {

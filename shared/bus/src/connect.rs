@@ -12,7 +12,7 @@ use async_nats::rustls;
 use jetrl_config::{JobConfig, NatsConfig};
 use jetrl_wire::subjects::Names;
 
-use crate::BusError;
+use crate::{BusError, Cause};
 
 /// A NATS connection plus its JetStream context, for one job. Cheap to clone.
 #[derive(Clone)]
@@ -255,12 +255,12 @@ impl Bus {
         let req = async_nats::Request::new().payload(payload).timeout(Some(timeout));
         let since = Instant::now();
         let reply = tokio::select! {
-            reply = self.client.send_request(subject.to_string(), req) => reply.map_err(|e| e.to_string()),
-            refused = self.refusals.refused(subject, since) => Err(refused),
+            reply = self.client.send_request(subject.to_string(), req) => reply.map_err(Cause::of),
+            refused = self.refusals.refused(subject, since) => Err(Cause::permanent(refused)),
         }
-        .map_err(|message| BusError::Request { subject: subject.to_string(), message })?;
+        .map_err(|cause| BusError::Request { subject: subject.to_string(), cause })?;
         Resp::decode(reply.payload.as_ref())
-            .map_err(|e| BusError::Decode { what: format!("reply on {subject}"), message: e.to_string() })
+            .map_err(|source| BusError::Decode { what: format!("reply on {subject}"), source })
     }
 
     /// The permissions violations the server reports on this connection (cheap to clone).

@@ -6,7 +6,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer::PullConsumer, AckKind};
 use futures::StreamExt;
 
-use crate::{Bus, BusError};
+use crate::{Bus, BusError, Cause};
 
 /// Where this process sets malformed messages aside: a connection and the job's dead-letter prefix
 /// (`jetrl.<ns>.dlq`). Set by each service when it connects ([`route_dead_letters`]); the last one wins.
@@ -76,7 +76,7 @@ pub fn count_malformed(service: &str, source: &str) {
 /// Acknowledges and waits for the server's confirmation (used when the ack itself must be durable before
 /// moving on, e.g. before deleting state).
 pub async fn ack_confirmed(msg: &jetstream::Message) -> Result<(), BusError> {
-    msg.double_ack().await.map_err(|e| BusError::Consume { what: msg.subject.to_string(), message: e.to_string() })
+    msg.double_ack().await.map_err(|e| BusError::Consume { what: msg.subject.to_string(), cause: Cause::other(e) })
 }
 
 /// Fire-and-forget ack of the given kind; a lost ack only causes a redelivery that de-duplication absorbs.
@@ -105,7 +105,7 @@ pub async fn pull(
         .expires(expires)
         .messages()
         .await
-        .map_err(|e| BusError::Consume { what: "pull".into(), message: e.to_string() })
+        .map_err(|e| BusError::Consume { what: "pull".into(), cause: Cause::of(e) })
 }
 
 /// Pulls a batch and collects it (for tests and simple loops).
@@ -119,7 +119,7 @@ pub async fn pull_collect(
     while let Some(item) = batch.next().await {
         match item {
             Ok(msg) => out.push(msg),
-            Err(err) => return Err(BusError::Consume { what: "pull".into(), message: err.to_string() }),
+            Err(err) => return Err(BusError::Consume { what: "pull".into(), cause: Cause::other(err) }),
         }
     }
     Ok(out)
@@ -137,20 +137,21 @@ pub async fn read_stored(
     mut each: impl FnMut(&jetstream::Message),
 ) -> Result<usize, BusError> {
     let what = stream.cached_info().config.name.clone();
-    let failed = |message: String| BusError::Consume { what: what.clone(), message };
-    let state = stream.get_info().await.map_err(|e| failed(e.to_string()))?.state;
+    let failed = |cause: Cause| BusError::Consume { what: what.clone(), cause };
+    let state = stream.get_info().await.map_err(|e| failed(Cause::of(e)))?.state;
     if state.messages == 0 {
         return Ok(0);
     }
-    let consumer = stream.create_consumer(config).await.map_err(|e| failed(e.to_string()))?;
+    let consumer = stream.create_consumer(config).await.map_err(|e| failed(Cause::of(e)))?;
     if consumer.cached_info().num_pending == 0 {
         return Ok(0);
     }
-    let mut messages = consumer.messages().await.map_err(|e| failed(e.to_string()))?;
+    let mut messages = consumer.messages().await.map_err(|e| failed(Cause::of(e)))?;
     let mut read = 0;
     while read < max {
         let Ok(next) = tokio::time::timeout(wait, messages.next()).await else { break };
-        let msg = next.ok_or_else(|| failed("the consumer ended".into()))?.map_err(|e| failed(e.to_string()))?;
+        let msg =
+            next.ok_or_else(|| failed(Cause::transient("the consumer ended")))?.map_err(|e| failed(Cause::of(e)))?;
         read += 1;
         each(&msg);
         match msg.info() {

@@ -11,7 +11,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::StreamExt;
 
-use crate::{Bus, BusError};
+use async_nats::jetstream::stream::{DirectGetError, DirectGetErrorKind};
+
+use crate::{Bus, BusError, Cause};
 
 /// Batched requests in flight at once.
 const CONCURRENT_BATCHES: usize = 32;
@@ -47,27 +49,31 @@ impl Bus {
         let missing: Vec<u64> = wanted.iter().map(|(_, s)| *s).filter(|s| !found.contains_key(s)).collect();
         if !missing.is_empty() {
             let handle = self.stream(stream).await?;
-            let singles: Vec<(u64, Result<Bytes, String>)> = futures::stream::iter(missing.into_iter().map(|seq| {
-                let handle = &handle;
-                async move {
-                    match handle.direct_get(seq).await {
-                        Ok(msg) => (seq, Ok(msg.payload)),
-                        Err(e) => (seq, Err(e.to_string())),
+            let singles: Vec<(u64, Result<Bytes, DirectGetError>)> =
+                futures::stream::iter(missing.into_iter().map(|seq| {
+                    let handle = &handle;
+                    async move {
+                        match handle.direct_get(seq).await {
+                            Ok(msg) => (seq, Ok(msg.payload)),
+                            Err(e) => (seq, Err(e)),
+                        }
                     }
-                }
-            }))
-            .buffer_unordered(CONCURRENT_SINGLE)
-            .collect()
-            .await;
+                }))
+                .buffer_unordered(CONCURRENT_SINGLE)
+                .collect()
+                .await;
             for (seq, result) in singles {
                 match result {
                     Ok(payload) => {
                         found.insert(seq, payload);
                     }
                     // not found: the caller reports the missing key
-                    Err(e) if e.contains("not found") || e.contains("404") => {}
+                    Err(e) if e.kind() == DirectGetErrorKind::NotFound => {}
                     Err(e) => {
-                        return Err(BusError::Request { subject: format!("direct get {stream} #{seq}"), message: e })
+                        return Err(BusError::Request {
+                            subject: format!("direct get {stream} #{seq}"),
+                            cause: Cause::of(e),
+                        })
                     }
                 }
             }
@@ -85,14 +91,14 @@ impl Bus {
         let (Some(&first), Some(&last)) = (seqs.first(), seqs.last()) else { return Ok(HashMap::new()) };
         let client = self.client();
         let request_subject = format!("$JS.API.DIRECT.GET.{stream}");
-        let err = |message: String| BusError::Request { subject: request_subject.clone(), message };
+        let err = |cause: Cause| BusError::Request { subject: request_subject.clone(), cause };
         let inbox = client.new_inbox();
-        let mut replies = client.subscribe(inbox.clone()).await.map_err(|e| err(e.to_string()))?;
+        let mut replies = client.subscribe(inbox.clone()).await.map_err(|e| err(Cause::of(e)))?;
         let body = serde_json::json!({ "seq": first, "next_by_subj": subject, "batch": seqs.len() + SLACK });
         client
             .publish_with_reply(request_subject.clone(), inbox, body.to_string().into())
             .await
-            .map_err(|e| err(e.to_string()))?;
+            .map_err(|e| err(Cause::of(e)))?;
         let mut out = HashMap::with_capacity(seqs.len());
         let collect = async {
             while let Some(msg) = replies.next().await {

@@ -15,7 +15,8 @@ use async_nats::jetstream::kv;
 use jetrl_wire::v1::{GroupState, GroupStatus};
 use jetrl_wire::{subjects, Message};
 
-use crate::{Bus, BusError};
+use crate::retry::Patience;
+use crate::{Bus, BusError, Cause};
 
 /// CAS retries before reporting contention as an error.
 const MAX_CAS_ATTEMPTS: u32 = 16;
@@ -34,10 +35,17 @@ pub enum GroupUpdateError {
 #[derive(Clone)]
 pub struct GroupStore {
     kv: kv::Store,
+    /// how long a read or write of a record keeps asking again through transient failures and a cluster's
+    /// leader election (`nats.connect_timeout_s`)
+    patience: Patience,
 }
 
-fn kv_err(kv: &kv::Store, key: &str, err: impl std::fmt::Display) -> BusError {
-    BusError::Kv { bucket: kv.name.clone(), key: key.into(), message: err.to_string() }
+fn kv_err(kv: &kv::Store, key: &str, cause: Cause) -> BusError {
+    BusError::Kv { bucket: kv.name.clone(), key: key.into(), cause }
+}
+
+fn decode_err(key: &str, source: prost::DecodeError) -> BusError {
+    BusError::Decode { what: format!("group {key}"), source }
 }
 
 /// Whether `from → to` is a legal group transition.
@@ -60,17 +68,44 @@ pub fn transition_allowed(from: GroupState, to: GroupState) -> bool {
 
 impl GroupStore {
     pub async fn open(bus: &Bus) -> Result<Self, BusError> {
-        Ok(Self { kv: bus.key_value(bus.names().groups_bucket()).await? })
+        let kv = bus.key_value(bus.names().groups_bucket()).await?;
+        Ok(Self { kv, patience: Patience::within(bus.topology_wait()) })
+    }
+
+    /// The same store with another retry deadline.
+    pub fn with_patience(mut self, patience: Patience) -> Self {
+        self.patience = patience;
+        self
     }
 
     pub fn kv(&self) -> &kv::Store {
         &self.kv
     }
 
-    /// Creates a new group record; fails if the key exists.
+    /// Creates a new group record; fails if the key exists. A create that failed transiently is asked again; when
+    /// the retry finds the key already holding exactly this record, the first attempt was applied and its
+    /// revision is returned.
     pub async fn create(&self, status: &GroupStatus) -> Result<u64, BusError> {
         let key = subjects::group_key(&status.partition, &status.uid);
-        self.kv.create(&key, status.encode_to_vec().into()).await.map_err(|e| kv_err(&self.kv, &key, e))
+        let value: bytes::Bytes = status.encode_to_vec().into();
+        let mut backoff = self.patience.start();
+        loop {
+            let attempt = async { self.kv.create(&key, value.clone()).await.map_err(Cause::of) };
+            let err = match tokio::time::timeout(self.patience.attempt, attempt).await {
+                Ok(Ok(revision)) => return Ok(revision),
+                Ok(Err(cause)) if cause.is_create_conflict() && backoff.attempts() > 1 => {
+                    match self.entry(&key).await? {
+                        Some(entry) if entry.value == value => return Ok(entry.revision),
+                        _ => kv_err(&self.kv, &key, cause),
+                    }
+                }
+                Ok(Err(cause)) => kv_err(&self.kv, &key, cause),
+                Err(_) => kv_err(&self.kv, &key, self.no_answer()),
+            };
+            if !backoff.wait("create group record", &err).await {
+                return Err(err.counted());
+            }
+        }
     }
 
     /// Creates many records with all requests in flight at once.
@@ -79,15 +114,27 @@ impl GroupStore {
         results.into_iter().collect::<Result<Vec<_>, _>>().map(|_| ())
     }
 
+    fn no_answer(&self) -> Cause {
+        Cause::transient(format!("no answer within {:.1}s", self.patience.attempt.as_secs_f64()))
+    }
+
+    /// The raw entry of `key`, asked again through transient failures.
+    async fn entry(&self, key: &str) -> Result<Option<kv::Entry>, BusError> {
+        self.patience
+            .retry("read group record", || async {
+                self.kv.entry(key).await.map_err(|e| kv_err(&self.kv, key, Cause::of(e)))
+            })
+            .await
+    }
+
     /// Current record and revision.
     pub async fn get(&self, partition: &str, uid: &str) -> Result<Option<(GroupStatus, u64)>, BusError> {
         let key = subjects::group_key(partition, uid);
-        let Some(entry) = self.kv.entry(&key).await.map_err(|e| kv_err(&self.kv, &key, e))? else { return Ok(None) };
+        let Some(entry) = self.entry(&key).await? else { return Ok(None) };
         if entry.operation != kv::Operation::Put {
             return Ok(None);
         }
-        let status = GroupStatus::decode(entry.value.as_ref())
-            .map_err(|e| BusError::Decode { what: format!("group {key}"), message: e.to_string() })?;
+        let status = GroupStatus::decode(entry.value.as_ref()).map_err(|e| decode_err(&key, e))?;
         Ok(Some((status, entry.revision)))
     }
 
@@ -116,11 +163,19 @@ impl GroupStore {
     ) -> Result<Option<(GroupStatus, u64)>, GroupUpdateError> {
         let key = subjects::group_key(partition, uid);
         let mut known = known;
+        // a write that failed transiently may still have been applied: the next read shows it
+        let mut unconfirmed: Option<bytes::Bytes> = None;
+        let mut backoff = self.patience.start();
         for attempt in 0..MAX_CAS_ATTEMPTS {
             let (mut status, revision) = match known.take() {
                 Some(k) => k,
                 None => match self.get(partition, uid).await? {
-                    Some(current) => current,
+                    Some((current, revision)) => {
+                        if unconfirmed.take().is_some_and(|written| written == current.encode_to_vec()) {
+                            return Ok(Some((current, revision)));
+                        }
+                        (current, revision)
+                    }
                     None => return Err(GroupUpdateError::Missing { key }),
                 },
             };
@@ -131,29 +186,49 @@ impl GroupStore {
             }
             status.set_state(to);
             status.updated_unix_ms = jetrl_wire::now_unix_ms();
-            match self.kv.update(&key, status.encode_to_vec().into(), revision).await {
-                Ok(new_revision) => return Ok(Some((status, new_revision))),
-                Err(err) if err.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+            let value: bytes::Bytes = status.encode_to_vec().into();
+            let written = tokio::time::timeout(self.patience.attempt, self.kv.update(&key, value.clone(), revision));
+            match written.await {
+                Ok(Ok(new_revision)) => return Ok(Some((status, new_revision))),
+                Ok(Err(err)) if err.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                     tracing::debug!(%key, attempt, "group record changed concurrently; retrying");
                     if attempt > 0 {
                         tokio::time::sleep(Duration::from_millis(1 << attempt.min(6))).await;
                     }
                 }
-                Err(err) => return Err(kv_err(&self.kv, &key, err).into()),
+                failed => {
+                    let cause = match failed {
+                        Ok(Err(err)) => Cause::of(err),
+                        _ => self.no_answer(),
+                    };
+                    let err = kv_err(&self.kv, &key, cause);
+                    if !backoff.wait("update group record", &err).await {
+                        return Err(err.counted().into());
+                    }
+                    unconfirmed = Some(value);
+                }
             }
         }
-        Err(kv_err(&self.kv, &key, "too much contention").into())
+        Err(kv_err(&self.kv, &key, Cause::transient("too much contention")).counted().into())
     }
 
     /// Watches every record: first the current value of each key, then every change.
     pub async fn watch(&self) -> Result<kv::Watch, BusError> {
-        self.kv.watch_with_history(">").await.map_err(|e| kv_err(&self.kv, ">", e))
+        self.patience
+            .retry("watch group records", || async {
+                self.kv.watch_with_history(">").await.map_err(|e| kv_err(&self.kv, ">", Cause::of(e)))
+            })
+            .await
     }
 
     /// Watches every record from `revision` on (a watch started again after it failed: nothing before it is
     /// delivered twice, nothing after it is missed).
     pub async fn watch_from(&self, revision: u64) -> Result<kv::Watch, BusError> {
-        self.kv.watch_all_from_revision(revision).await.map_err(|e| kv_err(&self.kv, ">", e))
+        self.patience
+            .retry("watch group records", || async {
+                self.kv.watch_all_from_revision(revision).await.map_err(|e| kv_err(&self.kv, ">", Cause::of(e)))
+            })
+            .await
     }
 }
 
@@ -162,20 +237,23 @@ pub fn decode_entry(entry: &kv::Entry) -> Option<Result<GroupStatus, BusError>> 
     if entry.operation != kv::Operation::Put {
         return None;
     }
-    Some(
-        GroupStatus::decode(entry.value.as_ref())
-            .map_err(|e| BusError::Decode { what: format!("group {}", entry.key), message: e.to_string() }),
-    )
+    Some(GroupStatus::decode(entry.value.as_ref()).map_err(|e| decode_err(&entry.key, e)))
 }
 
 impl GroupStore {
-    /// All records of `partition` (current values).
+    /// All records of `partition` (current values); the listing is asked again as a whole through transient
+    /// failures.
     pub async fn list(&self, partition: &str) -> Result<Vec<GroupStatus>, BusError> {
+        self.patience.retry("list group records", || self.list_once(partition)).await
+    }
+
+    async fn list_once(&self, partition: &str) -> Result<Vec<GroupStatus>, BusError> {
         use futures::StreamExt;
-        let mut keys = self.kv.keys().await.map_err(|e| kv_err(&self.kv, "*", e))?;
+        let err = |key: &str, cause: Cause| kv_err(&self.kv, key, cause);
+        let mut keys = self.kv.keys().await.map_err(|e| err("*", Cause::of(e)))?;
         let mut names = Vec::new();
         while let Some(key) = keys.next().await {
-            let key = key.map_err(|e| kv_err(&self.kv, "*", e))?;
+            let key = key.map_err(|e| err("*", Cause::of(e)))?;
             if subjects::parse_group_key(&key).is_some_and(|(p, _)| p == partition) {
                 names.push(key);
             }
@@ -183,7 +261,7 @@ impl GroupStore {
         let fetched = futures::future::join_all(names.iter().map(|k| self.kv.entry(k))).await;
         let mut out = Vec::new();
         for (key, entry) in names.iter().zip(fetched) {
-            if let Some(entry) = entry.map_err(|e| kv_err(&self.kv, key, e))? {
+            if let Some(entry) = entry.map_err(|e| err(key, Cause::of(e)))? {
                 if let Some(Ok(status)) = decode_entry(&entry) {
                     out.push(status);
                 }

@@ -18,7 +18,7 @@ use jetrl_wire::v1::{Heartbeat, WorkerState};
 use jetrl_wire::Message;
 use tokio::sync::Notify;
 
-use crate::{Bus, BusError};
+use crate::{Bus, BusError, Cause};
 
 /// The service whose heartbeat carries its step metrics.
 pub const TRAINER: &str = "trainer";
@@ -137,7 +137,7 @@ async fn beat(
     kv.put(&key, beat.encode_to_vec().into()).await.map_err(|e| BusError::Kv {
         bucket: bucket.into(),
         key,
-        message: e.to_string(),
+        cause: Cause::of(e),
     })?;
     Ok(())
 }

@@ -16,7 +16,7 @@ use bytes::Bytes;
 use tokio::sync::watch;
 
 use crate::topology::LEASE_TTL;
-use crate::{Bus, BusError};
+use crate::{Bus, BusError, Cause};
 
 /// A held lease: refreshed in the background until [`Lease::release`]. Dropped without a release (the holder
 /// fails), it stops being refreshed and expires by the bucket's max age.
@@ -80,16 +80,12 @@ impl Lease {
         let bucket = bus.names().lease_bucket();
         let job = bus.names().namespace().to_string();
         let kv = bus.key_value(bucket).await?;
-        let kv_err = |err: &dyn std::fmt::Display| BusError::Kv {
-            bucket: bucket.into(),
-            key: key.into(),
-            message: err.to_string(),
-        };
+        let kv_err = |cause: Cause| BusError::Kv { bucket: bucket.into(), key: key.into(), cause };
         let ttl = match kv.status().await.map(|s| s.max_age()) {
             Ok(age) if !age.is_zero() => age,
             // no max age: an entry never expires, so waiting is bounded by the default instead
             Ok(_) => LEASE_TTL,
-            Err(err) => return Err(kv_err(&err)),
+            Err(err) => return Err(kv_err(Cause::of(err))),
         };
         let value = Holder::this_process(key).encode();
         let poll = (ttl / 10).clamp(Duration::from_millis(50), Duration::from_millis(500));
@@ -106,10 +102,10 @@ impl Lease {
             };
             if error.kind() != kv::CreateErrorKind::AlreadyExists {
                 if Instant::now() >= deadline {
-                    return Err(kv_err(&error));
+                    return Err(kv_err(Cause::of(error)));
                 }
                 tracing::warn!(%job, bucket, key, error = %error, "cannot create the lease yet; retrying");
-            } else if let Some(entry) = kv.entry(key).await.map_err(|e| kv_err(&e))? {
+            } else if let Some(entry) = kv.entry(key).await.map_err(|e| kv_err(Cause::of(e)))? {
                 if entry.operation == kv::Operation::Put {
                     let holder = Holder::decode(&entry.value);
                     let alive = first_seen.is_some_and(|revision| revision != entry.revision);

@@ -12,12 +12,12 @@ use std::future::IntoFuture;
 use std::pin::Pin;
 
 use async_nats::header::{HeaderMap, NATS_MESSAGE_ID};
-use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
+use async_nats::jetstream::context::PublishAckFuture;
 use bytes::Bytes;
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 
-use crate::{Bus, BusError};
+use crate::{Bus, BusError, Cause};
 
 /// Publish attempts per message before giving up (transient failures only).
 const MAX_ATTEMPTS: u32 = 5;
@@ -25,19 +25,6 @@ const MAX_ATTEMPTS: u32 = 5;
 /// Backoff before the second attempt; doubled per attempt up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: std::time::Duration = std::time::Duration::from_millis(100);
 const MAX_BACKOFF: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// Whether an unacknowledged publish may succeed when tried again. A lost or late ack, a broken connection, a full
-/// ack window may; so may "no stream" (no responders), which a cluster answers while a stream's leader is being
-/// elected. A message above the server's `max_payload` or one a stream refuses on its expectations (last id or
-/// sequence) will not, however often it is sent.
-pub fn publish_error_is_transient(kind: PublishErrorKind) -> bool {
-    !matches!(
-        kind,
-        PublishErrorKind::MaxPayloadExceeded
-            | PublishErrorKind::WrongLastMessageId
-            | PublishErrorKind::WrongLastSequence
-    )
-}
 
 /// Largest ack window a [`Publisher`] keeps (below the context's `max_ack_inflight` of 4096).
 pub const MAX_WINDOW: usize = 4000;
@@ -88,16 +75,12 @@ pub struct Acked {
     pub duplicate: bool,
 }
 
-/// Why a publish was not acknowledged: a refusal (permissions violation) is permanent and not retried.
-enum NotAcked {
-    /// may succeed when sent again
-    Failed(String),
-    /// will not: the kind says why
-    Permanent(String),
-    Refused(String),
-}
-
-type AckFuture = Pin<Box<dyn std::future::Future<Output = (Outgoing, u32, Result<Acked, NotAcked>)> + Send>>;
+/// Why a publish was not acknowledged decides whether it is sent again ([`Cause::recovery`]): a lost or late ack, a
+/// broken connection, a full ack window may pass on a retry; so may "no stream" (no responders), which a cluster
+/// answers while a stream's leader is being elected. A message above the server's `max_payload`, one a stream
+/// refuses on its expectations (last id or sequence) or a subject this identity may not publish to (the server's
+/// permissions violation) will not, however often it is sent.
+type AckFuture = Pin<Box<dyn std::future::Future<Output = (Outgoing, u32, Result<Acked, Cause>)> + Send>>;
 
 /// Publishes with a bounded window of acknowledgements in flight.
 pub struct Publisher {
@@ -139,24 +122,24 @@ impl Publisher {
                 self.done.push(acked);
                 Ok(())
             }
-            Err(NotAcked::Refused(why)) => Err(BusError::Publish { subject: message.subject, message: why }),
-            Err(NotAcked::Permanent(err)) => {
+            Err(cause) if !cause.recovery().retryable() => {
                 metrics::counter!("jetrl_bus_publish_permanent_failures_total").increment(1);
-                Err(BusError::Publish { subject: message.subject, message: format!("{err} (permanent: not retried)") })
+                let cause = cause.context("permanent: not retried");
+                Err(BusError::Publish { subject: message.subject, cause }.counted())
             }
-            Err(NotAcked::Failed(err)) if attempt < MAX_ATTEMPTS => {
+            Err(err) if attempt < MAX_ATTEMPTS => {
                 let backoff = FIRST_BACKOFF.saturating_mul(1 << (attempt - 1).min(8)).min(MAX_BACKOFF);
-                tracing::warn!(subject = %message.subject, attempt, error = %err, ?backoff, "publish not acknowledged; retrying");
+                tracing::warn!(subject = %message.subject, attempt, error = %err, recovery = err.recovery().label(), ?backoff, "publish not acknowledged; retrying");
                 metrics::counter!("jetrl_bus_publish_retries_total").increment(1);
                 tokio::time::sleep(backoff).await;
                 let future = send(&self.bus, message, attempt + 1).await?;
                 self.inflight.push(future);
                 Ok(())
             }
-            Err(NotAcked::Failed(err)) => Err(BusError::Publish {
-                subject: message.subject,
-                message: format!("{err} (after {attempt} attempts)"),
-            }),
+            Err(cause) => {
+                let cause = cause.context(format!("after {attempt} attempts"));
+                Err(BusError::Publish { subject: message.subject, cause }.counted())
+            }
         }
     }
 
@@ -186,7 +169,7 @@ async fn send(bus: &Bus, message: Outgoing, attempt: u32) -> Result<AckFuture, B
         .jetstream()
         .publish_with_headers(message.subject.clone(), message.header_map(), message.payload.clone())
         .await
-        .map_err(|e| BusError::Publish { subject: message.subject.clone(), message: e.to_string() })?;
+        .map_err(|e| BusError::Publish { subject: message.subject.clone(), cause: Cause::of(e) })?;
     Ok(Box::pin(async move {
         // A subject this identity may not publish to gets no ack, only the server's permissions violation: wait
         // for either, so a refusal fails now rather than after every attempt's timeout.
@@ -198,14 +181,8 @@ async fn send(bus: &Bus, message: Outgoing, attempt: u32) -> Result<AckFuture, B
                     sequence: ack.sequence,
                     duplicate: ack.duplicate,
                 })
-                .map_err(|e| {
-                    if publish_error_is_transient(e.kind()) {
-                        NotAcked::Failed(e.to_string())
-                    } else {
-                        NotAcked::Permanent(e.to_string())
-                    }
-                }),
-            refused = refusals.refused(&message.subject, sent) => Err(NotAcked::Refused(refused)),
+                .map_err(Cause::of),
+            refused = refusals.refused(&message.subject, sent) => Err(Cause::permanent(refused)),
         };
         (message, attempt, acked)
     }))
@@ -217,6 +194,6 @@ impl Bus {
         let mut publisher = Publisher::new(self, 1);
         publisher.publish(message).await?;
         let mut acks = publisher.drain().await?;
-        acks.pop().ok_or_else(|| BusError::Publish { subject: "?".into(), message: "no ack".into() })
+        acks.pop().ok_or_else(|| BusError::Publish { subject: "?".into(), cause: Cause::transient("no ack") })
     }
 }

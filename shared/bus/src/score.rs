@@ -10,7 +10,7 @@ use jetrl_wire::v1::{Reward, RewardBatch, ScoreRequest, Trajectory};
 use jetrl_wire::Message;
 
 use crate::publish::{Acked, Outgoing};
-use crate::{Bus, BusError, Publisher};
+use crate::{Bus, BusError, Cause, Publisher};
 
 /// Collects a group's trajectories as they are published, then publishes their score request.
 #[derive(Debug, Clone)]
@@ -55,7 +55,7 @@ impl ScoreRequestBuilder {
             let Some(ack) = by_key.get(view.key.as_str()) else {
                 return Err(BusError::Publish {
                     subject: bus.names().score_subject(&self.request.partition, &self.request.uid),
-                    message: format!("trajectory {} has no publish acknowledgement", view.key),
+                    cause: Cause::permanent(format!("trajectory {} has no publish acknowledgement", view.key)),
                 });
             };
             view.stored_seq = ack.sequence;
@@ -72,7 +72,7 @@ impl ScoreRequestBuilder {
                     Err(err) => {
                         return Err(BusError::Consume {
                             what: format!("{} seq {}", bus.names().traj_stream(), ack.sequence),
-                            message: err.to_string(),
+                            cause: Cause::of(err),
                         })
                     }
                 }

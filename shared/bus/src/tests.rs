@@ -548,12 +548,15 @@ async fn a_holder_whose_lease_was_taken_over_learns_it_and_its_release_fails() {
 
 #[test]
 fn only_failures_that_can_pass_on_a_retry_are_retried() {
-    use async_nats::jetstream::context::PublishErrorKind as Kind;
-    for kind in [Kind::TimedOut, Kind::BrokenPipe, Kind::MaxAckPending, Kind::StreamNotFound, Kind::Other] {
-        assert!(crate::publish::publish_error_is_transient(kind), "{kind:?} is transient");
+    use async_nats::jetstream::context::{PublishError, PublishErrorKind as Kind};
+    let recovery = |kind| Cause::of(PublishError::new(kind)).recovery();
+    for kind in [Kind::TimedOut, Kind::BrokenPipe, Kind::MaxAckPending, Kind::Other] {
+        assert_eq!(recovery(kind), Recovery::Transient, "{kind:?}");
     }
+    // a cluster answers "no stream" while it elects a stream leader
+    assert_eq!(recovery(Kind::StreamNotFound), Recovery::Unavailable);
     for kind in [Kind::MaxPayloadExceeded, Kind::WrongLastMessageId, Kind::WrongLastSequence] {
-        assert!(!crate::publish::publish_error_is_transient(kind), "{kind:?} is permanent");
+        assert_eq!(recovery(kind), Recovery::Permanent, "{kind:?}");
     }
 }
 
@@ -571,4 +574,72 @@ async fn a_publish_no_stream_takes_is_retried_with_backoff_then_fails_naming_the
     assert!(err.contains("after 5 attempts"), "{err}");
     // 0.1 + 0.2 + 0.4 + 0.8 s of backoff between the five attempts: not a tight loop, not forever
     assert!(waited >= Duration::from_millis(1500) && waited < Duration::from_secs(30), "{waited:?}");
+}
+
+/// A group record written while the server is down is written once it is back (within the store's patience):
+/// the failure is transient, retried with backoff, and the record is there exactly once.
+#[tokio::test]
+async fn a_group_record_written_while_the_server_restarts_is_written_once_it_is_back() {
+    let mut server = NatsServer::start().unwrap();
+    let bus = bus(&server).await;
+    let groups = GroupStore::open(&bus).await.unwrap().with_patience(Patience::within(Duration::from_secs(20)));
+    let status = GroupStatus {
+        uid: "g1".into(),
+        partition: "train".into(),
+        state: GroupState::Pending as i32,
+        ..Default::default()
+    };
+    server.kill();
+    // the server is restarted by a thread that lives until the test ends: a server dies with the thread that
+    // started it (PR_SET_PDEATHSIG)
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let restarter = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(1500));
+        server.restart().unwrap();
+        let _ = done_rx.recv();
+    });
+    let started = std::time::Instant::now();
+    let revision = groups.create(&status).await.expect("created once the server is back");
+    assert!(started.elapsed() >= Duration::from_millis(1000), "written before the server came back?");
+    let (stored, stored_revision) = groups.get("train", "g1").await.unwrap().expect("record");
+    assert_eq!((stored.uid.as_str(), stored_revision), ("g1", revision));
+    // and an update after the restart goes through the same store
+    let updated = groups.update("train", "g1", |_| Some(GroupState::Running)).await.unwrap().expect("updated");
+    assert_eq!(updated.state(), GroupState::Running);
+    drop(done_tx);
+    restarter.join().unwrap();
+}
+
+/// A permanent failure is not retried: creating a record that exists answers at once, with the cause kept as
+/// the error's source and classified.
+#[tokio::test]
+async fn a_permanent_failure_is_returned_at_once_with_its_cause() {
+    let server = NatsServer::start().unwrap();
+    let bus = bus(&server).await;
+    let groups = GroupStore::open(&bus).await.unwrap().with_patience(Patience::within(Duration::from_secs(30)));
+    let status = GroupStatus { uid: "g1".into(), partition: "train".into(), ..Default::default() };
+    groups.create(&status).await.unwrap();
+    let started = std::time::Instant::now();
+    let err = groups.create(&status).await.expect_err("the key exists");
+    assert!(started.elapsed() < Duration::from_secs(1), "retried a permanent failure: {:?}", started.elapsed());
+    assert_eq!(err.recovery(), Recovery::Permanent, "{err}");
+    assert_eq!(err.kind(), "kv");
+    let source = std::error::Error::source(&err).expect("the cause is kept");
+    let nats = std::error::Error::source(source).expect("and the library's error under it");
+    let create = nats.downcast_ref::<async_nats::jetstream::kv::CreateError>().expect("a KV create error");
+    assert_eq!(create.kind(), async_nats::jetstream::kv::CreateErrorKind::AlreadyExists);
+}
+
+/// A server that is gone is reported after the patience, not waited for forever.
+#[tokio::test]
+async fn a_server_that_stays_down_is_reported_after_the_deadline() {
+    let mut server = NatsServer::start().unwrap();
+    let bus = bus(&server).await;
+    let groups = GroupStore::open(&bus).await.unwrap().with_patience(Patience::within(Duration::from_secs(2)));
+    server.kill();
+    let started = std::time::Instant::now();
+    let err = groups.get("train", "g1").await.expect_err("no server");
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(1500) && waited < Duration::from_secs(10), "gave up after {waited:?}");
+    assert!(err.recovery().retryable(), "{err}");
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer, kv, object_store, stream};
 
-use crate::{Bus, BusError};
+use crate::{Bus, BusError, Cause, Recovery};
 
 /// How long a published trajectory/reward id is remembered for de-duplication.
 pub const DEDUP_WINDOW: Duration = Duration::from_secs(120);
@@ -36,8 +36,8 @@ pub const LEASE_TTL: Duration = Duration::from_secs(10);
 const WHO_DECLARES: &str = "the job's trainer declares its streams and buckets when it starts (or an admin, \
                             with the admin identity): start the trainer";
 
-fn declare_err(what: &str, err: impl std::fmt::Display) -> BusError {
-    BusError::Declare { what: what.to_string(), message: err.to_string() }
+fn declare_err(what: &str, cause: Cause) -> BusError {
+    BusError::Declare { what: what.to_string(), cause }
 }
 
 /// A stream of the data path (TRAJ, SCORE, REWARDS): kept until purged (by the buffer on release or eviction, or
@@ -277,7 +277,7 @@ impl Bus {
             let lookup = tokio::select! {
                 result = self.jetstream().get_stream(part.stream_name()) => result,
                 refused = refusals.refused_under("$JS.API.", since) => {
-                    return Err(declare_err(&part.what(), format!("{refused}; {WHO_DECLARES}")));
+                    return Err(declare_err(&part.what(), Cause::permanent(format!("{refused}; {WHO_DECLARES}"))));
                 }
             };
             match lookup {
@@ -290,7 +290,8 @@ impl Bus {
                 }
                 Err(err) => {
                     let waited = started.elapsed().as_secs_f64();
-                    return Err(declare_err(&part.what(), format!("{err} (still failing after {waited:.1}s)")));
+                    let cause = Cause::of(err).context(format!("still failing after {waited:.1}s"));
+                    return Err(declare_err(&part.what(), cause));
                 }
             }
         }
@@ -298,12 +299,12 @@ impl Bus {
 
     /// Runs a JetStream API call that an identity without the right to it would wait out its timeout for: a
     /// refusal by the server ends it at once.
-    async fn api_call<T>(&self, call: impl std::future::Future<Output = Result<T, String>>) -> Result<T, String> {
+    async fn api_call<T>(&self, call: impl std::future::Future<Output = Result<T, Cause>>) -> Result<T, Cause> {
         let (refusals, since) = (self.refusals(), Instant::now());
         tokio::select! {
             result = call => result,
             refused = refusals.refused_under("$JS.API.", since) => {
-                Err(format!("{refused}; {WHO_DECLARES} (this identity may only read the job's topology)"))
+                Err(Cause::permanent(format!("{refused}; {WHO_DECLARES} (this identity may only read the job's topology)")))
             }
         }
     }
@@ -313,15 +314,15 @@ impl Bus {
         let created = self
             .api_call(async {
                 match part {
-                    Part::Stream(c) => js.create_stream((**c).clone()).await.map(drop).map_err(|e| e.to_string()),
-                    Part::Bucket(c) => js.create_key_value(c.clone()).await.map(drop).map_err(|e| e.to_string()),
-                    Part::Objects(c) => js.create_object_store(c.clone()).await.map(drop).map_err(|e| e.to_string()),
+                    Part::Stream(c) => js.create_stream((**c).clone()).await.map(drop).map_err(Cause::of),
+                    Part::Bucket(c) => js.create_key_value(c.clone()).await.map(drop).map_err(Cause::of),
+                    Part::Objects(c) => js.create_object_store(c.clone()).await.map(drop).map_err(Cause::of),
                 }
             })
             .await;
-        let Err(message) = created else { return Ok(()) };
-        if message.contains("permissions violation") {
-            return Err(declare_err(&part.what(), message));
+        let Err(cause) = created else { return Ok(()) };
+        if cause.to_string().contains("permissions violation") {
+            return Err(declare_err(&part.what(), cause));
         }
         // Another declarer may have created it meanwhile: then it only has to be as declared.
         if let Ok(existing) = js.get_stream(part.stream_name()).await {
@@ -331,7 +332,7 @@ impl Bus {
             }
             return self.update_part(part, &existing.cached_info().config, &differences).await;
         }
-        Err(declare_err(&part.what(), self.replicas_hint(message)))
+        Err(declare_err(&part.what(), self.replicas_hint(cause)))
     }
 
     async fn update_part(
@@ -340,13 +341,12 @@ impl Bus {
         existing: &stream::Config,
         differences: &[String],
     ) -> Result<(), BusError> {
-        let updated = self.api_call(async {
-            self.jetstream().update_stream(part.updated(existing)).await.map_err(|e| e.to_string())
-        });
-        let Err(err) = updated.await else {
+        let updated =
+            self.api_call(async { self.jetstream().update_stream(part.updated(existing)).await.map_err(Cause::of) });
+        let Err(cause) = updated.await else {
             return Ok(());
         };
-        let mut message = format!("{err} (updating {})", differences.join(", "));
+        let mut message = format!("updating {}", differences.join(", "));
         // The server cannot change a stream to or from a work queue in place (SCORE was one before).
         if let Part::Stream(wanted) = part {
             if existing.retention != wanted.retention {
@@ -366,20 +366,20 @@ impl Bus {
                 part.stream_name()
             );
         }
-        Err(declare_err(&part.what(), self.replicas_hint(message)))
+        Err(declare_err(&part.what(), self.replicas_hint(cause.context(message))))
     }
 
     /// Adds what `nats.replicas` needs to a failed declaration's message, when replicas may be the cause.
-    fn replicas_hint(&self, message: String) -> String {
+    fn replicas_hint(&self, cause: Cause) -> Cause {
         if self.replicas() > 1 {
-            format!(
-                "{message} (nats.replicas is {}: that needs a JetStream cluster of at least {} nodes; a single \
-                 server takes nats.replicas 1)",
+            cause.context(format!(
+                "nats.replicas is {}: that needs a JetStream cluster of at least {} nodes; a single server takes \
+                 nats.replicas 1",
                 self.replicas(),
                 self.replicas()
-            )
+            ))
         } else {
-            message
+            cause
         }
     }
 
@@ -413,11 +413,14 @@ impl Bus {
             if waited + delay > self.topology_wait() {
                 return Err(BusError::Declare {
                     what: format!("job {}", self.names().namespace()),
-                    message: format!(
-                        "after waiting {:.1}s these are still missing: {}; {WHO_DECLARES} (this service only reads \
-                         them)",
-                        waited.as_secs_f64(),
-                        missing.join(", ")
+                    cause: Cause::new(
+                        Recovery::Unavailable,
+                        format!(
+                            "after waiting {:.1}s these are still missing: {}; {WHO_DECLARES} (this service only \
+                             reads them)",
+                            waited.as_secs_f64(),
+                            missing.join(", ")
+                        ),
                     ),
                 });
             }
@@ -435,7 +438,7 @@ impl Bus {
         self.jetstream()
             .get_key_value(bucket)
             .await
-            .map_err(|e| declare_err(&format!("KV bucket {bucket}"), format!("{e}; {WHO_DECLARES}")))
+            .map_err(|e| declare_err(&format!("KV bucket {bucket}"), Cause::of(e).context(WHO_DECLARES)))
     }
 
     /// Opens one of the job's object stores (declared by [`Bus::declare_topology`]).
@@ -443,7 +446,7 @@ impl Bus {
         self.jetstream()
             .get_object_store(bucket)
             .await
-            .map_err(|e| declare_err(&format!("object store {bucket}"), format!("{e}; {WHO_DECLARES}")))
+            .map_err(|e| declare_err(&format!("object store {bucket}"), Cause::of(e).context(WHO_DECLARES)))
     }
 
     /// The durable pull consumer shared by all instances of one service (a work-sharing group). It belongs to
@@ -457,7 +460,7 @@ impl Bus {
         max_ack_pending: i64,
     ) -> Result<consumer::PullConsumer, BusError> {
         let what = format!("consumer {stream_name}/{durable}");
-        let stream = self.jetstream().get_stream(stream_name).await.map_err(|e| declare_err(&what, e))?;
+        let stream = self.jetstream().get_stream(stream_name).await.map_err(|e| declare_err(&what, Cause::of(e)))?;
         let config = consumer::pull::Config {
             durable_name: Some(durable.to_string()),
             filter_subject: filter_subject.to_string(),
@@ -476,14 +479,14 @@ impl Bus {
                 self.jetstream()
                     .update_consumer_on_stream(config, stream_name)
                     .await
-                    .map_err(|e| declare_err(&what, e))?;
-                stream.get_consumer(durable).await.map_err(|e| declare_err(&what, e))
+                    .map_err(|e| declare_err(&what, Cause::of(e)))?;
+                stream.get_consumer(durable).await.map_err(|e| declare_err(&what, Cause::other(e)))
             }
         }
     }
 
     /// A handle on one of the job's streams.
     pub async fn stream(&self, name: &str) -> Result<jetstream::stream::Stream, BusError> {
-        self.jetstream().get_stream(name).await.map_err(|e| declare_err(&format!("stream {name}"), e))
+        self.jetstream().get_stream(name).await.map_err(|e| declare_err(&format!("stream {name}"), Cause::of(e)))
     }
 }

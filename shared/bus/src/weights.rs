@@ -13,7 +13,7 @@ use jetrl_wire::v1::{TensorInfo, WeightManifest};
 use jetrl_wire::Message;
 use tokio::io::AsyncReadExt;
 
-use crate::{Bus, BusError};
+use crate::{Bus, BusError, Cause};
 
 /// Where weight blobs go.
 #[derive(Debug, Clone)]
@@ -24,12 +24,18 @@ pub enum WeightTransport {
     SharedFs { dir: PathBuf },
 }
 
-fn obj_err(bucket: &str, name: &str, err: impl std::fmt::Display) -> BusError {
-    BusError::Object { bucket: bucket.into(), name: name.into(), message: err.to_string() }
+fn obj_err(bucket: &str, name: &str, cause: Cause) -> BusError {
+    BusError::Object { bucket: bucket.into(), name: name.into(), cause }
 }
 
-fn blob_err(location: &str, err: impl std::fmt::Display) -> BusError {
-    BusError::Object { bucket: "weights".into(), name: location.into(), message: err.to_string() }
+/// A blob that is not what its manifest says, or a location that cannot name one: asking again reads the same.
+fn blob_err(location: &str, why: impl Into<String>) -> BusError {
+    BusError::Object { bucket: "weights".into(), name: location.into(), cause: Cause::permanent(why) }
+}
+
+/// A file of the shared-filesystem transport that could not be read or written.
+fn file_err(location: &str, err: std::io::Error) -> BusError {
+    BusError::Object { bucket: "weights".into(), name: location.into(), cause: Cause::other(err) }
 }
 
 /// Builds the manifest of a safetensors blob: one entry per tensor with its CRC-32, plus the blob's CRC.
@@ -108,16 +114,16 @@ impl Bus {
                 let chunk = (*chunk_bytes).min(self.max_payload().saturating_sub(64 * 1024)).max(64 * 1024);
                 let meta = ObjectMetadata { name: name.clone(), chunk_size: Some(chunk), ..Default::default() };
                 let mut reader = bytes.as_ref();
-                store.put(meta, &mut reader).await.map_err(|e| obj_err(bucket, &name, e))?;
+                store.put(meta, &mut reader).await.map_err(|e| obj_err(bucket, &name, Cause::of(e)))?;
                 Ok(format!("object://{bucket}/{name}"))
             }
             WeightTransport::SharedFs { dir } => {
-                tokio::fs::create_dir_all(dir).await.map_err(|e| blob_err(&dir.display().to_string(), e))?;
-                let dir = tokio::fs::canonicalize(dir).await.map_err(|e| blob_err(&dir.display().to_string(), e))?;
+                tokio::fs::create_dir_all(dir).await.map_err(|e| file_err(&dir.display().to_string(), e))?;
+                let dir = tokio::fs::canonicalize(dir).await.map_err(|e| file_err(&dir.display().to_string(), e))?;
                 let path = dir.join(format!("{}.safetensors", object_name(version)));
                 let tmp = path.with_extension("safetensors.tmp");
-                tokio::fs::write(&tmp, &bytes).await.map_err(|e| blob_err(&tmp.display().to_string(), e))?;
-                tokio::fs::rename(&tmp, &path).await.map_err(|e| blob_err(&path.display().to_string(), e))?;
+                tokio::fs::write(&tmp, &bytes).await.map_err(|e| file_err(&tmp.display().to_string(), e))?;
+                tokio::fs::rename(&tmp, &path).await.map_err(|e| file_err(&path.display().to_string(), e))?;
                 Ok(format!("file://{}", path.display()))
             }
         }
@@ -140,12 +146,12 @@ impl Bus {
                 rest.split_once('/').ok_or_else(|| blob_err(location, "expected object://bucket/name"))?;
             self.check_own_blobs(bucket, location)?;
             let store = self.object_store(bucket).await?;
-            let mut object = store.get(name).await.map_err(|e| obj_err(bucket, name, e))?;
+            let mut object = store.get(name).await.map_err(|e| obj_err(bucket, name, Cause::of(e)))?;
             let mut out = Vec::with_capacity(object.info().size);
-            object.read_to_end(&mut out).await.map_err(|e| obj_err(bucket, name, e))?;
+            object.read_to_end(&mut out).await.map_err(|e| obj_err(bucket, name, Cause::other(e)))?;
             Ok(Bytes::from(out))
         } else if let Some(path) = location.strip_prefix("file://") {
-            let bytes = tokio::fs::read(Path::new(path)).await.map_err(|e| blob_err(location, e))?;
+            let bytes = tokio::fs::read(Path::new(path)).await.map_err(|e| file_err(location, e))?;
             Ok(Bytes::from(bytes))
         } else {
             Err(blob_err(location, "unknown scheme (expected object:// or file://)"))
@@ -159,10 +165,10 @@ impl Bus {
                 rest.split_once('/').ok_or_else(|| blob_err(location, "expected object://bucket/name"))?;
             self.check_own_blobs(bucket, location)?;
             let store = self.object_store(bucket).await?;
-            let info = store.info(name).await.map_err(|e| obj_err(bucket, name, e))?;
+            let info = store.info(name).await.map_err(|e| obj_err(bucket, name, Cause::of(e)))?;
             Ok(info.size as u64)
         } else if let Some(path) = location.strip_prefix("file://") {
-            let meta = tokio::fs::metadata(path).await.map_err(|e| blob_err(location, e))?;
+            let meta = tokio::fs::metadata(path).await.map_err(|e| file_err(location, e))?;
             Ok(meta.len())
         } else {
             Err(blob_err(location, "unknown scheme (expected object:// or file://)"))
@@ -176,9 +182,9 @@ impl Bus {
                 rest.split_once('/').ok_or_else(|| blob_err(location, "expected object://bucket/name"))?;
             self.check_own_blobs(bucket, location)?;
             let store = self.object_store(bucket).await?;
-            store.delete(name).await.map_err(|e| obj_err(bucket, name, e))
+            store.delete(name).await.map_err(|e| obj_err(bucket, name, Cause::of(e)))
         } else if let Some(path) = location.strip_prefix("file://") {
-            tokio::fs::remove_file(path).await.map_err(|e| blob_err(location, e))
+            tokio::fs::remove_file(path).await.map_err(|e| file_err(location, e))
         } else {
             Err(blob_err(location, "unknown scheme"))
         }
@@ -191,13 +197,13 @@ impl Bus {
         let value = kv.get("latest").await.map_err(|e| BusError::Kv {
             bucket: bucket.into(),
             key: "latest".into(),
-            message: e.to_string(),
+            cause: Cause::of(e),
         })?;
         match value {
             None => Ok(None),
             Some(bytes) => WeightManifest::decode(bytes.as_ref())
                 .map(Some)
-                .map_err(|e| BusError::Decode { what: "weight manifest".into(), message: e.to_string() }),
+                .map_err(|source| BusError::Decode { what: "weight manifest".into(), source }),
         }
     }
 }
