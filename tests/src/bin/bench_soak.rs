@@ -521,15 +521,17 @@ async fn soak() {
     let traj_per_s = last.trained as f64 / knobs.seconds;
     let over: Vec<String> =
         growth.iter().filter(|(_, &g)| g.is_nan() || g > GROWTH_LIMIT_PCT).map(|(k, g)| format!("{k} {g}%")).collect();
-    let met = over.is_empty() && lost == 0 && duplicated == 0 && in_flight == 0 && exited.is_empty();
+    let accounted = lost == 0 && duplicated == 0 && in_flight == 0 && exited.is_empty();
+    let met = over.is_empty() && accounted;
     if !met {
-        // keep the services' logs to look at
-        let kept = dir.keep();
         eprintln!(
             "soak: targets not met: RSS growth over {GROWTH_LIMIT_PCT}%: {over:?}; lost {lost}, duplicated \
-             {duplicated}, in flight {in_flight}; {exited:?} (logs kept in {})",
-            kept.display()
+             {duplicated}, in flight {in_flight}; {exited:?}"
         );
+    }
+    if !accounted {
+        // keep the services' and workers' logs to look at
+        eprintln!("soak: logs kept in {}", dir.keep().display());
     }
     println!(
         "soak: submitted {} groups; workers completed {} ({} trajectories, {} redelivered tasks, {} errors); \
