@@ -1,8 +1,10 @@
 //! A simulated rollout producer (and scorer) writing through the real data plane: group records in the
 //! GROUPS bucket, trajectory payloads in TRAJ, score requests in SCORE, and — when no reward service runs —
-//! reward batches in REWARDS. Used by the replay-buffer integration tests and the `dataplane` benchmark.
+//! reward batches in REWARDS; and the trainer's side of it, pending records and prompt tasks on PROMPTS. Used by
+//! the replay-buffer integration tests and the `dataplane` and `soak` benchmarks.
 
 use bytes::Bytes;
+use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{score, Bus, BusError, GroupStore, Publisher};
 use jetrl_wire::keys::TrajectoryKey;
 use jetrl_wire::v1::{GroupState, GroupStatus, PromptTask, Reward, RewardBatch, Trajectory};
@@ -38,9 +40,9 @@ impl GroupSpec {
     }
 }
 
-/// Writes a pending record (as the trainer does); returns it with its revision.
-pub async fn submit(groups: &GroupStore, spec: &GroupSpec) -> Result<(GroupStatus, u64), BusError> {
-    let task = PromptTask {
+/// The prompt task of a simulated group: `n` is the number of scores, the prompt is the reverse task's.
+pub fn prompt_task(spec: &GroupSpec) -> PromptTask {
+    PromptTask {
         uid: spec.uid.clone(),
         partition: spec.partition.clone(),
         n: spec.scores.len() as u32,
@@ -48,18 +50,41 @@ pub async fn submit(groups: &GroupStore, spec: &GroupSpec) -> Result<(GroupStatu
         data_source: "jetrl/reverse".into(),
         ground_truth: "1234".into(),
         ..Default::default()
-    };
+    }
+}
+
+/// The pending record of a simulated group, as the trainer writes it before publishing the task.
+fn pending_record(spec: &GroupSpec) -> GroupStatus {
     let mut status = GroupStatus {
         uid: spec.uid.clone(),
         partition: spec.partition.clone(),
         submit_step: spec.submit_step,
         n: spec.scores.len() as u32,
-        task: Some(task),
+        task: Some(prompt_task(spec)),
         ..Default::default()
     };
     status.set_state(GroupState::Pending);
+    status
+}
+
+/// Writes a pending record (as the trainer does); returns it with its revision.
+pub async fn submit(groups: &GroupStore, spec: &GroupSpec) -> Result<(GroupStatus, u64), BusError> {
+    let status = pending_record(spec);
     let revision = groups.create(&status).await?;
     Ok((status, revision))
+}
+
+/// Submits groups as the trainer does: every pending record first (a worker must never see a task without one),
+/// then each prompt task on the PROMPTS stream (de-duplicated by uid), for rollout workers to pull.
+pub async fn submit_prompts(bus: &Bus, groups: &GroupStore, specs: &[GroupSpec]) -> Result<(), BusError> {
+    let records: Vec<GroupStatus> = specs.iter().map(pending_record).collect();
+    groups.create_many(&records).await?;
+    let mut publisher = Publisher::new(bus, 512);
+    for spec in specs {
+        let subject = bus.names().prompt_subject(&spec.partition);
+        publisher.publish(Outgoing::protobuf(subject, Some(spec.uid.clone()), &prompt_task(spec))).await?;
+    }
+    publisher.drain().await.map(|_| ())
 }
 
 /// Bytes a response token takes in a trajectory message: a u32 id, a u8 mask and an f32 log-prob.

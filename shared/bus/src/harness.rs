@@ -72,18 +72,7 @@ impl NatsServer {
         let _ = std::fs::remove_file(&log);
         let mut command = Command::new(&self.binary);
         // The server must not outlive the process that started it (a test or `jetrl run` killed hard).
-        #[cfg(target_os = "linux")]
-        {
-            use std::os::unix::process::CommandExt;
-            // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of the parent.
-            #[allow(unsafe_code)]
-            unsafe {
-                command.pre_exec(|| {
-                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                    Ok(())
-                });
-            }
-        }
+        die_with_parent(&mut command);
         let child = command
             .arg("-c")
             .arg(&conf)
@@ -193,6 +182,26 @@ impl Drop for NatsServer {
 fn free_port() -> Result<u16, BusError> {
     let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| BusError::Server(format!("no free port: {e}")))?;
     listener.local_addr().map(|a| a.port()).map_err(|e| BusError::Server(format!("no free port: {e}")))
+}
+
+/// Makes the process `command` starts get SIGKILL when the thread that starts it ends (PR_SET_PDEATHSIG; Linux
+/// only, elsewhere nothing): a child of a test or benchmark that is killed hard does not outlive it. Start the
+/// child from a thread that lives as long as the caller (the main thread), not from a pooled one.
+pub fn die_with_parent(command: &mut Command) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of the parent.
+        #[allow(unsafe_code)]
+        unsafe {
+            command.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = command;
 }
 
 /// Finds `nats-server`: `$JETRL_NATS_SERVER`, then `.venv/bin/nats-server` in this checkout (where

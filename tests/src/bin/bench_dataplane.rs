@@ -23,12 +23,12 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use jetrl_bus::publish::Outgoing;
-use jetrl_bus::{Bus, GroupStore, NatsServer, Publisher};
+use jetrl_bus::{Bus, NatsServer, Publisher};
 use jetrl_config::JobConfig;
-use jetrl_tests::bench::cpu_seconds_here_and;
+use jetrl_tests::bench::{self, connect, cpu_seconds_here_and};
 use jetrl_tests::sim::{self, GroupSpec};
-use jetrl_wire::v1::{ReleaseRequest, ReleaseResponse, RewardBatch, SampleRequest, SampleResponse, Trajectory};
-use jetrl_wire::{subjects, Message};
+use jetrl_wire::v1::{RewardBatch, SampleRequest, Trajectory};
+use jetrl_wire::Message;
 
 const PAYLOAD: usize = 16 * 1024;
 const GROUP: usize = 8;
@@ -36,21 +36,6 @@ const GROUP: usize = 8;
 const INFLIGHT_GROUPS: usize = 8;
 /// Passes of each path; the best of each is compared.
 const PASSES: usize = 3;
-
-fn arg(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-/// A connection to the benchmark's job: the default job (its namespace is the default `run.name`), as the
-/// services started here and the buffer process's job file use.
-async fn connect(url: &str, name: &str) -> (Bus, GroupStore) {
-    let mut job = JobConfig::default();
-    job.nats.url = url.into();
-    let bus = Bus::connect_job(&job, name).await.expect("connect");
-    bus.declare_topology().await.expect("declare");
-    let groups = GroupStore::open(&bus).await.expect("groups");
-    (bus, groups)
-}
 
 /// A group of GROUP trajectories of PAYLOAD encoded bytes each, scored by the reverse rule.
 fn bench_spec(uid: &str) -> GroupSpec {
@@ -138,7 +123,7 @@ async fn jetrl_path(
         });
     }
     let (bus, _) = connect(url, "bench-consumer").await;
-    wait_until_ready(&bus, sim_reward).await;
+    bench::wait_until_ready(&bus, sim_reward).await;
     // uid -> when its reward batch was stored (the group is complete once the buffer sees it)
     let completed: Arc<Mutex<HashMap<String, Instant>>> = Arc::new(Mutex::new(HashMap::new()));
     let per_producer = groups_total / producers;
@@ -264,37 +249,18 @@ async fn consume_step(
         ..Default::default()
     };
     let sent = Instant::now();
-    let response = loop {
-        match bus.request::<_, SampleResponse>(bus.names().buffer_sample(), &request, Duration::from_secs(10)).await {
-            Ok(r) if !r.not_ready => break r,
-            Ok(_) => {}
-            // the buffer is still starting
-            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
-        }
-    };
+    let response = bench::sample(bus, &request, None).await.expect("no deadline");
     let answered = Instant::now();
     let ready = {
         let done = completed.lock().expect("lock");
         response.groups.iter().filter_map(|g| done.get(&g.uid).copied()).max().unwrap_or(sent)
     };
     let latency = (step > 1).then(|| answered.saturating_duration_since(ready.max(sent)).as_secs_f64() * 1000.0);
-    let wanted: Vec<(String, u64)> = response
-        .groups
-        .iter()
-        .flat_map(|g| g.trajectories.iter().map(|t| (bus.names().traj_subject(&t.partition, &t.uid), t.traj_seq)))
-        .collect();
-    let payloads = bus.fetch_by_sequence(bus.names().traj_stream(), &wanted).await.expect("fetch");
-    let fetched: Vec<usize> = wanted.iter().map(|(_, seq)| payloads.get(seq).map_or(0, |p| p.len())).collect();
+    let fetched: Vec<usize> =
+        bench::fetch_payloads(bus, &response).await.iter().map(|p| p.as_ref().map_or(0, |p| p.len())).collect();
     assert!(fetched.iter().all(|&n| n + 1 >= PAYLOAD), "a payload was missing");
     // as the trainer does: the release goes out in the background (the groups are already consumed)
-    let release = ReleaseRequest { step, request_ids: vec![request.request_id.clone()] };
-    let releasing = bus.clone();
-    let release = tokio::spawn(async move {
-        let _: ReleaseResponse = releasing
-            .request(releasing.names().buffer_release(), &release, Duration::from_secs(30))
-            .await
-            .expect("release");
-    });
+    let release = bench::release(bus, step, &request.request_id);
     if trace {
         eprintln!(
             "  step {step}: sample {:.1} ms, fetch {:.1} ms",
@@ -303,40 +269,6 @@ async fn consume_step(
         );
     }
     (fetched.len(), latency, release)
-}
-
-/// Waits until the buffer answers requests and the reward service has its consumer, so that the clock does not
-/// count service start-up (the raw path's clock starts after its stream and consumer exist, too).
-async fn wait_until_ready(bus: &Bus, sim_reward: bool) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let buffer = bus
-            .request::<_, jetrl_wire::v1::LedgerResponse>(
-                bus.names().buffer_ledger(),
-                &jetrl_wire::v1::LedgerRequest { limit: 1, ..Default::default() },
-                Duration::from_millis(500),
-            )
-            .await
-            .is_ok();
-        let reward = sim_reward || {
-            let score = bus.stream(bus.names().score_stream()).await.expect("SCORE");
-            score.consumer_info(subjects::REWARD_CONSUMER).await.is_ok()
-        };
-        if buffer && reward {
-            return;
-        }
-        assert!(Instant::now() < deadline, "services did not start");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-fn rss_bytes(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).map(|l| l.to_string()))
-        .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
-        .map(|kb| kb * 1024)
-        .unwrap_or(0)
 }
 
 /// RSS growth per indexed trajectory of a separate buffer process holding `count` trajectories.
@@ -353,7 +285,7 @@ async fn buffer_memory(url: &str, count: usize) -> f64 {
         .expect("buffer process");
     let (bus, groups) = connect(url, "bench-memory").await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let before = rss_bytes(child.id());
+    let before = bench::rss_bytes(child.id());
     let mut publisher = Publisher::new(&bus, 1024);
     let group_count = count / GROUP;
     for g in 0..group_count {
@@ -389,7 +321,7 @@ async fn buffer_memory(url: &str, count: usize) -> f64 {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let after = rss_bytes(child.id());
+    let after = bench::rss_bytes(child.id());
     let _ = child.kill();
     let _ = child.wait();
     (after.saturating_sub(before)) as f64 / count as f64
@@ -397,11 +329,11 @@ async fn buffer_memory(url: &str, count: usize) -> f64 {
 
 #[tokio::main]
 async fn main() {
-    let groups_total = arg("BENCH_GROUPS", 1000);
-    let batch = arg("BENCH_BATCH_GROUPS", 16);
-    let producers = arg("BENCH_PRODUCERS", 4);
-    let memory_trajs = arg("BENCH_MEMORY_TRAJECTORIES", 100_000);
-    let depth = arg("BENCH_CONSUMER_DEPTH", 2);
+    let groups_total = bench::knob("BENCH_GROUPS", 1000usize);
+    let batch = bench::knob("BENCH_BATCH_GROUPS", 16usize);
+    let producers = bench::knob("BENCH_PRODUCERS", 4usize);
+    let memory_trajs = bench::knob("BENCH_MEMORY_TRAJECTORIES", 100_000usize);
+    let depth = bench::knob("BENCH_CONSUMER_DEPTH", 2usize);
     let trajectories = groups_total * GROUP;
     println!(
         "dataplane: {groups_total} groups x {GROUP} trajectories of {PAYLOAD} bytes, {producers} producers, batches \

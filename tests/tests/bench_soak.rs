@@ -1,0 +1,73 @@
+//! `just bench soak` shortened, so the soak benchmark cannot rot: the same binary with 8 stand-in rollout workers
+//! for 20 s (reports every 5 s) instead of 10 minutes. Everything the workers completed is trained exactly once.
+//! Memory growth is not judged here: 20 s is mostly the services' warm-up. Needs the service binaries
+//! (`cargo build --bins`, which `just test` runs first).
+
+#![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[test]
+fn a_short_soak_loses_and_duplicates_nothing_and_reports_every_interval() {
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_bench-soak"))
+        .env("SOAK_SECONDS", "20")
+        .env("SOAK_REPORT_S", "5")
+        .env("SOAK_WORKERS", "8")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(log.reopen().unwrap())
+        // its own process group: on a timeout the whole tree (workers, services, nats-server) is killed
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut stdout, &mut text).unwrap();
+        text
+    });
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(180) {
+            // SAFETY: kill(2) on the process group this test created, with a valid signal number.
+            #[allow(unsafe_code)]
+            unsafe {
+                libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL);
+            }
+            let _ = child.wait();
+            panic!("bench-soak did not finish in 180 s; stderr:\n{}", std::fs::read_to_string(log.path()).unwrap());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let out = reader.join().unwrap();
+    let stderr = std::fs::read_to_string(log.path()).unwrap();
+    assert!(status.success(), "bench-soak failed ({status}):\n{out}\n{stderr}");
+    let intervals: Vec<&str> = out.lines().filter(|l| l.starts_with("soak interval ")).collect();
+    assert_eq!(intervals.len(), 4, "one line per 5 s interval:\n{out}");
+    for line in &intervals {
+        for process in
+            ["nats-server", "reward-service", "replay-buffer", "trainer", "rollout-worker-0", "rollout-worker-7"]
+        {
+            assert!(line.contains(process), "{process}'s RSS is in every interval line: {line}");
+        }
+    }
+    let last = out.lines().last().unwrap();
+    let json: serde_json::Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}\n{stderr}"));
+    assert_eq!(json["bench"], "soak");
+    assert_eq!(json["workers"], 8);
+    assert_eq!(json["lost"], 0, "{last}\n{stderr}");
+    assert_eq!(json["duplicated"], 0, "{last}\n{stderr}");
+    assert_eq!(json["in_flight"], 0, "{last}\n{stderr}");
+    assert!(json["traj_per_s"].as_f64().unwrap() > 0.0, "{last}");
+    assert!(json["trained_groups"].as_u64().unwrap() > 0, "{last}");
+    assert_eq!(json["trained_groups"], json["submitted_groups"], "{last}");
+    for service in ["nats-server", "reward-service", "replay-buffer", "rollout-worker"] {
+        assert!(json["rss_growth_pct"][service].is_number(), "{service} growth in {last}");
+    }
+}
