@@ -49,10 +49,30 @@ pub fn host_name() -> &'static str {
     })
 }
 
-/// The process-wide Prometheus recorder, installed on first use.
+/// How often the recorder drains its histograms' samples into their buckets when nobody scrapes `/metrics`.
+const UPKEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The process-wide Prometheus recorder, installed on first use. A thread drains the histograms' recorded
+/// samples every [`UPKEEP_EVERY`]: without it they pile up until the next scrape, so a service nobody scrapes
+/// grows without bound (`just bench soak` measured the reward service at +296% RSS over nine minutes).
 pub fn prometheus() -> &'static PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
-    HANDLE.get_or_init(|| {
+    static UPKEEP: std::sync::Once = std::sync::Once::new();
+    let handle = recorder(&HANDLE);
+    UPKEEP.call_once(|| {
+        let spawned = std::thread::Builder::new().name("metrics-upkeep".into()).spawn(move || loop {
+            std::thread::sleep(UPKEEP_EVERY);
+            handle.run_upkeep();
+        });
+        if let Err(err) = spawned {
+            tracing::warn!(error = %err, "metrics upkeep thread not started: histograms drain only on a scrape");
+        }
+    });
+    handle
+}
+
+fn recorder(cell: &'static OnceLock<PrometheusHandle>) -> &'static PrometheusHandle {
+    cell.get_or_init(|| {
         let builder = PrometheusBuilder::new()
             .set_buckets(&[
                 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
