@@ -19,7 +19,9 @@ use futures::StreamExt;
 
 use crate::{Bus, BusError, Cause};
 
-/// Publish attempts per message before giving up (transient failures only).
+/// Publish attempts per message before giving up (failures that may pass on a retry only), unless the message's
+/// first send is younger than the bus's patience (`nats.connect_timeout_s`): a JetStream cluster answers "no
+/// stream" for the seconds it elects a stream's leader, longer than five quick attempts.
 const MAX_ATTEMPTS: u32 = 5;
 
 /// Backoff before the second attempt; doubled per attempt up to [`MAX_BACKOFF`].
@@ -80,7 +82,24 @@ pub struct Acked {
 /// answers while a stream's leader is being elected. A message above the server's `max_payload`, one a stream
 /// refuses on its expectations (last id or sequence) or a subject this identity may not publish to (the server's
 /// permissions violation) will not, however often it is sent.
-type AckFuture = Pin<Box<dyn std::future::Future<Output = (Outgoing, u32, Result<Acked, Cause>)> + Send>>;
+type AckFuture = Pin<Box<dyn std::future::Future<Output = (Outgoing, Attempt, Result<Acked, Cause>)> + Send>>;
+
+/// Which attempt at sending a message this is, and when the first one was made.
+#[derive(Debug, Clone, Copy)]
+struct Attempt {
+    number: u32,
+    first: std::time::Instant,
+}
+
+impl Attempt {
+    fn first() -> Self {
+        Self { number: 1, first: std::time::Instant::now() }
+    }
+
+    fn next(self) -> Self {
+        Self { number: self.number + 1, ..self }
+    }
+}
 
 /// Publishes with a bounded window of acknowledgements in flight.
 pub struct Publisher {
@@ -110,13 +129,16 @@ impl Publisher {
         while self.inflight.len() >= self.max_inflight {
             self.settle_one().await?;
         }
-        let future = send(&self.bus, message, 1).await?;
+        let future = send(&self.bus, message, Attempt::first()).await?;
         self.inflight.push(future);
         Ok(())
     }
 
     async fn settle_one(&mut self) -> Result<(), BusError> {
-        let Some((message, attempt, result)) = self.inflight.next().await else { return Ok(()) };
+        let Some((message, sent, result)) = self.inflight.next().await else { return Ok(()) };
+        let attempt = sent.number;
+        let backoff = FIRST_BACKOFF.saturating_mul(1 << (attempt - 1).min(8)).min(MAX_BACKOFF);
+        let patient = sent.first.elapsed() + backoff < self.bus.topology_wait();
         match result {
             Ok(acked) => {
                 self.done.push(acked);
@@ -127,12 +149,11 @@ impl Publisher {
                 let cause = cause.context("permanent: not retried");
                 Err(BusError::Publish { subject: message.subject, cause }.counted())
             }
-            Err(err) if attempt < MAX_ATTEMPTS => {
-                let backoff = FIRST_BACKOFF.saturating_mul(1 << (attempt - 1).min(8)).min(MAX_BACKOFF);
+            Err(err) if attempt < MAX_ATTEMPTS || patient => {
                 tracing::warn!(subject = %message.subject, attempt, error = %err, recovery = err.recovery().label(), ?backoff, "publish not acknowledged; retrying");
                 metrics::counter!("jetrl_bus_publish_retries_total").increment(1);
                 tokio::time::sleep(backoff).await;
-                let future = send(&self.bus, message, attempt + 1).await?;
+                let future = send(&self.bus, message, sent.next()).await?;
                 self.inflight.push(future);
                 Ok(())
             }
@@ -163,7 +184,7 @@ impl Publisher {
 
 /// Puts one message on the wire; the returned future resolves with its ack. A free function (not a
 /// method) so that a `&Publisher` is never held across an await: `Publisher` is `Send` but not `Sync`.
-async fn send(bus: &Bus, message: Outgoing, attempt: u32) -> Result<AckFuture, BusError> {
+async fn send(bus: &Bus, message: Outgoing, attempt: Attempt) -> Result<AckFuture, BusError> {
     let (refusals, sent) = (bus.refusals(), std::time::Instant::now());
     let ack: PublishAckFuture = bus
         .jetstream()
