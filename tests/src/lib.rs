@@ -221,6 +221,55 @@ pub fn run_binary(binary: &str, args: &[&str], timeout: Duration) -> (ExitStatus
     (status, std::fs::read_to_string(out_file.path()).unwrap_or_default())
 }
 
+/// What a benchmark program printed, and how it ended.
+pub struct BenchRun {
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+    pub elapsed: Duration,
+}
+
+/// Runs a benchmark program (`command`, its environment set) in its own process group, stdout and stderr kept
+/// apart (the last stdout line is its JSON); after `limit` the whole group (services, nats-server, workers) is
+/// killed and the test fails with what it printed.
+pub fn run_bench(mut command: Command, limit: Duration) -> BenchRun {
+    use std::os::unix::process::CommandExt;
+    let log = tempfile::NamedTempFile::new().expect("tempfile");
+    let what = format!("{:?}", command.get_program());
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(log.reopen().expect("reopen"))
+        .process_group(0)
+        .spawn()
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let mut stdout = child.stdout.take().expect("stdout");
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut stdout, &mut text);
+        text
+    });
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            break status;
+        }
+        if started.elapsed() > limit {
+            // SAFETY: kill(2) on the process group this function created, with a valid signal number.
+            #[allow(unsafe_code)]
+            unsafe {
+                libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL);
+            }
+            let _ = child.wait();
+            panic!("{what} did not finish in {limit:?}:\n{}", std::fs::read_to_string(log.path()).unwrap_or_default());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let stdout = reader.join().unwrap_or_default();
+    let stderr = std::fs::read_to_string(log.path()).unwrap_or_default();
+    BenchRun { status, stdout, stderr, elapsed: started.elapsed() }
+}
+
 /// Every decodable group record in the GROUPS bucket (undecodable ones are skipped).
 pub async fn group_records(store: &GroupStore) -> Vec<GroupStatus> {
     let mut keys = store.kv().keys().await.expect("list GROUPS keys");

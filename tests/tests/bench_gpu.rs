@@ -5,10 +5,9 @@
 
 #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
 
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
@@ -18,7 +17,6 @@ fn repo_root() -> PathBuf {
 #[ignore = "needs python with transformers: `./dev.sh test` installs it and runs this (--include-ignored)"]
 fn gpu_bench_runs_at_tiny_shapes_on_the_cpu_and_prints_one_json_line() {
     let root = repo_root();
-    let log = tempfile::NamedTempFile::new().unwrap();
     let mut command = Command::new(root.join("benches/gpu/run.sh"));
     // The script's own `cargo build`s must see the environment a person's shell has: the variables cargo sets
     // for this test (OUT_DIR above all, CARGO_MANIFEST_DIR, ...) change the fingerprints of crates that read them
@@ -33,41 +31,11 @@ fn gpu_bench_runs_at_tiny_shapes_on_the_cpu_and_prints_one_json_line() {
             command.env_remove(&name);
         }
     }
-    let mut child = command
-        .env("JETRL_BENCH_GPU_SHAPE", "tiny")
-        .current_dir(&root)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(log.reopen().unwrap())
-        // its own process group: on a timeout the whole tree (services, nats-server, python) is killed
-        .process_group(0)
-        .spawn()
-        .unwrap();
-    let mut stdout = child.stdout.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        let mut text = String::new();
-        std::io::Read::read_to_string(&mut stdout, &mut text).unwrap();
-        text
-    });
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if started.elapsed() > Duration::from_secs(420) {
-            // SAFETY: kill(2) on the process group this test created, with a valid signal number.
-            #[allow(unsafe_code)]
-            unsafe {
-                libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL);
-            }
-            panic!("benches/gpu/run.sh did not finish in 420 s:\n{}", std::fs::read_to_string(log.path()).unwrap());
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    };
-    let stdout = reader.join().unwrap();
-    let stderr = std::fs::read_to_string(log.path()).unwrap();
+    command.env("JETRL_BENCH_GPU_SHAPE", "tiny").current_dir(&root);
+    let jetrl_tests::BenchRun { status, stdout, stderr, elapsed } =
+        jetrl_tests::run_bench(command, Duration::from_secs(420));
     assert!(status.success(), "benches/gpu/run.sh failed ({status}):\n{stderr}");
-    eprintln!("benches/gpu/run.sh (tiny, CPU) took {:.0} s", started.elapsed().as_secs_f64());
+    eprintln!("benches/gpu/run.sh (tiny, CPU) took {:.0} s", elapsed.as_secs_f64());
 
     let lines: Vec<&str> = stdout.lines().filter(|l| !l.trim().is_empty()).collect();
     assert_eq!(lines.len(), 1, "stdout is exactly the JSON line:\n{stdout}");

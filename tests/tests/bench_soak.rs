@@ -5,48 +5,15 @@
 
 #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
 
-use std::os::unix::process::CommandExt;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 #[test]
 fn a_short_soak_loses_and_duplicates_nothing_and_reports_every_interval() {
-    let log = tempfile::NamedTempFile::new().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_bench-soak"))
-        .env("SOAK_SECONDS", "20")
-        .env("SOAK_REPORT_S", "5")
-        .env("SOAK_WORKERS", "8")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(log.reopen().unwrap())
-        // its own process group: on a timeout the whole tree (workers, services, nats-server) is killed
-        .process_group(0)
-        .spawn()
-        .unwrap();
-    let mut stdout = child.stdout.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        let mut text = String::new();
-        std::io::Read::read_to_string(&mut stdout, &mut text).unwrap();
-        text
-    });
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if started.elapsed() > Duration::from_secs(180) {
-            // SAFETY: kill(2) on the process group this test created, with a valid signal number.
-            #[allow(unsafe_code)]
-            unsafe {
-                libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL);
-            }
-            let _ = child.wait();
-            panic!("bench-soak did not finish in 180 s; stderr:\n{}", std::fs::read_to_string(log.path()).unwrap());
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    let out = reader.join().unwrap();
-    let stderr = std::fs::read_to_string(log.path()).unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_bench-soak"));
+    command.env("SOAK_SECONDS", "20").env("SOAK_REPORT_S", "5").env("SOAK_WORKERS", "8");
+    let jetrl_tests::BenchRun { status, stdout: out, stderr, .. } =
+        jetrl_tests::run_bench(command, Duration::from_secs(180));
     assert!(status.success(), "bench-soak failed ({status}):\n{out}\n{stderr}");
     let intervals: Vec<&str> = out.lines().filter(|l| l.starts_with("soak interval ")).collect();
     assert_eq!(intervals.len(), 4, "one line per 5 s interval:\n{out}");
