@@ -11,8 +11,8 @@ use std::time::Instant;
 
 use crate::actor::OldPolicy;
 use crate::error::TrainerError;
-use crate::schedule::sample_metrics;
-use crate::step_metrics::{batch_metrics, timing_metrics, IdleClock, Metrics};
+use crate::schedule::batch_record;
+use crate::step_metrics::{timing_metrics, IdleClock, Metrics};
 use crate::Trainer;
 
 pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerError> {
@@ -21,17 +21,13 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     let mut timings = BTreeMap::new();
     let batch_size = t.cfg.data.train_batch_size;
     t.client.min_policy_version = 0;
-    jetrl_telemetry::crash::crash_point("trainer.before_submit", step);
-    t.client.submit_train(step, batch_size as usize).await?;
-    jetrl_telemetry::crash::crash_point("trainer.after_submit", step);
+    t.submit_step(step, batch_size as usize).await?;
 
     let request_id = format!("train-{}-{step}", t.incarnation);
     let batch = t.sample_batch(&request_id, step, batch_size).await?;
     timings.insert("gen".to_string(), batch.wait_s);
     timings.insert("fetch".to_string(), batch.fetch_s);
-    let mut metrics = Metrics::new();
-    sample_metrics(&batch, &mut metrics);
-    batch_metrics(&batch.samples, &batch.response, step, t.cfg.data.max_prompt_length as usize, &mut metrics);
+    let mut metrics = batch_record(&batch, step, t.cfg.data.max_prompt_length as usize);
 
     let t0 = Instant::now();
     match t.weights.pause_colocated(step).await {
@@ -50,9 +46,7 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     let out = t.train_on(batch.samples, step, OldPolicy::Current).await?;
     metrics.extend(out.metrics);
     timings.extend(out.timings);
-    t.maybe_checkpoint(step, &metrics, &mut timings).await?;
-    jetrl_telemetry::crash::crash_point("trainer.between_checkpoint_and_publish", step);
-    t.client.release(step, vec![request_id]);
+    t.checkpoint_and_release(step, &metrics, &mut timings, vec![request_id]).await?;
 
     let t0 = Instant::now();
     let blob = t.weights_blob().await?;

@@ -169,6 +169,40 @@ impl Trainer {
     }
 }
 
+impl Trainer {
+    /// Submits the step's batch of prompts, between the crash points every schedule offers there.
+    pub(crate) async fn submit_step(&mut self, step: u64, batch_size: usize) -> Result<(), TrainerError> {
+        jetrl_telemetry::crash::crash_point("trainer.before_submit", step);
+        self.client.submit_train(step, batch_size).await?;
+        jetrl_telemetry::crash::crash_point("trainer.after_submit", step);
+        Ok(())
+    }
+
+    /// After a step's updates, in every schedule: the checkpoint when due, then the release of what the step
+    /// sampled (a trainer that dies between the two resumes after a step whose payloads are still there), before
+    /// the weights are published.
+    pub(crate) async fn checkpoint_and_release(
+        &self,
+        step: u64,
+        metrics: &Metrics,
+        timings: &mut BTreeMap<String, f64>,
+        request_ids: Vec<String>,
+    ) -> Result<(), TrainerError> {
+        self.maybe_checkpoint(step, metrics, timings).await?;
+        jetrl_telemetry::crash::crash_point("trainer.between_checkpoint_and_publish", step);
+        self.client.release(step, request_ids);
+        Ok(())
+    }
+}
+
+/// A sampled batch's record: the sample request's metrics and the batch's own (scores, lengths, staleness).
+pub(crate) fn batch_record(batch: &SampledBatch, step: u64, max_prompt: usize) -> Metrics {
+    let mut metrics = Metrics::new();
+    sample_metrics(batch, &mut metrics);
+    crate::step_metrics::batch_metrics(&batch.samples, &batch.response, step, max_prompt, &mut metrics);
+    metrics
+}
+
 /// A sample request's own metrics: the buffer's (evictions), refills and rejections.
 pub(crate) fn sample_metrics(batch: &SampledBatch, out: &mut Metrics) {
     out.extend(batch.response.metrics.clone());

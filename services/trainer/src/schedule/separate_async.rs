@@ -11,8 +11,8 @@ use std::time::Instant;
 
 use crate::actor::OldPolicy;
 use crate::error::TrainerError;
-use crate::schedule::sample_metrics;
-use crate::step_metrics::{batch_metrics, timing_metrics, Aggregator, IdleClock, Metrics};
+use crate::schedule::batch_record;
+use crate::step_metrics::{timing_metrics, Aggregator, IdleClock, Metrics};
 use crate::Trainer;
 
 pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerError> {
@@ -22,9 +22,7 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     let batch_size = t.cfg.data.train_batch_size;
     let mini = t.cfg.actor.ppo_mini_batch_size.unwrap_or(batch_size / local_updates).max(1);
     t.client.min_policy_version = 0;
-    jetrl_telemetry::crash::crash_point("trainer.before_submit", step);
-    t.client.submit_train(step, batch_size as usize).await?;
-    jetrl_telemetry::crash::crash_point("trainer.after_submit", step);
+    t.submit_step(step, batch_size as usize).await?;
     t.actor.call(|actor| actor.snapshot()).await??;
 
     let mut local = Aggregator::default();
@@ -35,9 +33,7 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
         let request_id = format!("train-{}-{step}-{i}", t.incarnation);
         let batch = t.sample_batch(&request_id, step, mini).await?;
         waited += batch.wait_s;
-        let mut metrics = Metrics::new();
-        sample_metrics(&batch, &mut metrics);
-        batch_metrics(&batch.samples, &batch.response, step, t.cfg.data.max_prompt_length as usize, &mut metrics);
+        let mut metrics = batch_record(&batch, step, t.cfg.data.max_prompt_length as usize);
         metrics.insert("timing_s/gen".into(), batch.wait_s);
         metrics.insert("timing_s/fetch".into(), batch.fetch_s);
         let weight = batch.samples.len() as f64;
@@ -57,9 +53,7 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     for (key, value) in metrics.iter().filter(|(k, _)| k.starts_with("timing_s/")) {
         timings.insert(key.trim_start_matches("timing_s/").to_string(), *value);
     }
-    t.maybe_checkpoint(step, &metrics, &mut timings).await?;
-    jetrl_telemetry::crash::crash_point("trainer.between_checkpoint_and_publish", step);
-    t.client.release(step, request_ids);
+    t.checkpoint_and_release(step, &metrics, &mut timings, request_ids).await?;
 
     let t0 = Instant::now();
     let blob = t.weights_blob().await?;
