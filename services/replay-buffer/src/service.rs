@@ -9,7 +9,7 @@ use async_nats::jetstream::consumer::{self, DeliverPolicy};
 use futures::StreamExt;
 use jetrl_bus::groups::decode_entry;
 use jetrl_bus::publish::Outgoing;
-use jetrl_bus::{consume, Bus, BusError, Cause, GroupStore};
+use jetrl_bus::{consume, Bus, BusError, Cause, GroupStore, Patience};
 use jetrl_config::JobConfig;
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::subjects::{self, Names};
@@ -149,17 +149,7 @@ impl Buffer {
         let mut release_sub = subscribe(names.buffer_release()).await.map_err(sub_err)?;
         let mut ledger_sub = subscribe(names.buffer_ledger()).await.map_err(sub_err)?;
         let mut watch = self.groups.watch().await?;
-        let rewards_stream = self.bus.stream(names.rewards_stream()).await?;
-        let rewards_err = |cause: Cause| BusError::Consume { what: names.rewards_stream().into(), cause };
-        let ordered = rewards_stream
-            .create_consumer(consumer::pull::OrderedConfig {
-                filter_subject: names.rewards_filter(),
-                deliver_policy: DeliverPolicy::All,
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| rewards_err(Cause::of(e)))?;
-        let mut rewards = ordered.messages().await.map_err(|e| rewards_err(Cause::of(e)))?;
+        let mut rewards = self.follow_rewards(DeliverPolicy::All).await?;
         tracing::info!("replay buffer serving");
         let mut gauge_tick = tokio::time::interval(Duration::from_secs(1));
         // the newest GROUPS revision seen: a watch that fails (its consumer lost with a cluster node) is started
@@ -168,6 +158,8 @@ impl Buffer {
         // A watch can also stall without an error (its consumer's node died and the consumer was not recreated):
         // while no entry comes, the bucket's last revision is compared with the newest seen now and then.
         let mut last_entry = Instant::now();
+        // the same for the rewards consumer: its stream's last sequence against the newest reward read
+        let mut last_reward = Instant::now();
         let mut watch_check = tokio::time::interval(WATCH_CHECK);
         loop {
             // Whether this event could let a waiting request be answered. Most cannot (a group created or
@@ -223,6 +215,7 @@ impl Buffer {
                     let msg = msg.ok_or(BufferError::InputClosed { what: "rewards stream" })?;
                     match msg {
                         Ok(msg) => {
+                            last_reward = Instant::now();
                             let (seq, pending) = msg.info().map(|i| (i.stream_sequence, i.pending)).unwrap_or((0, 1));
                             if pending == 0 { self.rewards_current = true; }
                             self.last_reward_seq = self.last_reward_seq.max(seq);
@@ -238,12 +231,23 @@ impl Buffer {
                 Some(msg) = release_sub.next() => self.on_release(msg).await,
                 Some(msg) = ledger_sub.next() => self.on_ledger(msg).await,
                 _ = expiry => self.expire_waiting().await,
-                _ = watch_check.tick(), if self.groups_current && last_entry.elapsed() >= WATCH_CHECK => {
-                    if self.watch_behind(groups_revision).await {
-                        tracing::warn!(revision = groups_revision, "groups watch stalled behind the bucket; watching again from the next revision");
-                        watch = self.watch_again(groups_revision, "stalled").await?;
+                _ = watch_check.tick() => {
+                    if self.groups_current && last_entry.elapsed() >= WATCH_CHECK {
+                        if self.watch_behind(groups_revision).await {
+                            tracing::warn!(revision = groups_revision, "groups watch stalled behind the bucket; watching again from the next revision");
+                            watch = self.watch_again(groups_revision, "stalled").await?;
+                        }
+                        last_entry = Instant::now();
                     }
-                    last_entry = Instant::now();
+                    if self.rewards_current && last_reward.elapsed() >= WATCH_CHECK {
+                        if self.rewards_behind().await {
+                            let next = self.last_reward_seq + 1;
+                            tracing::warn!(next, "rewards consumer stalled behind its stream; reading again from the next sequence");
+                            metrics::counter!("jetrl_buffer_watch_restarts_total", "reason" => "rewards_stalled").increment(1);
+                            rewards = self.follow_rewards(DeliverPolicy::ByStartSequence { start_sequence: next }).await?;
+                        }
+                        last_reward = Instant::now();
+                    }
                 }
                 _ = gauge_tick.tick() => {
                     self.export_gauges();
@@ -279,6 +283,38 @@ impl Buffer {
                 }
             }
         }
+    }
+
+    /// An ordered consumer of the REWARDS stream (reward batches and release markers) from `start`, created again
+    /// with backoff through a cluster's election (within nats.connect_timeout_s).
+    async fn follow_rewards(
+        &self,
+        start: DeliverPolicy,
+    ) -> Result<async_nats::jetstream::consumer::pull::Ordered, BusError> {
+        let names = self.bus.names();
+        let rewards_err = |cause: Cause| BusError::Consume { what: names.rewards_stream().into(), cause };
+        let config = consumer::pull::OrderedConfig {
+            filter_subject: names.rewards_filter(),
+            deliver_policy: start,
+            ..Default::default()
+        };
+        Patience::within(self.bus.topology_wait())
+            .retry("follow the rewards stream", || async {
+                let stream = self.bus.stream(names.rewards_stream()).await?;
+                let ordered = stream.create_consumer(config.clone()).await.map_err(|e| rewards_err(Cause::of(e)))?;
+                ordered.messages().await.map_err(|e| rewards_err(Cause::of(e)))
+            })
+            .await
+    }
+
+    /// Whether the REWARDS stream holds messages after the newest one this buffer read (so a consumer that
+    /// delivered nothing for a while is stalled). A stream that cannot be asked now is not taken as behind.
+    async fn rewards_behind(&self) -> bool {
+        let ask = async {
+            let mut stream = self.bus.stream(self.bus.names().rewards_stream()).await.ok()?;
+            stream.info().await.ok().map(|i| i.state.last_sequence)
+        };
+        matches!(tokio::time::timeout(Duration::from_secs(2), ask).await, Ok(Some(last)) if last > self.last_reward_seq)
     }
 
     /// Whether the GROUPS bucket holds revisions after `seen` (so a watch that delivered nothing for a while is
