@@ -20,9 +20,9 @@ test: build
     cargo test --workspace --no-fail-fast -- --include-ignored
     ./target/debug/jetrl-golden tests/golden/algos_sample.json tests/golden/rewards_sample.json
 
-# the three-node cluster failover test (not yet reliable, so not in `test`: tests/tests/nats_cluster.rs says why)
+# the three-node cluster failover test alone (it is part of `test` too)
 test-cluster: build
-    JETRL_CLUSTER_TEST=1 cargo test -p jetrl-tests --test nats_cluster -- --nocapture
+    cargo test -p jetrl-tests --test nats_cluster -- --nocapture
 
 # format and lint checks
 lint:
