@@ -39,6 +39,12 @@ for extra in "$@"; do
   "$py" -c "import $mod" 2>/dev/null || want+=("$extra")
 done
 if [ ${#want[@]} -gt 0 ]; then
+  # torch with its CUDA libraries takes ~5 GB installed (and a wheel's worth more while pip unpacks it): say so
+  # before pip fails half-way with "No space left on device"
+  free_kb="$(df -Pk "$venv" 2>/dev/null | awk 'NR == 2 { print $4 }')"
+  if [[ " ${want[*]} " == *" torch=="* ]] && [ -n "$free_kb" ] && [ "$free_kb" -lt $((6 * 1024 * 1024)) ]; then
+    say "warning: $((free_kb / 1024)) MiB free on the filesystem of $venv; torch==$TORCH_VERSION needs about 6 GiB"
+  fi
   say "pip install ${want[*]}"
   "$venv/bin/pip" install -q --no-cache-dir --disable-pip-version-check "${want[@]}"
 fi
