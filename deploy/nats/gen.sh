@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Generates a least-privilege NATS deployment for one jetrl job: one user per service with only the subjects and
 # JetStream API calls that service makes, a TLS CA with a server certificate for the given hosts and one client
-# certificate per user, the server configuration, and per-service credential files. Needs bash and openssl; no
-# network.
+# certificate per user, the server configuration, and per-service credential files. Needs bash and openssl (bash
+# and /dev/urandom with --no-tls); no network.
 #
 #   deploy/nats/gen.sh [--out DIR] [--namespace NS] [--hosts h1,h2,...] [--install-dir DIR] [--store-dir DIR]
 #                      [--listen ADDR] [--monitor ADDR|off] [--days N] [--rotate passwords|certs|all]
-#                      [--owner UID[:GID]] [--client-dir DIR] [--cluster HOST[:PORT:ROUTE_PORT],...]
+#                      [--owner UID[:GID]] [--client-dir DIR] [--cluster HOST[:PORT:ROUTE_PORT],...] [--no-tls]
 #
 # --hosts: the names and addresses clients reach the server by (the server certificate's names; the first one
 # is the host in the generated nats.yaml URLs). Defaults: --out deploy/nats/generated, --namespace jetrl,
@@ -21,6 +21,9 @@
 # "jetrl-<ns>", each node's store in <store-dir>/<node>. The nodes go into the server certificate, and the
 # nats.yaml URLs list every node. HOST:PORT:ROUTE_PORT puts several nodes on one host (tests); such a node is
 # named HOST-PORT. deploy/nats/cluster/ holds what --cluster nats-1,nats-2,nats-3 writes.
+# --no-tls: users, passwords and permissions only, for a server whose clients all run on its host (`jetrl run`'s
+# own server): no CA, no certificates, no tls lines, nats:// URLs; passwords cross the connection in clear text,
+# so --listen must be a loopback address. Not with --cluster or --rotate certs|all.
 #
 # Idempotent: a second run keeps the CA, keys and passwords it finds under --out and rewrites only the
 # configuration (and the server certificate when --hosts changed). --rotate makes new ones (docs/deploy.md,
@@ -54,6 +57,7 @@ url_host=""
 owner=""
 client_dir=""
 cluster=""
+tls=1
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; exit "${1:-0}"; }
 die() { echo "gen.sh: $*" >&2; exit 1; }
@@ -72,12 +76,13 @@ while [ $# -gt 0 ]; do
     --owner) owner="$2"; shift 2 ;;
     --client-dir) client_dir="$2"; shift 2 ;;
     --cluster) cluster="$2"; shift 2 ;;
+    --no-tls) tls=0; shift ;;
     -h|--help) usage 0 ;;
     *) echo "gen.sh: unknown argument $1" >&2; usage 2 ;;
   esac
 done
 
-command -v openssl >/dev/null || die "openssl not found"
+[ "$tls" = 0 ] || command -v openssl >/dev/null || die "openssl not found"
 [[ "$ns" =~ ^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$ ]] || die "--namespace $ns: must match ^[A-Za-z0-9][A-Za-z0-9_-]{0,31}\$ (the job namespace: nats.namespace or run.name)"
 [[ "$days" =~ ^[0-9]+$ ]] || die "--days $days: not a number"
 case "$rotate" in ""|passwords|certs|all) ;; *) die "--rotate $rotate: expected passwords, certs or all" ;; esac
@@ -85,6 +90,13 @@ IFS=',' read -r -a host_list <<<"$hosts"
 [ "${#host_list[@]}" -gt 0 ] || die "--hosts is empty"
 url_host="${host_list[0]}"
 listen_host="${listen%:*}"; listen_port="${listen##*:}"
+if [ "$tls" = 0 ]; then
+  [[ "$listen_host" =~ ^(127\.[0-9.]+|localhost|\[::1\])$ ]] \
+    || die "--no-tls: --listen $listen is not a loopback address (passwords would cross the network in clear text)"
+  [ -z "$cluster" ] || die "--no-tls: a cluster's routes need TLS (leave out --no-tls)"
+  case "$rotate" in certs|all) die "--no-tls: there are no certificates to rotate (--rotate passwords)" ;; esac
+fi
+scheme=tls; [ "$tls" = 1 ] || scheme=nats
 
 # --cluster: each node's name, host, client port and route port
 node_names=(); node_hosts=(); node_ports=(); node_route_ports=()
@@ -112,7 +124,8 @@ if [ -n "$cluster" ]; then
 fi
 
 umask 077
-mkdir -p "$out/server/tls" "$out/ca" "$out/clients"
+mkdir -p "$out/server" "$out/clients"
+[ "$tls" = 0 ] || mkdir -p "$out/server/tls" "$out/ca"
 out="$(cd "$out" && pwd)"
 client_dir="${client_dir:-$out/clients}"
 
@@ -262,55 +275,65 @@ answers_requests() { case "$1" in replay-buffer|checkpoint-sync|rollout-worker) 
 USERS=(trainer rollout-worker reward-service replay-buffer checkpoint-sync status admin)
 
 # ---------------------------------------------------------------------------------------------------------------
-# TLS: a CA, a server certificate for --hosts, a client certificate per user.
-ca_key="$out/ca/ca-key.pem"; ca="$out/server/tls/ca.pem"
+# TLS: a CA, a server certificate for --hosts, a client certificate per user (none with --no-tls).
 generated=()
-new_key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$1" 2>/dev/null; }
-sign() { # key cert cn extensions-file
-  openssl req -new -key "$1" -subj "/O=jetrl/CN=$3" -out "$2.csr" 2>/dev/null
-  openssl x509 -req -in "$2.csr" -CA "$ca" -CAkey "$ca_key" -CAcreateserial -CAserial "$out/ca/ca.srl" \
-    -days "$days" -sha256 -extfile "$4" -out "$2" 2>/dev/null
-  rm -f "$2.csr"
+if [ "$tls" = 1 ]; then
+  ca_key="$out/ca/ca-key.pem"; ca="$out/server/tls/ca.pem"
+  new_key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$1" 2>/dev/null; }
+  sign() { # key cert cn extensions-file
+    openssl req -new -key "$1" -subj "/O=jetrl/CN=$3" -out "$2.csr" 2>/dev/null
+    openssl x509 -req -in "$2.csr" -CA "$ca" -CAkey "$ca_key" -CAcreateserial -CAserial "$out/ca/ca.srl" \
+      -days "$days" -sha256 -extfile "$4" -out "$2" 2>/dev/null
+    rm -f "$2.csr"
+  }
+  if [ ! -s "$ca_key" ] || [ ! -s "$ca" ] || [ "$rotate" = all ]; then
+    new_key "$ca_key"
+    openssl req -x509 -new -key "$ca_key" -sha256 -days "$days" -subj "/O=jetrl/CN=jetrl NATS CA ($ns)" \
+      -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
+      -out "$ca" 2>/dev/null
+    rm -f "$out/server/tls/server.pem" "$out"/clients/*/cert.pem
+    generated+=("CA $ca")
+  fi
+  cp "$ca" "$out/clients/ca.pem"
+
+  san=""
+  declare -A seen_host=()
+  for h in "${host_list[@]}"; do
+    [ -n "$h" ] || continue
+    [ -z "${seen_host[$h]:-}" ] || continue
+    seen_host[$h]=1
+    if [[ "$h" =~ ^[0-9.]+$ || "$h" == *:* ]]; then san+="IP:$h,"; else san+="DNS:$h,"; fi
+  done
+  san="${san%,}"
+  ext="$out/ca/server.ext"
+  printf 'basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth,clientAuth\nsubjectAltName=%s\n' "$san" >"$ext"
+  if [ ! -s "$out/server/tls/server.pem" ] || [ "$(cat "$out/ca/server.hosts" 2>/dev/null)" != "$san" ] \
+     || [ "$rotate" = certs ] || [ "$rotate" = all ]; then
+    [ -s "$out/server/tls/server-key.pem" ] && [ "$rotate" = "" ] || new_key "$out/server/tls/server-key.pem"
+    sign "$out/server/tls/server-key.pem" "$out/server/tls/server.pem" "$url_host" "$ext"
+    echo "$san" >"$out/ca/server.hosts"
+    generated+=("server certificate ($san)")
+  fi
+
+  client_ext="$out/ca/client.ext"
+  printf 'basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n' >"$client_ext"
+fi
+
+# 32 characters from [A-Za-z0-9]: ~190 bits, nothing the config or a shell would interpret; from the kernel's
+# random source (no openssl needed)
+random_password() {
+  local password=""
+  while [ ${#password} -lt 32 ]; do password+="$(head -c 64 /dev/urandom | LC_ALL=C tr -dc 'A-Za-z0-9')"; done
+  printf '%s' "${password:0:32}"
 }
-if [ ! -s "$ca_key" ] || [ ! -s "$ca" ] || [ "$rotate" = all ]; then
-  new_key "$ca_key"
-  openssl req -x509 -new -key "$ca_key" -sha256 -days "$days" -subj "/O=jetrl/CN=jetrl NATS CA ($ns)" \
-    -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
-    -out "$ca" 2>/dev/null
-  rm -f "$out/server/tls/server.pem" "$out"/clients/*/cert.pem
-  generated+=("CA $ca")
-fi
-cp "$ca" "$out/clients/ca.pem"
-
-san=""
-declare -A seen_host=()
-for h in "${host_list[@]}"; do
-  [ -n "$h" ] || continue
-  [ -z "${seen_host[$h]:-}" ] || continue
-  seen_host[$h]=1
-  if [[ "$h" =~ ^[0-9.]+$ || "$h" == *:* ]]; then san+="IP:$h,"; else san+="DNS:$h,"; fi
-done
-san="${san%,}"
-ext="$out/ca/server.ext"
-printf 'basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth,clientAuth\nsubjectAltName=%s\n' "$san" >"$ext"
-if [ ! -s "$out/server/tls/server.pem" ] || [ "$(cat "$out/ca/server.hosts" 2>/dev/null)" != "$san" ] \
-   || [ "$rotate" = certs ] || [ "$rotate" = all ]; then
-  [ -s "$out/server/tls/server-key.pem" ] && [ "$rotate" = "" ] || new_key "$out/server/tls/server-key.pem"
-  sign "$out/server/tls/server-key.pem" "$out/server/tls/server.pem" "$url_host" "$ext"
-  echo "$san" >"$out/ca/server.hosts"
-  generated+=("server certificate ($san)")
-fi
-
-client_ext="$out/ca/client.ext"
-printf 'basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n' >"$client_ext"
+secrets="the password and the TLS key are files"; [ "$tls" = 1 ] || secrets="the password is a file"
 for u in "${USERS[@]}"; do
   dir="$out/clients/$u"; mkdir -p "$dir"
   if [ ! -s "$dir/password" ] || [ "$rotate" = passwords ] || [ "$rotate" = all ]; then
-    # 32 characters from [A-Za-z0-9]: ~190 bits, nothing the config or a shell would interpret
-    openssl rand -base64 48 | tr -dc 'A-Za-z0-9' | head -c 32 >"$dir/password"
+    random_password >"$dir/password"
     generated+=("password of $(user "$u")")
   fi
-  if [ ! -s "$dir/cert.pem" ] || [ "$rotate" = certs ] || [ "$rotate" = all ]; then
+  if [ "$tls" = 1 ] && { [ ! -s "$dir/cert.pem" ] || [ "$rotate" = certs ] || [ "$rotate" = all ]; }; then
     new_key "$dir/key.pem"
     sign "$dir/key.pem" "$dir/cert.pem" "$(user "$u")" "$client_ext"
     generated+=("client certificate of $(user "$u")")
@@ -318,7 +341,7 @@ for u in "${USERS[@]}"; do
   inbox_line=""
   [ "$u" = admin ] || inbox_line="JETRL__NATS__INBOX_PREFIX=$(inbox "$u")"
   cat >"$dir/nats.env" <<EOF
-# $(user "$u"): its NATS identity, not secret (the password and the TLS key are files next to this one)
+# $(user "$u"): its NATS identity, not secret ($secrets next to this one)
 JETRL__NATS__USER=$(user "$u")
 $inbox_line
 EOF
@@ -327,23 +350,26 @@ EOF
     echo "nats:"
     if [ -n "$cluster" ]; then
       urls=""
-      for i in "${!node_hosts[@]}"; do urls+="tls://${node_hosts[$i]}:${node_ports[$i]},"; done
+      for i in "${!node_hosts[@]}"; do urls+="$scheme://${node_hosts[$i]}:${node_ports[$i]},"; done
       echo "  url: ${urls%,}"
       echo "  replicas: 3"
     else
-      echo "  url: tls://$url_host:${listen##*:}"
+      echo "  url: $scheme://$url_host:${listen##*:}"
     fi
     echo "  user: $(user "$u")"
     echo "  password_file: $client_dir/$u/password"
     [ "$u" = admin ] || echo "  inbox_prefix: $(inbox "$u")"
-    echo "  tls_ca_file: $client_dir/ca.pem"
-    echo "  tls_cert_file: $client_dir/$u/cert.pem"
-    echo "  tls_key_file: $client_dir/$u/key.pem"
+    if [ "$tls" = 1 ]; then
+      echo "  tls_ca_file: $client_dir/ca.pem"
+      echo "  tls_cert_file: $client_dir/$u/cert.pem"
+      echo "  tls_key_file: $client_dir/$u/key.pem"
+    fi
   } >"$dir/nats.yaml"
-  chmod 600 "$dir/password" "$dir/key.pem"
-  chmod 644 "$dir/cert.pem" "$dir/nats.env" "$dir/nats.yaml"
+  chmod 600 "$dir/password"
+  chmod 644 "$dir/nats.env" "$dir/nats.yaml"
+  [ "$tls" = 0 ] || { chmod 600 "$dir/key.pem"; chmod 644 "$dir/cert.pem"; }
 done
-chmod 644 "$ca" "$out/clients/ca.pem" "$out/server/tls/server.pem"
+[ "$tls" = 0 ] || chmod 644 "$ca" "$out/clients/ca.pem" "$out/server/tls/server.pem"
 if [ -n "$owner" ]; then
   [[ "$owner" =~ ^[0-9]+(:[0-9]+)?$ ]] || die "--owner $owner: expected UID or UID:GID (numbers)"
   chown -R "$owner" "$out/clients" || die "--owner $owner: chown failed (run as root)"
@@ -380,22 +406,28 @@ chmod 600 "$out/server/auth.conf"
 
 monitor_line="http: $monitor"
 [ "$monitor" != off ] || monitor_line="# no monitoring port (--monitor off)"
+client_port="TLS with client certificates on the client port"
+tls_block="tls {
+  cert_file: \"$install_dir/tls/server.pem\"
+  key_file: \"$install_dir/tls/server-key.pem\"
+  ca_file: \"$install_dir/tls/ca.pem\"
+  # every client presents a certificate signed by the job's CA, besides its password
+  verify: true
+  timeout: 5
+}"
+if [ "$tls" = 0 ]; then
+  client_port="no TLS (--no-tls: loopback clients only)"
+  tls_block="# no TLS (--no-tls): listens on loopback only; clients prove themselves with their password"
+fi
 cat >"$out/server/nats.conf" <<EOF
 # Generated by deploy/nats/gen.sh for job namespace "$ns". NATS for jetrl: JetStream on, payloads up to 8 MiB
-# (a 2 MB trajectory is one message), TLS with client certificates on the client port, one user per service.
+# (a 2 MB trajectory is one message), $client_port, one user per service.
 # The monitoring port serves no secrets but tells who is connected: keep it on loopback (the Prometheus
 # exporter shares the server's network namespace in compose).
 listen: $listen
 $monitor_line
 max_payload: 8MB
-tls {
-  cert_file: "$install_dir/tls/server.pem"
-  key_file: "$install_dir/tls/server-key.pem"
-  ca_file: "$install_dir/tls/ca.pem"
-  # every client presents a certificate signed by the job's CA, besides its password
-  verify: true
-  timeout: 5
-}
+$tls_block
 jetstream {
   store_dir: "$store_dir"
   # size the stores for your trajectory volume; payloads are purged once the trainer releases a step
@@ -457,8 +489,16 @@ done
 echo "gen.sh: job namespace \"$ns\" (account $account), output in $out"
 for g in "${generated[@]}"; do echo "  new: $g"; done
 [ ${#generated[@]} -gt 0 ] || echo "  nothing new: kept the CA, keys and passwords found there (--rotate to replace them)"
-echo "  server:  $out/server/{nats.conf,auth.conf,tls/} -> install in $install_dir (the config reads $install_dir/tls/)"
+if [ "$tls" = 1 ]; then
+  echo "  server:  $out/server/{nats.conf,auth.conf,tls/} -> install in $install_dir (the config reads $install_dir/tls/)"
+else
+  echo "  server:  $out/server/{nats.conf,auth.conf} (no TLS: loopback only)"
+fi
 for name in "${node_names[@]}"; do echo "  node:    $out/server/cluster-$name.conf -> $install_dir/nats.conf on $name"; done
-echo "  clients: $out/clients/<service>/{password,cert.pem,key.pem,nats.env,nats.yaml} and $out/clients/ca.pem"
-echo "  CA key:  $out/ca/ca-key.pem (signs new certificates; keep it off the brokers)"
+if [ "$tls" = 1 ]; then
+  echo "  clients: $out/clients/<service>/{password,cert.pem,key.pem,nats.env,nats.yaml} and $out/clients/ca.pem"
+  echo "  CA key:  $out/ca/ca-key.pem (signs new certificates; keep it off the brokers)"
+else
+  echo "  clients: $out/clients/<service>/{password,nats.env,nats.yaml}"
+fi
 echo "  users:   $(for u in "${USERS[@]}"; do printf '%s ' "$(user "$u")"; done)"

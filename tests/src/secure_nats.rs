@@ -58,21 +58,9 @@ fn identity_from(file: &Path) -> NatsConfig {
     NatsConfig { connect_timeout_s: 20.0, ..job.nats }
 }
 
-/// A `nats.yaml`'s settings as command-line overrides (`nats.user=...`).
+/// A `nats.yaml`'s settings as command-line overrides (`nats.user=...`), as `jetrl run` hands them to a service.
 fn overrides_from(file: &Path) -> Vec<String> {
-    let text = std::fs::read_to_string(file).expect("nats.yaml");
-    let doc: serde_yaml::Value = serde_yaml::from_str(&text).expect("yaml");
-    let section = doc["nats"].as_mapping().expect("a nats section");
-    section
-        .iter()
-        .map(|(k, v)| {
-            let value = match v {
-                serde_yaml::Value::String(s) => s.clone(),
-                other => serde_yaml::to_string(other).expect("yaml").trim().to_string(),
-            };
-            format!("nats.{}={value}", k.as_str().unwrap_or_default())
-        })
-        .collect()
+    jetrl_config::section_overrides(file, "nats").expect("a nats.yaml with a nats section")
 }
 
 /// Runs deploy/nats/gen.sh with `args`; panics with its output unless it succeeds. Returns its output.

@@ -301,6 +301,47 @@ fn generated_nats_config_is_valid_for_nats_server() {
     assert!(!repo().join("deploy/nats/nats.conf").exists(), "no configuration without users ships");
 }
 
+/// `gen.sh --no-tls` (what `jetrl run` uses for its own server): users, passwords and permissions without a CA,
+/// certificates or openssl, a valid configuration without TLS, `nats://` URLs; only on a loopback address.
+#[test]
+fn gen_sh_without_tls_needs_no_openssl_and_listens_on_loopback_only() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // a PATH with the coreutils gen.sh uses and no openssl
+    let tools = dir.path().join("bin");
+    std::fs::create_dir(&tools).unwrap();
+    for tool in ["bash", "dirname", "mkdir", "cat", "sort", "head", "tr", "chmod", "rm", "cp"] {
+        let found = ["/usr/bin", "/bin"].iter().map(|d| Path::new(d).join(tool)).find(|p| p.exists());
+        std::os::unix::fs::symlink(found.unwrap_or_else(|| panic!("no {tool}")), tools.join(tool)).unwrap();
+    }
+    let out = dir.path().join("generated");
+    let run = |listen: &str| {
+        Command::new("bash")
+            .arg(repo().join("deploy/nats/gen.sh"))
+            .args(["--out", &out.display().to_string(), "--namespace", "job-7", "--no-tls", "--monitor", "off"])
+            .args(["--listen", listen, "--store-dir", &dir.path().join("js").display().to_string()])
+            .env("PATH", &tools)
+            .output()
+            .expect("bash")
+    };
+    let done = run("127.0.0.1:4999");
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    let conf = out.join("server/nats.conf");
+    let text = std::fs::read_to_string(&conf).unwrap();
+    assert!(!text.contains("tls {") && text.contains("listen: 127.0.0.1:4999"), "{text}");
+    let nats = jetrl_bus::harness::find_binary().expect("nats-server");
+    let check = Command::new(nats).arg("-c").arg(&conf).arg("-t").output().expect("nats-server -t");
+    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
+    let identity = std::fs::read_to_string(out.join("clients/trainer/nats.yaml")).unwrap();
+    assert!(identity.contains("url: nats://127.0.0.1:4999") && !identity.contains("tls_"), "{identity}");
+    let password = std::fs::read_to_string(out.join("clients/trainer/password")).unwrap();
+    assert!(password.len() == 32 && password.bytes().all(|b| b.is_ascii_alphanumeric()), "{password:?}");
+    assert!(!out.join("ca").exists() && !out.join("server/tls").exists() && !out.join("clients/ca.pem").exists());
+
+    let refused = run("0.0.0.0:4222");
+    let why = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && why.contains("not a loopback address"), "{why}");
+}
+
 /// deploy/nats/cluster/ is what `gen.sh --cluster nats-1,nats-2,nats-3` writes; every node's configuration is
 /// valid for nats-server, the identities list every node with replicas 3, and a node refuses a route from a
 /// client's certificate.

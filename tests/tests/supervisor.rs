@@ -80,6 +80,27 @@ impl JetrlRun {
         })
     }
 
+    /// The configuration file of the nats-server `jetrl run` started (or restarted) last, from its command line.
+    fn nats_conf(&self) -> PathBuf {
+        let last = self
+            .journal()
+            .into_iter()
+            .rev()
+            .find(|e| e["service"] == "nats-server" && (e["event"] == "started" || e["event"] == "restarted"));
+        let pid =
+            last.and_then(|e| e["pid"].as_i64()).unwrap_or_else(|| panic!("no nats-server: {:?}", self.journal()));
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+        let args: Vec<String> = cmdline.split(|&b| b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+        let at = args.iter().position(|a| a == "-c").unwrap_or_else(|| panic!("nats-server {args:?}"));
+        PathBuf::from(&args[at + 1])
+    }
+
+    /// The embedded server's URL (its port from the journal).
+    fn nats_url(&self) -> String {
+        let started = self.journal().into_iter().find(|e| e["event"] == "started" && e["service"] == "nats-server");
+        format!("nats://127.0.0.1:{}", started.unwrap()["port"])
+    }
+
     fn wait(&mut self, timeout: Duration) -> ExitStatus {
         let started = Instant::now();
         loop {
@@ -123,6 +144,90 @@ fn kill(pid: libc::pid_t, signal: libc::c_int) {
 
 fn unix_now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs_f64()
+}
+
+/// Connects to `url` with no credentials; the error when the server refuses.
+fn connect_anonymously(url: &str) -> Option<async_nats::ConnectError> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async_nats::connect(url)).err()
+}
+
+/// The embedded server is as secure as a deployment's: `jetrl run` generates one user per service for the run
+/// (deploy/nats/gen.sh's least-privilege permissions) and starts nats-server on loopback with them; a client
+/// without credentials is refused, every service connects as its own user and nothing is refused to any, the
+/// read-only identity serves `jetrl status`, and no password reaches a command line, the console, job.yaml or a
+/// log.
+#[test]
+fn the_embedded_nats_server_lets_in_only_the_runs_own_users() {
+    let mut run = JetrlRun::start("");
+    run.wait_until("the jetrl status line on the console", Duration::from_secs(60), |r| {
+        r.console().contains("status --config")
+    });
+    let conf_path = run.nats_conf();
+    let conf = std::fs::read_to_string(&conf_path).unwrap();
+    for needed in ["host: 127.0.0.1", "accounts {", "\"JETRL_test\"", "user: \"test-trainer\"", "permissions: {"] {
+        assert!(conf.contains(needed), "{} lacks {needed:?}:\n{conf}", conf_path.display());
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&conf_path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "the server's configuration holds passwords");
+
+    let refused = connect_anonymously(&run.nats_url()).expect("a client without credentials is refused");
+    assert_eq!(refused.kind(), async_nats::ConnectErrorKind::AuthorizationViolation, "{refused}");
+
+    // each service's command line names its identity and its password file, never a password
+    let nats_dir = run.run_dir().join("nats");
+    let passwords: Vec<String> = std::fs::read_dir(nats_dir.join("clients"))
+        .unwrap()
+        .filter_map(|d| std::fs::read_to_string(d.unwrap().path().join("password")).ok())
+        .collect();
+    assert_eq!(passwords.len(), 7, "one password per identity");
+    let mut running = 0;
+    for service in ["trainer", "rollout-0", "reward-0", "replay-buffer", "checkpoint-sync"] {
+        let cmdline = std::fs::read(format!("/proc/{}/cmdline", run.pid(service))).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if cmdline.is_empty() {
+            continue; // it has finished already
+        }
+        assert!(cmdline.contains("nats.user=test-") && cmdline.contains("nats.password_file="), "{cmdline}");
+        assert!(!passwords.iter().any(|p| cmdline.contains(p.as_str())), "a password on {service}'s command line");
+        running += 1;
+    }
+    assert!(running > 0, "every service had exited before the check");
+
+    // the console names the status identity's file, and jetrl status reads the job with it
+    let status_file = nats_dir.join("status.yaml");
+    assert!(run.console().contains(&format!("status --config {}", status_file.display())), "{}", run.console());
+    let out = Command::new(bin("jetrl")).arg("status").arg("--config").arg(&status_file).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && text.contains("job: test"), "jetrl status:\n{text}");
+
+    let status = run.wait(Duration::from_secs(120));
+    let console = run.console();
+    assert!(status.success(), "jetrl run failed ({status}); console:\n{console}");
+    assert!(console.contains("(started by jetrl run: loopback only, one user per service)"), "{console}");
+    for (service, user) in [
+        ("trainer", "trainer"),
+        ("rollout-0", "rollout-worker"),
+        ("reward-0", "reward-service"),
+        ("replay-buffer", "replay-buffer"),
+        ("checkpoint-sync", "checkpoint-sync"),
+    ] {
+        let log = run.log(service);
+        let connected = log.lines().find(|l| l.contains("connected to NATS")).unwrap_or_default();
+        assert!(connected.contains(&format!("user \"test-{user}\"")), "{service} connected as:\n{log}");
+        assert!(!log.contains("permissions violation"), "{service} was refused something:\n{log}");
+    }
+    let mut written = vec![console, std::fs::read_to_string(run.run_dir().join("job.yaml")).unwrap()];
+    for file in ["supervisor.jsonl", "nats/status.yaml"] {
+        written.push(std::fs::read_to_string(run.run_dir().join(file)).unwrap());
+    }
+    for log in std::fs::read_dir(run.run_dir().join("logs")).unwrap() {
+        written.push(std::fs::read_to_string(log.unwrap().path()).unwrap());
+    }
+    for password in &passwords {
+        assert!(!written.iter().any(|text| text.contains(password.as_str())), "a password was written out");
+    }
 }
 
 /// With two rollout workers, killing one used to end the whole job; now it is restarted and the run completes.
@@ -202,6 +307,14 @@ fn a_killed_embedded_nats_server_is_reported_at_once_and_restarted_with_its_stor
     run.wait_until("a broker outage on the console", Duration::from_secs(10), |r| {
         r.console().contains("unreachable since")
     });
+    run.wait_until("the restart", Duration::from_secs(30), |r| {
+        r.journal().iter().any(|e| e["event"] == "restarted" && e["service"] == "nats-server")
+    });
+    // the restarted server still lets in only the run's users
+    let conf = std::fs::read_to_string(run.nats_conf()).unwrap();
+    assert!(conf.contains("user: \"test-trainer\""), "{conf}");
+    let refused = connect_anonymously(&run.nats_url()).expect("a client without credentials is refused");
+    assert_eq!(refused.kind(), async_nats::ConnectErrorKind::AuthorizationViolation, "{refused}");
     let status = run.wait(Duration::from_secs(180));
     let console = run.console();
     assert!(status.success(), "jetrl run failed ({status}); console:\n{console}");

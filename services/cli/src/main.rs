@@ -1,6 +1,7 @@
 //! `jetrl`: launches and inspects jetrl jobs. It owns nothing: the services do the work.
 
 mod broker;
+mod embedded;
 mod ledger;
 mod run;
 mod status;

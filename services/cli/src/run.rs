@@ -12,6 +12,7 @@ use jetrl_config::JobConfig;
 use serde_json::json;
 
 use crate::broker;
+use crate::embedded;
 use crate::supervisor::{self, Event, RestartHistory, RestartPolicy, ServiceSpec, Supervisor, Verdict};
 use crate::threads;
 
@@ -54,26 +55,34 @@ pub async fn run(
         eprintln!("created a random-init `{preset}` model in {}", model_dir.display());
     }
 
-    // NATS: the given server, or our own with a temporary store.
-    let mut embedded = None;
-    let url = match nats_url {
-        Some(url) => url,
+    // NATS: the given server, or our own on loopback with one user per service and a temporary store.
+    let namespace = cfg.namespace()?.to_string();
+    let (url, embedded, identities) = match nats_url {
+        Some(url) => (url, None, None),
         None => {
-            let server = NatsServer::start().context("starting nats-server")?;
-            let url = server.url();
-            embedded = Some(server);
-            url
+            let (server, identities) = embedded::start(&run_dir, &namespace).context("starting nats-server")?;
+            (server.url(), Some(server), Some(identities))
         }
     };
     overrides.push(format!("nats.url={url}"));
     let omp_num_threads_set = std::env::var_os("OMP_NUM_THREADS").is_some_and(|v| !v.is_empty());
     overrides.extend(threads::job_thread_overrides(&cfg, jetrl_telemetry::available_cores(), omp_num_threads_set));
-    let cfg = JobConfig::load(Some(config), &overrides)?;
+    let mut cfg = JobConfig::load(Some(config), &overrides)?;
+    if identities.is_some() {
+        cfg.nats = embedded::job_settings(&cfg.nats, &url);
+    }
     let job_file = run_dir.join("job.yaml");
     std::fs::write(&job_file, serde_yaml::to_string(&cfg)?)
         .with_context(|| format!("writing {}", job_file.display()))?;
+    // On the embedded server each service connects as its own user: `nats.user=...` overrides after job.yaml.
+    let identity = |user: &str| identities.as_ref().map_or(Ok(Vec::new()), |ids| ids.overrides(user));
 
-    let bus = jetrl_bus::Bus::connect_job(&cfg, "jetrl-run").await?;
+    // jetrl run declares the topology and follows the trainer's metrics: the trainer's identity may do that.
+    let own = match &identities {
+        Some(_) => JobConfig::load(Some(&job_file), &identity("trainer")?)?,
+        None => cfg.clone(),
+    };
+    let bus = jetrl_bus::Bus::connect_job(&own, "jetrl-run").await?;
     bus.declare_topology().await?;
     let mut progress_sub = bus.client().subscribe(bus.names().trainer_metrics().to_string()).await?;
 
@@ -87,24 +96,18 @@ pub async fn run(
         ServiceSpec { binary: bin_dir.join(binary), args, log: run_dir.join("logs").join(format!("{name}.log")), name }
     };
     let mut specs = vec![
-        service("checkpoint-sync".into(), "jetrl-checkpoint-sync", vec![]),
-        service("replay-buffer".into(), "jetrl-replay-buffer", vec![]),
+        service("checkpoint-sync".into(), "jetrl-checkpoint-sync", identity("checkpoint-sync")?),
+        service("replay-buffer".into(), "jetrl-replay-buffer", identity("replay-buffer")?),
     ];
     for i in 0..cfg.reward.workers.max(1) {
-        specs.push(service(
-            format!("reward-{i}"),
-            "jetrl-reward-service",
-            vec![format!("reward.instance_id=reward-{i}")],
-        ));
+        let extra = [vec![format!("reward.instance_id=reward-{i}")], identity("reward-service")?].concat();
+        specs.push(service(format!("reward-{i}"), "jetrl-reward-service", extra));
     }
     for i in 0..cfg.rollout.workers.max(1) {
-        specs.push(service(
-            format!("rollout-{i}"),
-            "jetrl-rollout-worker",
-            vec![format!("rollout.instance_id=rollout-{i}")],
-        ));
+        let extra = [vec![format!("rollout.instance_id=rollout-{i}")], identity("rollout-worker")?].concat();
+        specs.push(service(format!("rollout-{i}"), "jetrl-rollout-worker", extra));
     }
-    specs.push(service("trainer".into(), "jetrl-trainer", vec![]));
+    specs.push(service("trainer".into(), "jetrl-trainer", identity("trainer")?));
     for spec in specs {
         anyhow::ensure!(
             spec.binary.exists(),
@@ -115,11 +118,17 @@ pub async fn run(
         let pid = supervisor.start(spec).with_context(|| format!("starting {name}"))?;
         journal.record("started", json!({"service": name, "pid": pid}));
     }
+    let whose = if identities.is_some() { " (started by jetrl run: loopback only, one user per service)" } else { "" };
     eprintln!(
-        "run directory: {} (service logs in logs/), NATS at {url}, job namespace {}",
+        "run directory: {} (service logs in logs/), NATS at {url}{whose}, job namespace {}",
         run_dir.display(),
         bus.names().namespace()
     );
+    if let Some(ids) = &identities {
+        let status_file = ids.write_status_file(&namespace)?;
+        let jetrl = std::env::args_os().next().map_or_else(|| "jetrl".into(), |a| a.to_string_lossy().into_owned());
+        eprintln!("the job while it runs: {jetrl} status --config {}", status_file.display());
+    }
 
     let bar = if quiet {
         indicatif::ProgressBar::hidden()

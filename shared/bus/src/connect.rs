@@ -66,7 +66,7 @@ impl Bus {
                     // exported from the start (at zero), so a dashboard shows "none" rather than "no data"
                     metrics::counter!("jetrl_bus_connection_events_total", "event" => "disconnected").increment(0);
                     let server = client.server_info();
-                    tracing::info!(url = %cfg.url, server = %server.server_name, cluster = server.cluster.as_deref().unwrap_or("-"), namespace = names.namespace(), attempts, "connected to NATS");
+                    tracing::info!(url = %cfg.url, identity = %identity(cfg), server = %server.server_name, cluster = server.cluster.as_deref().unwrap_or("-"), namespace = names.namespace(), attempts, "connected to NATS");
                     let request_timeout = Duration::from_secs_f64(cfg.request_timeout_s);
                     let mut bus = Self::from_client(client, request_timeout, names.clone());
                     bus.refusals = refusals;

@@ -1,5 +1,6 @@
 //! A real `nats-server -js` for tests and for `jetrl run`: a free port on 127.0.0.1, a temporary store
-//! directory, `max_payload` raised to 8 MiB (so a 2 MB trajectory fits in one message), killed on drop.
+//! directory, `max_payload` raised to 8 MiB (so a 2 MB trajectory fits in one message), killed on drop; with
+//! [`NatsServer::start_with_auth`], only the users of a generated `auth.conf` may connect.
 
 use std::io::Read;
 use std::net::TcpListener;
@@ -20,55 +21,74 @@ pub struct NatsServer {
     root: PathBuf,
     child: Option<Child>,
     max_payload: usize,
+    /// accounts and users (nats-server configuration) written into the configuration at every start
+    auth: Option<String>,
 }
 
 impl NatsServer {
     /// Starts a server on a free port with a fresh temporary store.
     pub fn start() -> Result<Self, BusError> {
-        let dir = tempfile::Builder::new()
-            .prefix("jetrl-nats-")
-            .tempdir()
-            .map_err(|e| BusError::Server(format!("temp dir: {e}")))?;
-        let root = dir.path().to_path_buf();
-        Self::launch(find_binary()?, free_port()?, Some(dir), root)
+        Self::in_temp_dir(free_port()?, MAX_PAYLOAD_BYTES, None)
     }
 
     /// Starts a server as [`NatsServer::start`] does, with another `max_payload` (tests of oversized messages).
     pub fn start_with_max_payload(max_payload: usize) -> Result<Self, BusError> {
-        let dir = tempfile::Builder::new()
-            .prefix("jetrl-nats-")
-            .tempdir()
-            .map_err(|e| BusError::Server(format!("temp dir: {e}")))?;
-        let root = dir.path().to_path_buf();
-        let mut server =
-            Self { binary: find_binary()?, port: free_port()?, dir: Some(dir), root, child: None, max_payload };
-        server.spawn()?;
-        Ok(server)
+        Self::in_temp_dir(free_port()?, max_payload, None)
+    }
+
+    /// Starts a server as [`NatsServer::start`] does, on `port` (see [`free_port`]), that lets in only the users
+    /// of `auth`: nats-server configuration naming accounts, users, passwords and permissions, such as the
+    /// `server/auth.conf` deploy/nats/gen.sh writes. It is part of the server's configuration at every start
+    /// ([`NatsServer::restart`] too), and that file is readable by its owner only.
+    pub fn start_with_auth(port: u16, auth: &Path) -> Result<Self, BusError> {
+        let auth = std::fs::read_to_string(auth).map_err(|e| BusError::Server(format!("{}: {e}", auth.display())))?;
+        Self::in_temp_dir(port, MAX_PAYLOAD_BYTES, Some(auth))
     }
 
     /// Starts a server whose store lives in `root` (kept after drop), e.g. a run directory.
     pub fn start_in(root: &Path) -> Result<Self, BusError> {
         std::fs::create_dir_all(root).map_err(|e| BusError::Server(format!("{}: {e}", root.display())))?;
-        Self::launch(find_binary()?, free_port()?, None, root.to_path_buf())
+        let server = Self {
+            binary: find_binary()?,
+            port: free_port()?,
+            dir: None,
+            root: root.to_path_buf(),
+            child: None,
+            max_payload: MAX_PAYLOAD_BYTES,
+            auth: None,
+        };
+        server.launched()
     }
 
-    fn launch(binary: PathBuf, port: u16, dir: Option<tempfile::TempDir>, root: PathBuf) -> Result<Self, BusError> {
-        let mut server = Self { binary, port, dir, root, child: None, max_payload: MAX_PAYLOAD_BYTES };
-        server.spawn()?;
-        Ok(server)
+    fn in_temp_dir(port: u16, max_payload: usize, auth: Option<String>) -> Result<Self, BusError> {
+        let dir = tempfile::Builder::new()
+            .prefix("jetrl-nats-")
+            .tempdir()
+            .map_err(|e| BusError::Server(format!("temp dir: {e}")))?;
+        let root = dir.path().to_path_buf();
+        let server = Self { binary: find_binary()?, port, dir: Some(dir), root, child: None, max_payload, auth };
+        server.launched()
+    }
+
+    fn launched(mut self) -> Result<Self, BusError> {
+        self.spawn()?;
+        Ok(self)
     }
 
     fn spawn(&mut self) -> Result<(), BusError> {
         let conf = self.root.join("nats.conf");
         let log = self.root.join("nats.log");
         let store = self.root.join("jetstream");
-        let text = format!(
+        let mut text = format!(
             "host: 127.0.0.1\nport: {}\nmax_payload: {}\njetstream {{\n  store_dir: {:?}\n}}\n",
             self.port,
             self.max_payload,
             store.display().to_string()
         );
-        std::fs::write(&conf, text).map_err(|e| BusError::Server(format!("{}: {e}", conf.display())))?;
+        if let Some(auth) = &self.auth {
+            text.push_str(auth);
+        }
+        write_private(&conf, &text).map_err(|e| BusError::Server(format!("{}: {e}", conf.display())))?;
         let _ = std::fs::remove_file(&log);
         let mut command = Command::new(&self.binary);
         // The server must not outlive the process that started it (a test or `jetrl run` killed hard).
@@ -179,7 +199,18 @@ impl Drop for NatsServer {
     }
 }
 
-fn free_port() -> Result<u16, BusError> {
+/// Writes `text` to `path`, readable and writable by its owner only (it may hold passwords).
+fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let mut file = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path)?;
+    // an older file keeps its mode: make it private before writing
+    file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    file.write_all(text.as_bytes())
+}
+
+/// A port on 127.0.0.1 that nothing listens on now (the kernel's choice), for a server started soon after.
+pub fn free_port() -> Result<u16, BusError> {
     let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| BusError::Server(format!("no free port: {e}")))?;
     listener.local_addr().map(|a| a.port()).map_err(|e| BusError::Server(format!("no free port: {e}")))
 }

@@ -18,7 +18,7 @@ mod values;
 
 pub use algo::*;
 pub use job::*;
-pub use load::{from_value, load, load_value, ConfigError};
+pub use load::{from_value, load, load_value, section_overrides, ConfigError};
 pub use reward::*;
 pub use values::*;
 

@@ -53,6 +53,31 @@ pub fn load_value(file: Option<&Path>, overrides: &[String]) -> Result<serde_jso
     merged.try_deserialize::<serde_json::Value>().map_err(|e| ConfigError::Merge(e.to_string()))
 }
 
+/// The keys of the YAML file's top-level `section` as `section.key=value` overrides: how a file holding one identity's settings, such as the `nats.yaml` deploy/nats/gen.sh writes
+/// for each service, is handed to that service on its command line. The secrets stay in the files they name.
+pub fn section_overrides(path: &Path, section: &str) -> Result<Vec<String>, ConfigError> {
+    let unreadable = |message: String| ConfigError::Read { path: path.display().to_string(), message };
+    let text = std::fs::read_to_string(path).map_err(|e| unreadable(e.to_string()))?;
+    check_nesting(&text).map_err(unreadable)?;
+    let doc: serde_yaml::Value = serde_yaml::from_str(&text).map_err(|e| unreadable(e.to_string()))?;
+    let keys = doc.get(section).and_then(serde_yaml::Value::as_mapping).ok_or_else(|| ConfigError::Invalid {
+        path: section.into(),
+        message: format!("{} has no `{section}:` section", path.display()),
+    })?;
+    keys.iter()
+        .map(|(key, value)| {
+            let key = key.as_str().ok_or_else(|| ConfigError::Invalid {
+                path: section.into(),
+                message: format!("{}: a key that is not a string", path.display()),
+            })?;
+            // YAML, as an override's value is read: a string is quoted only where it would read as another
+            // value (`'123'`, `'a: b'`)
+            let value = serde_yaml::to_string(value).map_err(|e| unreadable(e.to_string()))?;
+            Ok(format!("{section}.{key}={}", value.trim_end()))
+        })
+        .collect()
+}
+
 /// Streams `text` through yaml-rust2's parser (the one `config` uses), building nothing: it refuses flow
 /// collections nested deeper than 255 levels at once and does not expand aliases. serde_yaml's parser (libyaml)
 /// takes time quadratic in that nesting before its own recursion limit refuses it (`[[[…` 100,000 deep took
@@ -82,4 +107,33 @@ pub fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, Co
         let inner = err.into_inner().to_string();
         ConfigError::Invalid { path: if path == "." { "<root>".into() } else { path }, message: inner }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// A generated identity file becomes overrides that load back to the same settings, strings that would read
+    /// as something else included.
+    #[test]
+    fn a_section_becomes_overrides_that_load_back_to_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("nats.yaml");
+        let text = "# an identity\nnats:\n  url: tls://a:4222,tls://b:4222\n  user: '123'\n  password_file: '/runs/a: b/password'\n  inbox_prefix: _INBOX_job-trainer\n  replicas: 3\n";
+        std::fs::write(&file, text).unwrap();
+        let overrides = section_overrides(&file, "nats").unwrap();
+        assert_eq!(overrides[0], "nats.url=tls://a:4222,tls://b:4222");
+        assert_eq!(overrides[3], "nats.inbox_prefix=_INBOX_job-trainer");
+        let loaded = load_value(None, &overrides).unwrap();
+        let expected = load_value(Some(&file), &[]).unwrap();
+        assert_eq!(loaded["nats"], expected["nats"]);
+        assert_eq!(loaded["nats"]["user"], "123");
+        assert_eq!(loaded["nats"]["password_file"], "/runs/a: b/password");
+
+        std::fs::write(&file, "run: {name: x}\n").unwrap();
+        let err = section_overrides(&file, "nats").unwrap_err().to_string();
+        assert!(err.contains("no `nats:` section"), "{err}");
+    }
 }
