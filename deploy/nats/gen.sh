@@ -246,6 +246,7 @@ publish_allow() { # user
       echo "$API.STREAM.NAMES"                   # the account's jobs, when asked for one that is not there
       echo "$API.CONSUMER.INFO.$S_PROMPTS.$C_ROLLOUT"; echo "$API.CONSUMER.INFO.$S_SCORE.$C_REWARD"  # lag
       kv_read "$KV_WEIGHTS" "$KV_WORKERS"
+      kv_read "$KV_GROUPS"                       # the row ledger (jetrl status --ledger): read, never written
       echo "$BUFFER.ledger"
       ;;
     admin)

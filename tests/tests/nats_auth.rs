@@ -177,6 +177,9 @@ async fn the_status_identity_reads_and_cannot_write() {
     let workers = status.key_value(NAMES.workers_bucket()).await.expect("status opens WORKERS");
     use futures::StreamExt;
     assert_eq!(workers.keys().await.expect("status lists heartbeats").count().await, 0);
+    // the row ledger (`jetrl status --ledger`) reads the group records
+    let groups = jetrl_bus::GroupStore::open(&status).await.expect("status opens GROUPS");
+    assert!(groups.list("train").await.expect("status lists the group records").is_empty());
 
     for (what, subject) in [
         ("a prompt task", NAMES.prompt_subject("train")),
