@@ -324,6 +324,19 @@ impl Drop for Service {
     }
 }
 
+/// Starts every service of a job but the trainer, each under its own identity, with `spawn(identity, binary)`.
+pub fn all_but_the_trainer(spawn: &impl Fn(&str, &str) -> Service) -> Vec<Service> {
+    [
+        ("checkpoint-sync", "jetrl-checkpoint-sync"),
+        ("replay-buffer", "jetrl-replay-buffer"),
+        ("reward-service", "jetrl-reward-service"),
+        ("rollout-worker", "jetrl-rollout-worker"),
+    ]
+    .iter()
+    .map(|(user, binary)| spawn(user, binary))
+    .collect()
+}
+
 /// Starts `binary` with `deploy/job.yaml`, the job's `key=value` arguments and `identity` (its NATS overrides),
 /// logging to `<log_dir>/<user>.log`.
 pub fn spawn_service(log_dir: &Path, user: &str, binary: &str, job: &[String], identity: &[String]) -> Service {

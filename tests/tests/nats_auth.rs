@@ -12,7 +12,7 @@ use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{Bus, BusError};
 use jetrl_config::NatsConfig;
 use jetrl_tests::bin;
-use jetrl_tests::secure_nats::{gen, spawn_service, SecureNats, Service};
+use jetrl_tests::secure_nats::{all_but_the_trainer, gen, spawn_service, SecureNats, Service};
 use jetrl_wire::v1::{PromptTask, WeightAnnounce, WeightAnnounceResponse};
 use jetrl_wire::Message;
 
@@ -286,15 +286,7 @@ fn a_training_job_runs_with_every_service_under_its_own_identity() {
         "rollout.n=2".to_string(),
     ];
     let spawn = |user: &str, binary: &str| spawn_service(dir.path(), user, binary, &job, &nats.overrides(user));
-    let _services: Vec<Service> = [
-        ("checkpoint-sync", "jetrl-checkpoint-sync"),
-        ("replay-buffer", "jetrl-replay-buffer"),
-        ("reward-service", "jetrl-reward-service"),
-        ("rollout-worker", "jetrl-rollout-worker"),
-    ]
-    .iter()
-    .map(|(user, binary)| spawn(user, binary))
-    .collect();
+    let _services: Vec<Service> = all_but_the_trainer(&spawn);
     let mut trainer = spawn("trainer", "jetrl-trainer");
     let started = Instant::now();
     let status = loop {

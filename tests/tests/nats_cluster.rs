@@ -13,7 +13,7 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use jetrl_tests::secure_nats::{spawn_service, SecureCluster, Service};
+use jetrl_tests::secure_nats::{all_but_the_trainer, spawn_service, SecureCluster, Service};
 
 const STEPS: usize = 10;
 const BATCH: usize = 4;
@@ -78,15 +78,7 @@ fn a_job_on_a_three_node_cluster_survives_a_killed_node_and_trains_every_row_onc
             .collect()
     };
     let mut trainer = spawn("trainer", "jetrl-trainer");
-    let _services: Vec<Service> = [
-        ("checkpoint-sync", "jetrl-checkpoint-sync"),
-        ("replay-buffer", "jetrl-replay-buffer"),
-        ("reward-service", "jetrl-reward-service"),
-        ("rollout-worker", "jetrl-rollout-worker"),
-    ]
-    .iter()
-    .map(|(user, binary)| spawn(user, binary))
-    .collect();
+    let _services: Vec<Service> = all_but_the_trainer(&spawn);
 
     wait_until("three steps before the node is killed", Duration::from_secs(240), logs, || metric_lines(&run) >= 3);
     // the node leading the job's PROMPTS stream: its death forces an election
