@@ -263,15 +263,7 @@ fn spawn(spec: &ServiceSpec, log: std::fs::File) -> anyhow::Result<Child> {
     anyhow::ensure!(spec.binary.exists(), "{} not found (build the workspace: cargo build)", spec.binary.display());
     let mut command = Command::new(&spec.binary);
     // If `jetrl run` itself dies (even by SIGKILL), its services get SIGTERM and settle what they hold.
-    #[cfg(target_os = "linux")]
-    // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of the parent.
-    #[allow(unsafe_code)]
-    unsafe {
-        command.pre_exec(|| {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
-            Ok(())
-        });
-    }
+    jetrl_bus::harness::signal_when_parent_dies(command.as_std_mut(), libc::SIGTERM);
     let child = command
         .args(&spec.args)
         .stdin(Stdio::null())

@@ -219,20 +219,26 @@ pub fn free_port() -> Result<u16, BusError> {
 /// only, elsewhere nothing): a child of a test or benchmark that is killed hard does not outlive it. Start the
 /// child from a thread that lives as long as the caller (the main thread), not from a pooled one.
 pub fn die_with_parent(command: &mut Command) {
+    signal_when_parent_dies(command, libc::SIGKILL);
+}
+
+/// Like [`die_with_parent`] with another signal (`jetrl run` gives its services SIGTERM, so they settle what they
+/// hold).
+pub fn signal_when_parent_dies(command: &mut Command, signal: libc::c_int) {
     #[cfg(target_os = "linux")]
     {
         use std::os::unix::process::CommandExt;
         // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of the parent.
         #[allow(unsafe_code)]
         unsafe {
-            command.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            command.pre_exec(move || {
+                libc::prctl(libc::PR_SET_PDEATHSIG, signal);
                 Ok(())
             });
         }
     }
     #[cfg(not(target_os = "linux"))]
-    let _ = command;
+    let _ = (command, signal);
 }
 
 /// Finds `nats-server`: `$JETRL_NATS_SERVER`, then `.venv/bin/nats-server` in this checkout (where
