@@ -137,6 +137,7 @@ S_TRAJ="JETRL_${ns}_TRAJ";       P_TRAJ="jetrl.${ns}.traj"
 S_SCORE="JETRL_${ns}_SCORE";     P_SCORE="jetrl.${ns}.score"
 S_REWARDS="JETRL_${ns}_REWARDS"; P_REWARDS="jetrl.${ns}.rewards"
 S_DLQ="JETRL_${ns}_DLQ"
+S_LEDGER="JETRL_${ns}_LEDGER";   P_LEDGER="jetrl.${ns}.ledger"
 KV_GROUPS="JETRL_${ns}_GROUPS"; KV_WEIGHTS="JETRL_${ns}_WEIGHTS"; KV_WORKERS="JETRL_${ns}_WORKERS"
 KV_LEASE="JETRL_${ns}_LEASE"
 OBJ_BLOBS="JETRL_${ns}_BLOBS"
@@ -149,7 +150,7 @@ inbox() { echo "_INBOX_$(user "$1")"; }
 
 API='$JS.API'
 DATA_STREAMS=("$S_PROMPTS" "$S_TRAJ" "$S_SCORE" "$S_REWARDS")
-ALL_STREAMS=("${DATA_STREAMS[@]}" "$S_DLQ" "KV_$KV_GROUPS" "KV_$KV_WEIGHTS" "KV_$KV_WORKERS" "KV_$KV_LEASE" "OBJ_$OBJ_BLOBS")
+ALL_STREAMS=("${DATA_STREAMS[@]}" "$S_DLQ" "$S_LEDGER" "KV_$KV_GROUPS" "KV_$KV_WEIGHTS" "KV_$KV_WORKERS" "KV_$KV_LEASE" "OBJ_$OBJ_BLOBS")
 
 # JetStream API subjects, one helper per kind of call (see docs/deploy.md, "What each identity may do").
 stream_info() { for s in "$@"; do echo "$API.STREAM.INFO.$s"; done; }
@@ -205,6 +206,7 @@ publish_allow() { # user
       echo "$TRAINER_METRICS"
       obj_write "$OBJ_BLOBS"                    # weight blobs (checkpoint-sync verifies, then announces them)
       echo "\$KV.$KV_GROUPS.>"; kv_read "$KV_GROUPS"  # group records: created pending, re-issued on resume
+      echo "$P_LEDGER.>"; read_stream "$S_LEDGER"  # the archived records: read on resume, amended by a rollback
       echo "\$KV.$KV_LEASE.trainer"; kv_read "$KV_LEASE"  # one trainer per job
       kv_read "$KV_WORKERS" "$KV_WEIGHTS"       # which workers run which version
       heartbeat trainer; dead_letters trainer
@@ -230,6 +232,7 @@ publish_allow() { # user
       expect_topology
       kv_read "$KV_GROUPS"                        # the group state machine's input
       echo "\$KV.$KV_GROUPS.>"                    # marks groups sampled
+      echo "$P_LEDGER.>"; echo "$API.STREAM.PURGE.KV_$KV_GROUPS"  # archives retired groups, purges their keys
       read_stream "$S_REWARDS"; direct_get "$S_REWARDS"
       echo "$P_REWARDS.released"                  # release markers
       echo "$API.STREAM.PURGE.$S_REWARDS"; echo "$API.STREAM.PURGE.$S_TRAJ"  # released and evicted payloads
@@ -246,7 +249,7 @@ publish_allow() { # user
       echo "$API.STREAM.NAMES"                   # the account's jobs, when asked for one that is not there
       echo "$API.CONSUMER.INFO.$S_PROMPTS.$C_ROLLOUT"; echo "$API.CONSUMER.INFO.$S_SCORE.$C_REWARD"  # lag
       kv_read "$KV_WEIGHTS" "$KV_WORKERS"
-      kv_read "$KV_GROUPS"                       # the row ledger (jetrl status --ledger): read, never written
+      kv_read "$KV_GROUPS"; read_stream "$S_LEDGER"  # the row ledger (jetrl status --ledger): read, never written
       echo "$BUFFER.ledger"
       ;;
     admin)

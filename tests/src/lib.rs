@@ -8,11 +8,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use jetrl_bus::GroupStore;
 pub use jetrl_bus::NatsServer;
 use jetrl_wire::v1::GroupStatus;
-use jetrl_wire::Message;
 
 pub mod bench;
 pub mod secure_nats;
@@ -270,20 +268,11 @@ pub fn run_bench(mut command: Command, limit: Duration) -> BenchRun {
     BenchRun { status, stdout, stderr, elapsed: started.elapsed() }
 }
 
-/// Every decodable group record in the GROUPS bucket (undecodable ones are skipped).
+/// Every group record of the job, train and validation: the live ones in GROUPS and those archived to LEDGER.
 pub async fn group_records(store: &GroupStore) -> Vec<GroupStatus> {
-    let mut keys = store.kv().keys().await.expect("list GROUPS keys");
-    let mut names = Vec::new();
-    while let Some(Ok(k)) = keys.next().await {
-        names.push(k);
-    }
-    let mut out = Vec::with_capacity(names.len());
-    for k in names {
-        if let Ok(Some(v)) = store.kv().get(&k).await {
-            if let Ok(s) = GroupStatus::decode(v.as_ref()) {
-                out.push(s);
-            }
-        }
+    let mut out = Vec::new();
+    for partition in [jetrl_wire::subjects::TRAIN_PARTITION, jetrl_wire::subjects::VAL_PARTITION] {
+        out.extend(store.records(partition).await.expect("group records (GROUPS and the ledger archive)"));
     }
     out
 }

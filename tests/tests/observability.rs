@@ -320,7 +320,7 @@ async fn jetrl_status_and_the_dashboard_show_a_running_job() {
     assert_eq!(s["dead_letters"]["stream"], "JETRL_jetrl_DLQ");
     assert_eq!(s["dead_letters"]["exists"], true, "{}", s["dead_letters"]);
     let streams = s["streams"].as_array().unwrap();
-    assert_eq!(streams.len(), 10);
+    assert_eq!(streams.len(), 11);
     assert!(streams.iter().all(|st| st.get("error").is_none() && st["replicas"] == 1), "{streams:?}");
 
     // the text form, and --watch refreshing (JSON lines with --json)

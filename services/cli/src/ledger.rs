@@ -8,7 +8,7 @@ use jetrl_wire::subjects;
 /// Prints the ledger of the train partition; fails when a row was decided by more than one group.
 pub async fn print(bus: &Bus, json: bool) -> anyhow::Result<()> {
     let groups = GroupStore::open(bus).await?;
-    let records = groups.list(subjects::TRAIN_PARTITION).await?;
+    let records = groups.records(subjects::TRAIN_PARTITION).await?;
     let (rows, duplicates) = jetrl_bus::ledger::ledger(&records);
     if json {
         for row in &rows {

@@ -330,6 +330,7 @@ async fn streams(bus: &Bus) -> Value {
         names.score_stream().into(),
         names.rewards_stream().into(),
         names.dlq_stream().into(),
+        names.ledger_stream().into(),
         format!("KV_{}", names.groups_bucket()),
         format!("KV_{}", names.weights_bucket()),
         format!("KV_{}", names.workers_bucket()),

@@ -5,10 +5,13 @@
 //! - [`service`]: [`run`] — rebuilds the index from JetStream (the GROUPS bucket and the REWARDS stream),
 //!   then answers sample, release and ledger requests, event-driven: a request that can be satisfied is
 //!   answered as soon as the last group it needs becomes complete, with no polling interval.
+//! - [`archiver`]: groups that leave the working set (trained and released, or evicted) move from the GROUPS
+//!   bucket to the job's LEDGER stream, so the bucket, the broker and the buffer hold the working set only.
 //!
 //! Payloads never pass through the buffer: it keeps keys, versions, lengths, scores and stream sequences;
 //! the trainer fetches trajectory bytes from the TRAJ stream directly.
 
+pub mod archiver;
 pub mod sampler;
 pub mod service;
 pub mod state;

@@ -397,7 +397,7 @@ mod tests {
                         progress.record_eviction(&list);
                         evicted.extend(list);
                         for uid in &selected {
-                            self.state.mark_sampled("train", uid, req.step, &req.request_id);
+                            self.state.mark_sampled("train", uid, req.step, &req.request_id, 0);
                         }
                         return (Action::Answer { selected, discard }, evicted);
                     }

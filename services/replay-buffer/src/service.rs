@@ -35,6 +35,8 @@ const MARKERS_KEPT: u64 = 1000;
 const ORPHAN_TTL: Duration = Duration::from_secs(120);
 /// How long the GROUPS watch may deliver nothing before the buffer checks the bucket for revisions it missed.
 const WATCH_CHECK: Duration = Duration::from_secs(5);
+/// How long a stopping buffer waits for the archiver to store what it was handed.
+const ARCHIVE_FLUSH: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum BufferError {
@@ -148,6 +150,7 @@ impl Buffer {
         let mut sample_sub = subscribe(names.buffer_sample()).await.map_err(sub_err)?;
         let mut release_sub = subscribe(names.buffer_release()).await.map_err(sub_err)?;
         let mut ledger_sub = subscribe(names.buffer_ledger()).await.map_err(sub_err)?;
+        let (archive, archiver) = crate::archiver::start(self.groups.clone());
         let mut watch = self.groups.watch().await?;
         let mut rewards = self.follow_rewards(DeliverPolicy::All).await?;
         tracing::info!("replay buffer serving");
@@ -259,11 +262,20 @@ impl Buffer {
                 self.replay_retired = true;
                 may_answer = true;
             }
+            let retired = self.state.take_retired_records();
+            if !retired.is_empty() {
+                let _ = archive.send(retired);
+            }
             if may_answer {
                 self.answer_waiting().await;
             }
         }
         tracing::info!(waiting = self.waiting.len(), "replay buffer stopping");
+        // what left the working set is archived before the buffer goes (or when it next replays the bucket)
+        drop(archive);
+        if tokio::time::timeout(ARCHIVE_FLUSH, archiver).await.is_err() {
+            tracing::warn!("archiving not finished at shutdown: the rest is archived at the next start");
+        }
         Ok(())
     }
 
@@ -648,13 +660,14 @@ impl Buffer {
         let mut confirmed = Vec::with_capacity(selected.len());
         for (uid, result) in futures::future::join_all(updates).await {
             match result {
-                Ok(_) => confirmed.push(uid.clone()),
+                Ok(written) => confirmed.push((uid.clone(), written.map_or(0, |(_, revision)| revision))),
                 Err(err) => tracing::error!(%uid, error = %err, "could not mark group sampled"),
             }
         }
-        for uid in &confirmed {
-            self.state.mark_sampled(&request.partition, uid, request.step, &request.request_id);
+        for (uid, revision) in &confirmed {
+            self.state.mark_sampled(&request.partition, uid, request.step, &request.request_id, *revision);
         }
+        let confirmed: Vec<String> = confirmed.into_iter().map(|(uid, _)| uid).collect();
         // fault injection (inert unless JETRL_CRASH_AT names it): groups marked sampled, the trainer not answered
         jetrl_telemetry::crash::crash_point("buffer.mid_sample", request.step);
         (confirmed.len() == selected.len()).then_some(confirmed)

@@ -5,7 +5,7 @@
 //! known by `(session_id, index)` inside its group, strings shared by many trajectories (data source, extra
 //! metric names) are interned, and payloads never enter the buffer.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use jetrl_wire::keys::TrajectoryKey;
@@ -98,9 +98,15 @@ impl Group {
     }
 }
 
-/// A group out of the working set (evicted, or sampled and released): its ledger row and nothing more. They
-/// grow with the run's length, so each is a few dozen bytes instead of a [`Group`] (its record, its index):
-/// `just bench soak` measured the buffer at +1045% RSS over nine minutes while it kept whole groups.
+/// Retired groups whose ledger rows the buffer keeps (the most recent ones), for `buffer.ledger` (`jetrl status`'s
+/// staleness figures): the whole ledger is in the job's LEDGER stream ([`jetrl_bus::archive`]); the buffer's
+/// memory stays bounded however long the run.
+pub const RETIRED_KEPT: usize = 16_384;
+
+/// A group out of the working set (evicted, or sampled and released): its ledger row and nothing more, kept for
+/// the [`RETIRED_KEPT`] most recent. Each is a few dozen bytes instead of a [`Group`] (its record, its index):
+/// `just bench soak` measured the buffer at +1045% RSS over nine minutes while it kept whole groups, and +299%
+/// while it kept every retired row.
 #[derive(Debug, Clone)]
 struct Retired {
     partition: Arc<str>,
@@ -111,6 +117,10 @@ struct Retired {
     evicted_reason: Option<Arc<str>>,
     /// trajectories the worker listed
     listed: u32,
+    /// KV revision of the record it left with (0: unknown): a copy of that record or an older one is an echo
+    revision: u64,
+    /// its place in [`BufferState::retired_order`]
+    serial: u64,
 }
 
 impl Retired {
@@ -124,8 +134,14 @@ impl Retired {
 pub struct BufferState {
     /// by `<partition>.<uid>`: the groups of the working set (pending to sampled-and-not-released)
     groups: HashMap<String, Group>,
-    /// by `<partition>.<uid>`: the groups that left it (the rest of the ledger's rows)
+    /// by `<partition>.<uid>`: the most recent groups that left it ([`RETIRED_KEPT`])
     retired: HashMap<String, Retired>,
+    /// keys of `retired` (with their serial) oldest first, to forget the oldest
+    retired_order: VecDeque<(String, u64)>,
+    retired_serial: u64,
+    /// records that left the working set, with their revision, for the caller to archive
+    /// ([`Self::take_retired_records`])
+    to_archive: Vec<(GroupStatus, u64)>,
     /// keys of the live groups: everything an event or a sample request looks at
     live: HashSet<String>,
     /// retired groups by (partition, state label)
@@ -158,7 +174,9 @@ impl BufferState {
         }
         self.live.remove(k);
         let Some(group) = self.groups.remove(k) else { return };
+        self.to_archive.push((group.status.clone(), group.revision));
         let s = group.status;
+        self.retired_serial += 1;
         let retired = Retired {
             partition: self.intern(&s.partition),
             state: s.state(),
@@ -167,9 +185,25 @@ impl BufferState {
             evicted_reason: (!s.evicted_reason.is_empty()).then(|| self.intern(&s.evicted_reason)),
             listed: group.expected.len() as u32,
             uid: s.uid.into_boxed_str(),
+            revision: group.revision,
+            serial: self.retired_serial,
         };
         *self.retired_counts.entry((retired.partition.to_string(), retired.label())).or_insert(0) += 1;
         self.retired.insert(k.to_string(), retired);
+        self.retired_order.push_back((k.to_string(), self.retired_serial));
+        // forget the oldest rows (their tallies stay): the archive has them
+        while self.retired_order.len() > RETIRED_KEPT {
+            let Some((old, serial)) = self.retired_order.pop_front() else { break };
+            if self.retired.get(&old).is_some_and(|r| r.serial == serial) {
+                self.retired.remove(&old);
+            }
+        }
+    }
+
+    /// The records that left the working set since the last call, with the KV revision each was last seen at:
+    /// the caller archives them ([`jetrl_bus::GroupStore::archive`]).
+    pub fn take_retired_records(&mut self) -> Vec<(GroupStatus, u64)> {
+        std::mem::take(&mut self.to_archive)
     }
 
     /// Takes `k` out of the retired groups (its record changed, or was deleted), untallied.
@@ -192,6 +226,8 @@ impl BufferState {
     /// After a restart's replay: sampled groups whose payloads are gone (listed trajectories, none indexed)
     /// were released before the restart; retire them.
     pub fn retire_replayed_releases(&mut self) {
+        // the groups named by a release marker whose record the replay did not bring were archived: none comes now
+        self.released_unseen.clear();
         let keys: Vec<String> = self
             .live_groups()
             .filter(|g| g.state() == GroupState::Sampled && g.rewards.is_empty() && !g.expected.is_empty())
@@ -227,6 +263,10 @@ impl BufferState {
             .filter_map(|k| TrajectoryKey::parse(k).ok().map(|t| (t.session_id, t.index)))
             .collect();
         let k = key(&status.partition, &status.uid);
+        // the echo of a record the group retired with (or of an older one): nothing new
+        if revision > 0 && self.retired.get(&k).is_some_and(|r| revision <= r.revision) {
+            return;
+        }
         // a retired group's record again (an eviction's reason amended, a sampled group retracted, a watch
         // started again): it comes back as a group, released if it was, and leaves again below
         let was_released = self.unretire(&k).is_some_and(|r| r.state == GroupState::Sampled);
@@ -264,6 +304,11 @@ impl BufferState {
                 Some(GroupState::Sampled) => out.extend(self.release_group(k)),
                 Some(_) => {}
                 None => {
+                    // its record comes later in the replay, or never (archived out of GROUPS): either way a reward
+                    // copy of it is read by nobody
+                    if let Some((_, uid)) = jetrl_wire::subjects::parse_group_key(k) {
+                        self.orphans.remove(uid);
+                    }
                     self.released_unseen.insert(k.clone());
                 }
             }
@@ -317,7 +362,7 @@ impl BufferState {
             failure_reason: (!reward.failure_reason.is_empty()).then(|| Box::from(reward.failure_reason.as_str())),
         };
         let k = key(&reward.partition, &reward.uid);
-        if self.retired.contains_key(&k) {
+        if self.retired.contains_key(&k) || self.released_unseen.contains(&k) {
             // a late copy for a group that left the working set (trained, or evicted): nothing reads it
             return false;
         }
@@ -358,12 +403,16 @@ impl BufferState {
             .collect()
     }
 
-    /// Marks a group sampled locally (the KV write is done by the caller).
-    pub fn mark_sampled(&mut self, partition: &str, uid: &str, step: u64, request_id: &str) {
+    /// Marks a group sampled locally (the KV write is done by the caller; `revision` is the one it wrote, 0 if
+    /// unknown).
+    pub fn mark_sampled(&mut self, partition: &str, uid: &str, step: u64, request_id: &str, revision: u64) {
         if let Some(group) = self.groups.get_mut(&key(partition, uid)) {
             group.status.set_state(GroupState::Sampled);
             group.status.sampled_step = step;
             group.status.sample_request_id = request_id.to_string();
+            if revision > 0 {
+                group.revision = revision;
+            }
         }
     }
 
@@ -595,7 +644,7 @@ mod tests {
     fn sampled_groups_are_not_selected_again_and_are_found_by_request_id() {
         let mut s = BufferState::default();
         s.apply_group(status("a", GroupState::Finished, 1, &[]));
-        s.mark_sampled("train", "a", 5, "train-5");
+        s.mark_sampled("train", "a", 5, "train-5", 0);
         assert!(s.select("train", 1).is_none());
         assert_eq!(s.sampled_by("train-5").len(), 1);
         assert!(s.sampled_by("train-6").is_empty());
@@ -606,7 +655,7 @@ mod tests {
         let mut s = BufferState::default();
         s.apply_group(status("a", GroupState::Finished, 1, &["a_0_0"]));
         s.apply_reward(reward("a", "a_0_0", 11), 21);
-        s.mark_sampled("train", "a", 1, "r1");
+        s.mark_sampled("train", "a", 1, "r1", 0);
         assert_eq!(s.release(&["r1".into()]), vec![("train".to_string(), "a".to_string(), 1)]);
         assert_eq!(s.indexed_trajectories(), 0);
         // a score request redelivered after its group was trained on
@@ -632,7 +681,7 @@ mod tests {
             s.apply_group(status(uid, GroupState::Finished, step, &[&k]));
             s.apply_reward(reward(uid, &k, step), step);
         }
-        s.mark_sampled("train", "a", 1, "r1");
+        s.mark_sampled("train", "a", 1, "r1", 0);
         s.release(&["r1".into()]);
         s.mark_evicted("train", "b", "staleness");
         // the KV echo of the buffer's own writes changes nothing
@@ -657,7 +706,7 @@ mod tests {
         s.apply_group(status("a", GroupState::Finished, 1, &["a_0_0", "a_1_0"]));
         s.apply_reward(reward("a", "a_0_0", 1), 1);
         s.apply_reward(reward("a", "a_1_0", 1), 2);
-        s.mark_sampled("train", "a", 1, "r1");
+        s.mark_sampled("train", "a", 1, "r1", 0);
         assert_eq!(s.release(&["r1".into()]).len(), 1);
         assert!(s.groups.is_empty() && s.retired.contains_key("train.a"));
         assert!(s.group("train", "a").is_none(), "not part of the working set");
@@ -688,7 +737,7 @@ mod tests {
         s.apply_reward(reward("a", "a_1_0", 2), 12);
         s.apply_reward(reward("b", "b_0_0", 3), 11);
         assert_eq!(s.reward_floor(), Some(10));
-        s.mark_sampled("train", "a", 1, "r1");
+        s.mark_sampled("train", "a", 1, "r1", 0);
         assert_eq!(s.reward_floor(), Some(10), "sampled and not released: a retried request needs it");
         s.release(&["r1".into()]);
         assert_eq!(s.reward_floor(), Some(11));

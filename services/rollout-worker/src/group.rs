@@ -184,7 +184,8 @@ impl Worker {
                 }
                 Ok(())
             }
-            Err(GroupUpdateError::IllegalTransition { .. }) => {
+            // evicted meanwhile (and perhaps already archived out of GROUPS): nothing will read these trajectories
+            Err(GroupUpdateError::IllegalTransition { .. } | GroupUpdateError::Missing { .. }) => {
                 Err(TaskError::Skip("group was settled elsewhere".into()))
             }
             Err(err) => Err(TaskError::Retry(err.to_string())),

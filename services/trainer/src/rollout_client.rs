@@ -401,7 +401,8 @@ impl RolloutClient {
     pub async fn resume(&mut self, k: u64) -> Result<usize, TrainerError> {
         use std::collections::{BTreeMap, HashMap};
         let drawn = self.loader.drawn(self.loader.state());
-        let records = self.groups.list(subjects::TRAIN_PARTITION).await?;
+        // the whole history: live records and those archived out of GROUPS
+        let records = self.groups.records(subjects::TRAIN_PARTITION).await?;
         let mut by_row: BTreeMap<(u64, u64), Vec<GroupStatus>> = BTreeMap::new();
         for g in records {
             by_row.entry((g.epoch, g.dataset_row)).or_default().push(g);
@@ -448,7 +449,7 @@ impl RolloutClient {
                         "superseded_by_resume".to_string()
                     }
                 };
-                self.groups.retract(&g.partition, &g.uid, &reason, k).await.map_err(TrainerError::GroupRecord)?;
+                self.groups.retract_known(g, &reason, k).await.map_err(TrainerError::GroupRecord)?;
             }
             if decided {
                 continue;
@@ -461,10 +462,7 @@ impl RolloutClient {
         // validation groups of the old incarnation are never trained: retire them
         for g in self.groups.list(subjects::VAL_PARTITION).await? {
             if g.state().is_inflight() || g.state().is_terminal() {
-                self.groups
-                    .retract(&g.partition, &g.uid, "superseded_by_resume", k)
-                    .await
-                    .map_err(TrainerError::GroupRecord)?;
+                self.groups.retract_known(&g, "superseded_by_resume", k).await.map_err(TrainerError::GroupRecord)?;
             }
         }
         let submitted = self.submit(subjects::TRAIN_PARTITION, k + 1, &again, false).await?;
@@ -490,9 +488,9 @@ impl RolloutClient {
         self.groups.retract(subjects::TRAIN_PARTITION, uid, &reason, step).await.map_err(TrainerError::GroupRecord)
     }
 
-    /// Every train group record, for the ledger.
+    /// Every train group record (live and archived), for the ledger.
     pub async fn train_records(&self) -> Result<Vec<GroupStatus>, TrainerError> {
-        Ok(self.groups.list(subjects::TRAIN_PARTITION).await?)
+        Ok(self.groups.records(subjects::TRAIN_PARTITION).await?)
     }
 }
 

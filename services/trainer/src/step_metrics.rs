@@ -144,7 +144,8 @@ impl Aggregator {
 fn is_counter(key: &str) -> bool {
     key.contains("evicted_samples")
         || key.contains("discarded_surplus")
-        || key.starts_with("training/num_")
+        // `training/num_turns/mean` is a mean (its /min and /max are handled as such above), not a count
+        || (key.starts_with("training/num_") && !key.ends_with("/mean"))
         || key.starts_with("training/rollout_failure/groups")
         || key.starts_with("training/refilled")
         || key.starts_with("training/rejected")
@@ -173,5 +174,11 @@ mod tests {
         assert_eq!(out["response_length/max"], 4.0);
         assert_eq!(out["actor/lr"], 0.2, "the last learning rate");
         assert_eq!(out["training/num_groups"], 4.0, "counts add up");
+        let mut agg = Aggregator::default();
+        agg.add(m(&[("training/num_turns/mean", 2.0), ("training/num_turns/max", 2.0)]), 1.0);
+        agg.add(m(&[("training/num_turns/mean", 1.0), ("training/num_turns/max", 3.0)]), 1.0);
+        let out = agg.finish();
+        assert_eq!(out["training/num_turns/mean"], 1.5, "a mean over local updates, not their sum");
+        assert_eq!(out["training/num_turns/max"], 3.0);
     }
 }

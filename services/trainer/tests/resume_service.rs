@@ -68,7 +68,7 @@ async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
         }
         job.kill("rollout-0");
         loop {
-            let step3 = groups.list("train").await.unwrap().into_iter().filter(|g| g.submit_step == 3).count();
+            let step3 = groups.records("train").await.unwrap().into_iter().filter(|g| g.submit_step == 3).count();
             if step3 == 4 {
                 break;
             }
@@ -96,7 +96,7 @@ async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
     let new_worker = async {
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
-            let all = groups.list("train").await.unwrap();
+            let all = groups.records("train").await.unwrap();
             let superseded = all.iter().filter(|g| g.evicted_reason == "superseded_by_resume").count();
             if superseded == stranded.len() {
                 break;
@@ -112,7 +112,7 @@ async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
     );
     if second.is_err() {
         // what the records say when the second trainer hangs
-        for g in groups.list("train").await.unwrap() {
+        for g in groups.records("train").await.unwrap() {
             let (uid, step, state, worker, reason) =
                 (&g.uid, g.submit_step, g.state(), &g.worker_id, &g.evicted_reason);
             eprintln!("group {uid}: submitted at step {step}, {state:?}, worker {worker:?}, reason {reason:?}");
@@ -136,7 +136,7 @@ async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
 
     // the stranded groups were generated after the checkpoint: superseded under their old uids, their rows drawn
     // again by the restored dataloader and trained on once
-    let all = groups.list("train").await.unwrap();
+    let all = groups.records("train").await.unwrap();
     for uid in &stranded {
         let g = all.iter().find(|g| &g.uid == uid).expect("stranded group record");
         assert_eq!((g.state(), g.evicted_reason.as_str()), (GroupState::Evicted, "superseded_by_resume"));

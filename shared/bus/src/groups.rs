@@ -35,12 +35,14 @@ pub enum GroupUpdateError {
 #[derive(Clone)]
 pub struct GroupStore {
     kv: kv::Store,
+    /// the job's connection: the ledger's archive ([`crate::archive`]) is a stream beside the bucket
+    pub(crate) bus: Bus,
     /// how long a read or write of a record keeps asking again through transient failures and a cluster's
     /// leader election (`nats.connect_timeout_s`)
-    patience: Patience,
+    pub(crate) patience: Patience,
 }
 
-fn kv_err(kv: &kv::Store, key: &str, cause: Cause) -> BusError {
+pub(crate) fn kv_err(kv: &kv::Store, key: &str, cause: Cause) -> BusError {
     BusError::Kv { bucket: kv.name.clone(), key: key.into(), cause }
 }
 
@@ -69,7 +71,7 @@ pub fn transition_allowed(from: GroupState, to: GroupState) -> bool {
 impl GroupStore {
     pub async fn open(bus: &Bus) -> Result<Self, BusError> {
         let kv = bus.key_value(bus.names().groups_bucket()).await?;
-        Ok(Self { kv, patience: Patience::within(bus.topology_wait()) })
+        Ok(Self { kv, bus: bus.clone(), patience: Patience::within(bus.topology_wait()) })
     }
 
     /// The same store with another retry deadline.
@@ -244,10 +246,15 @@ impl GroupStore {
     /// All records of `partition` (current values); the listing is asked again as a whole through transient
     /// failures.
     pub async fn list(&self, partition: &str) -> Result<Vec<GroupStatus>, BusError> {
+        Ok(self.list_with_revisions(partition).await?.into_iter().map(|(status, _)| status).collect())
+    }
+
+    /// [`GroupStore::list`] with each record's revision.
+    pub async fn list_with_revisions(&self, partition: &str) -> Result<Vec<(GroupStatus, u64)>, BusError> {
         self.patience.retry("list group records", || self.list_once(partition)).await
     }
 
-    async fn list_once(&self, partition: &str) -> Result<Vec<GroupStatus>, BusError> {
+    async fn list_once(&self, partition: &str) -> Result<Vec<(GroupStatus, u64)>, BusError> {
         use futures::StreamExt;
         let err = |key: &str, cause: Cause| kv_err(&self.kv, key, cause);
         let mut keys = self.kv.keys().await.map_err(|e| err("*", Cause::of(e)))?;
@@ -263,7 +270,7 @@ impl GroupStore {
         for (key, entry) in names.iter().zip(fetched) {
             if let Some(entry) = entry.map_err(|e| err(key, Cause::of(e)))? {
                 if let Some(Ok(status)) = decode_entry(&entry) {
-                    out.push(status);
+                    out.push((status, entry.revision));
                 }
             }
         }

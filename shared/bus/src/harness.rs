@@ -21,7 +21,7 @@ pub struct NatsServer {
     root: PathBuf,
     child: Option<Child>,
     max_payload: usize,
-    /// accounts and users (nats-server configuration) written into the configuration at every start
+    /// more configuration written at every start: accounts and users, a profiling port
     auth: Option<String>,
 }
 
@@ -43,6 +43,12 @@ impl NatsServer {
     pub fn start_with_auth(port: u16, auth: &Path) -> Result<Self, BusError> {
         let auth = std::fs::read_to_string(auth).map_err(|e| BusError::Server(format!("{}: {e}", auth.display())))?;
         Self::in_temp_dir(port, MAX_PAYLOAD_BYTES, Some(auth))
+    }
+
+    /// Starts a server as [`NatsServer::start`] does with `extra` added to its configuration (at every start), e.g.
+    /// `prof_port: <port>` for a benchmark that reads the broker's heap.
+    pub fn start_with_config(extra: &str) -> Result<Self, BusError> {
+        Self::in_temp_dir(free_port()?, MAX_PAYLOAD_BYTES, Some(format!("{extra}\n")))
     }
 
     /// Starts a server whose store lives in `root` (kept after drop), e.g. a run directory.

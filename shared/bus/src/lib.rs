@@ -14,11 +14,13 @@
 //!   subject and terminated, never redelivered forever.
 //! - [`score`]: the score request a group's trajectories hand to the reward service.
 //! - [`groups`]: the prompt-group control records (KV, compare-and-set on revision).
-//! - [`ledger`]: the exactly-once ledger: the fate of every dataset row drawn, from the group records.
+//! - [`ledger`]: the exactly-once ledger: the fate of every dataset row drawn, from the group records;
+//!   [`archive`]: records that left the working set move from GROUPS to the job's LEDGER stream.
 //! - [`lease`]: one holder per job of a role (the trainer), by a refreshed key in the job's LEASE bucket.
 //! - [`harness`]: starts a real `nats-server -js` on a free port with a temporary store directory (tests,
 //!   and `jetrl run` when no URL is given), killed on drop.
 
+pub mod archive;
 pub mod connect;
 pub mod consume;
 pub mod error;

@@ -41,7 +41,7 @@ async fn a_declaration_creates_what_is_missing_and_updates_only_what_differs() {
     let cfg = NatsConfig { url: server.url(), ..NatsConfig::default() };
     let bus = Bus::connect(&cfg, &Names::new("decl").unwrap(), "bus-test").await.expect("connect");
     let first = bus.declare_topology().await.expect("declare");
-    assert_eq!(first.created.len(), 10, "{first:?}");
+    assert_eq!(first.created.len(), 11, "{first:?}");
     assert!(first.created.contains(&"KV bucket JETRL_decl_LEASE".to_string()), "{first:?}");
     let again = bus.declare_topology().await.expect("declare again");
     assert!(again.created.is_empty() && again.updated.is_empty() && again.unchanged.len() == 10, "{again:?}");
@@ -651,4 +651,68 @@ async fn a_server_that_stays_down_is_reported_after_the_deadline() {
     let waited = started.elapsed();
     assert!(waited >= Duration::from_millis(1500) && waited < Duration::from_secs(10), "gave up after {waited:?}");
     assert!(err.recovery().retryable(), "{err}");
+}
+
+/// Archiving moves a retired record out of GROUPS into LEDGER (its key purged, so the broker keeps no subject for
+/// it); a revision written after the archived one stays; the history reads both; a rollback of an archived record
+/// is appended to the archive and wins; a record archived twice (a crash before the purge) is read once.
+#[tokio::test]
+async fn archived_records_leave_groups_and_are_still_read_with_their_rollbacks() {
+    let server = NatsServer::start().unwrap();
+    let bus = bus(&server).await;
+    let groups = GroupStore::open(&bus).await.unwrap();
+    let record = |uid: &str, row: u64| {
+        let mut s = GroupStatus {
+            uid: uid.into(),
+            partition: "train".into(),
+            dataset_row: row,
+            n: 2,
+            task: Some(Default::default()),
+            ..Default::default()
+        };
+        s.set_state(GroupState::Pending);
+        s
+    };
+    let mut archived = Vec::new();
+    for (uid, row) in [("a", 0), ("b", 1), ("c", 2)] {
+        groups.create(&record(uid, row)).await.unwrap();
+        groups.update("train", uid, |_| Some(GroupState::Running)).await.unwrap();
+        groups.update("train", uid, |_| Some(GroupState::Finished)).await.unwrap();
+        let (status, revision) = groups
+            .update_from("train", uid, None, |s| {
+                s.sampled_step = 4;
+                Some(GroupState::Sampled)
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        archived.push((status, revision));
+    }
+    // c is retracted after the buffer saw it: its newer revision must survive the purge of the older one
+    groups.retract("train", "c", "rolled_back: test", 4).await.unwrap();
+    assert_eq!(groups.archive(&archived).await.unwrap(), 3);
+    assert_eq!(groups.archive(&archived[..1]).await.unwrap(), 1, "archiving again is harmless");
+    let live: Vec<String> = groups.list("train").await.unwrap().into_iter().map(|g| g.uid).collect();
+    assert_eq!(live, vec!["c".to_string()], "a and b purged from GROUPS, c's newer revision kept");
+    let mut stream = groups.kv().stream.clone();
+    let messages = stream.info().await.unwrap().state.messages;
+    assert_eq!(messages, 1, "no revision of a or b is left in the bucket's stream");
+
+    let by_uid = |records: Vec<GroupStatus>| {
+        records.into_iter().map(|g| (g.uid.clone(), g)).collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let all = by_uid(groups.records("train").await.unwrap());
+    assert_eq!(all.len(), 3, "{all:?}");
+    assert_eq!((all["a"].state(), all["a"].sampled_step), (GroupState::Sampled, 4));
+    assert!(all["a"].task.is_none(), "the archive keeps no prompt task");
+    assert_eq!(all["c"].state(), GroupState::Evicted, "the live, newer record wins");
+
+    // a resume rolls back b, which is only in the archive
+    groups.retract_known(&all["b"], "rolled_back: trained at step 4 after the checkpoint of step 2", 2).await.unwrap();
+    let all = by_uid(groups.records("train").await.unwrap());
+    assert_eq!(all["b"].state(), GroupState::Evicted);
+    assert_eq!((all["b"].evicted_step, all["b"].dataset_row), (2, 1));
+    assert!(all["b"].evicted_reason.starts_with("rolled_back"));
+    let (rows, duplicates) = crate::ledger::ledger(&all.into_values().collect::<Vec<_>>());
+    assert!(duplicates.is_empty() && rows.len() == 3, "{rows:?}");
 }

@@ -14,8 +14,17 @@ use async_nats::jetstream::{self, consumer, kv, object_store, stream};
 
 use crate::{Bus, BusError, Cause, Recovery};
 
-/// How long a published trajectory/reward id is remembered for de-duplication.
-pub const DEDUP_WINDOW: Duration = Duration::from_secs(120);
+/// The shortest time a published id (a trajectory key, a reward batch, a prompt task, an archived record) is
+/// remembered for de-duplication; the job's streams use [`dedup_window`].
+pub const DEDUP_WINDOW: Duration = Duration::from_secs(60);
+
+/// The duplicate window of the job's streams: twice the longest a publish is retried
+/// (`nats.connect_timeout_s`, see [`crate::publish`]), at least [`DEDUP_WINDOW`]. No longer: the broker keeps
+/// every id of the window in memory (`just bench soak`: ~600k trajectory ids, ~120 MB, at 5,000 trajectories/s
+/// with a 120 s window).
+pub fn dedup_window(publish_retried_for: Duration) -> Duration {
+    DEDUP_WINDOW.max(publish_retried_for * 2)
+}
 
 /// Safety net for payload streams: anything not released by the trainer within a day is dropped.
 const PAYLOAD_MAX_AGE: Duration = Duration::from_secs(24 * 3600);
@@ -43,13 +52,13 @@ fn declare_err(what: &str, cause: Cause) -> BusError {
 /// A stream of the data path (TRAJ, SCORE, REWARDS): kept until purged (by the buffer on release or eviction, or
 /// by the reward services below their ack floor), at most [`PAYLOAD_MAX_AGE`]; de-duplicated by `Nats-Msg-Id`;
 /// readable by direct get.
-fn payload_stream(name: &str, filter: String, replicas: usize) -> stream::Config {
+fn payload_stream(name: &str, filter: String, replicas: usize, duplicate_window: Duration) -> stream::Config {
     stream::Config {
         name: name.into(),
         subjects: vec![filter],
         retention: stream::RetentionPolicy::Limits,
         storage: stream::StorageType::File,
-        duplicate_window: DEDUP_WINDOW,
+        duplicate_window,
         max_age: PAYLOAD_MAX_AGE,
         allow_direct: true,
         num_replicas: replicas,
@@ -181,6 +190,7 @@ impl Bus {
     /// Every stream, bucket and object store of the job, as this jetrl declares them.
     fn parts(&self) -> Vec<Part> {
         let (names, replicas) = (self.names(), self.replicas());
+        let duplicate_window = dedup_window(self.topology_wait());
         let bucket = |name: &str, history: i64, max_age: Duration, storage: stream::StorageType| kv::Config {
             bucket: name.into(),
             history,
@@ -195,15 +205,30 @@ impl Bus {
                 subjects: vec![names.prompts_filter()],
                 retention: stream::RetentionPolicy::WorkQueue,
                 storage: stream::StorageType::File,
-                duplicate_window: DEDUP_WINDOW,
+                duplicate_window,
                 num_replicas: replicas,
                 ..Default::default()
             })),
-            Part::Stream(Box::new(payload_stream(names.traj_stream(), names.traj_filter(), replicas))),
+            Part::Stream(Box::new(payload_stream(
+                names.traj_stream(),
+                names.traj_filter(),
+                replicas,
+                duplicate_window,
+            ))),
             // A limits stream, not a work queue: the reward services purge acknowledged requests in bulk (below
             // their consumer's ack floor), which costs the broker far less than deleting each one on its ack.
-            Part::Stream(Box::new(payload_stream(names.score_stream(), names.score_filter(), replicas))),
-            Part::Stream(Box::new(payload_stream(names.rewards_stream(), names.rewards_filter(), replicas))),
+            Part::Stream(Box::new(payload_stream(
+                names.score_stream(),
+                names.score_filter(),
+                replicas,
+                duplicate_window,
+            ))),
+            Part::Stream(Box::new(payload_stream(
+                names.rewards_stream(),
+                names.rewards_filter(),
+                replicas,
+                duplicate_window,
+            ))),
             // what the services refused (consume::dead_letter): bounded, oldest dropped first
             Part::Stream(Box::new(stream::Config {
                 name: names.dlq_stream().into(),
@@ -214,8 +239,18 @@ impl Bus {
                 max_messages: DEAD_LETTER_MAX_MESSAGES,
                 max_bytes: DEAD_LETTER_MAX_BYTES,
                 discard: stream::DiscardPolicy::Old,
-                duplicate_window: DEDUP_WINDOW,
+                duplicate_window,
                 allow_direct: true,
+                num_replicas: replicas,
+                ..Default::default()
+            })),
+            // the ledger's archive (groups that left the working set): the job's record, kept as long as the job
+            Part::Stream(Box::new(stream::Config {
+                name: names.ledger_stream().into(),
+                subjects: vec![names.ledger_filter()],
+                retention: stream::RetentionPolicy::Limits,
+                storage: stream::StorageType::File,
+                duplicate_window,
                 num_replicas: replicas,
                 ..Default::default()
             })),

@@ -53,6 +53,7 @@ pub struct Names {
     score_stream: String,
     rewards_stream: String,
     dlq_stream: String,
+    ledger_stream: String,
     groups_bucket: String,
     weights_bucket: String,
     workers_bucket: String,
@@ -80,6 +81,7 @@ impl Names {
             score_stream: upper("SCORE"),
             rewards_stream: upper("REWARDS"),
             dlq_stream: upper("DLQ"),
+            ledger_stream: upper("LEDGER"),
             groups_bucket: upper("GROUPS"),
             weights_bucket: upper("WEIGHTS"),
             workers_bucket: upper("WORKERS"),
@@ -125,6 +127,23 @@ impl Names {
     /// Dead letters: `jetrl.<ns>.dlq.<service>`.
     pub fn dlq_stream(&self) -> &str {
         &self.dlq_stream
+    }
+
+    /// The archive of group records that left the working set (trained and released, or evicted), one compact
+    /// `GroupStatus` per retirement on `jetrl.<ns>.ledger.<partition>`: with the live records of
+    /// [`Self::groups_bucket`], the job's ledger. Their GROUPS keys are purged once archived, so the bucket (and the
+    /// broker's memory) holds the working set, not the run's history.
+    pub fn ledger_stream(&self) -> &str {
+        &self.ledger_stream
+    }
+
+    pub fn ledger_subject(&self, partition: &str) -> String {
+        format!("{}.ledger.{partition}", self.prefix)
+    }
+
+    /// Every subject of the LEDGER stream.
+    pub fn ledger_filter(&self) -> String {
+        format!("{}.ledger.>", self.prefix)
     }
 
     /// Group control records, key `<partition>.<uid>` ([`group_key`]).
@@ -282,6 +301,9 @@ mod tests {
         assert_eq!(names.score_stream(), "JETRL_exp-7_SCORE");
         assert_eq!(names.rewards_stream(), "JETRL_exp-7_REWARDS");
         assert_eq!(names.dlq_stream(), "JETRL_exp-7_DLQ");
+        assert_eq!(names.ledger_stream(), "JETRL_exp-7_LEDGER");
+        assert_eq!(names.ledger_subject("train"), "jetrl.exp-7.ledger.train");
+        assert_eq!(names.ledger_filter(), "jetrl.exp-7.ledger.>");
         assert_eq!(names.groups_bucket(), "JETRL_exp-7_GROUPS");
         assert_eq!(names.weights_bucket(), "JETRL_exp-7_WEIGHTS");
         assert_eq!(names.workers_bucket(), "JETRL_exp-7_WORKERS");
@@ -316,6 +338,7 @@ mod tests {
                 n.score_stream().into(),
                 n.rewards_stream().into(),
                 n.dlq_stream().into(),
+                n.ledger_stream().into(),
                 n.groups_bucket().into(),
                 n.weights_bucket().into(),
                 n.workers_bucket().into(),
@@ -325,6 +348,7 @@ mod tests {
                 n.traj_filter(),
                 n.score_filter(),
                 n.rewards_filter(),
+                n.ledger_filter(),
                 n.buffer_sample().into(),
                 n.buffer_release().into(),
                 n.buffer_ledger().into(),

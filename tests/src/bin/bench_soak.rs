@@ -28,6 +28,10 @@
 //!   which grows with the run by design. Note: every binary of the jetrl-tests package links libtorch (with CUDA
 //!   where the wheel has it), so a stand-in worker's RSS starts at a few hundred MiB, most of it libtorch's.
 //!
+//! - The broker's live heap (Go's heap right after a collection, from nats-server's profiling port) at each
+//!   report, beside its RSS: RSS also holds the garbage Go's collector lets pile up between collections, so bounded
+//!   state shows flat in the live heap first (`live_heap_growth_pct`, `nats_live_heap_mib`).
+//!
 //! Last line: `{"bench":"soak","minutes":…,"traj_per_s":…,"rss_growth_pct":{…},"lost":…,"duplicated":…,…}`.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -254,6 +258,8 @@ struct Sample {
     /// trajectories trained since the start, at the end of the interval
     trained: u64,
     rss: BTreeMap<String, u64>,
+    /// nats-server's live heap in bytes ([`nats_live_heap`])
+    nats_live_heap: Option<u64>,
 }
 
 /// Starts `command` so that it dies with this process (the soak stopped or killed); called from the main thread.
@@ -290,9 +296,45 @@ fn growth_pct(first: u64, last: u64) -> f64 {
     round2((last as f64 - first as f64) / first as f64 * 100.0)
 }
 
+/// Waits (10 s at most) for the GROUPS bucket to hold no record (each trained group archived to LEDGER and purged);
+/// returns the records left in GROUPS and the records archived in LEDGER.
+async fn archive_settled(bus: &Bus, groups: &GroupStore) -> (u64, u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = groups.kv().status().await.map(|s| s.values()).unwrap_or(u64::MAX);
+        if left == 0 || Instant::now() > deadline {
+            let archived = match bus.stream(bus.names().ledger_stream()).await {
+                Ok(mut stream) => stream.info().await.map(|i| i.state.messages).unwrap_or(0),
+                Err(_) => 0,
+            };
+            return (left, archived);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The broker's live heap: the Go runtime's allocated heap right after a collection, from nats-server's profiling
+/// port (`/debug/pprof/heap?gc=1` collects first). RSS also holds the garbage the Go collector lets pile up
+/// between collections (up to the live heap again, by default), so a leak shows here first; None if unreadable.
+fn nats_live_heap(port: u16) -> Option<u64> {
+    use std::io::Read;
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
+    stream.write_all(b"GET /debug/pprof/heap?debug=1&gc=1 HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut body = String::new();
+    stream.read_to_string(&mut body).ok()?;
+    body.lines().find_map(|line| line.strip_prefix("# HeapAlloc = ")).and_then(|n| n.trim().parse().ok())
+}
+
 /// Prints one line per interval (trajectories per second trained and produced in it, every process's RSS) until
 /// the clock runs out; returns the samples.
-async fn reporter(knobs: Knobs, started: Instant, ledger: Arc<Mutex<Ledger>>, watched: Vec<Watched>) -> Vec<Sample> {
+async fn reporter(
+    knobs: Knobs,
+    started: Instant,
+    ledger: Arc<Mutex<Ledger>>,
+    watched: Vec<Watched>,
+    nats_prof_port: u16,
+) -> Vec<Sample> {
     let intervals = (knobs.seconds / knobs.report_s).ceil().max(1.0) as usize;
     let unit = if (knobs.report_s - 60.0).abs() < 1e-9 { "minute" } else { "interval" };
     let mut samples = Vec::new();
@@ -307,14 +349,17 @@ async fn reporter(knobs: Knobs, started: Instant, ledger: Arc<Mutex<Ledger>>, wa
         let rss: BTreeMap<String, u64> = watched.iter().map(|w| (w.name.clone(), bench::rss_bytes(w.pid))).collect();
         let seconds = at - at_before;
         let listed: Vec<String> = watched.iter().map(|w| format!("{} {:.1}", w.name, mib(rss[&w.name]))).collect();
+        let nats_live_heap = tokio::task::spawn_blocking(move || nats_live_heap(nats_prof_port)).await.ok().flatten();
         println!(
-            "soak {unit} {k}/{intervals} ({at:.0} s): trained {:.0} traj/s, produced {:.0} traj/s; RSS MiB: {}",
+            "soak {unit} {k}/{intervals} ({at:.0} s): trained {:.0} traj/s, produced {:.0} traj/s; RSS MiB: {}; \
+             nats-server live heap MiB: {}",
             (trained - trained_before) as f64 / seconds,
             (produced - produced_before) as f64 / seconds,
-            listed.join(", ")
+            listed.join(", "),
+            nats_live_heap.map_or("?".to_string(), |b| format!("{:.1}", mib(b)))
         );
         (trained_before, produced_before, at_before) = (trained, produced, at);
-        samples.push(Sample { trained, rss });
+        samples.push(Sample { trained, rss, nats_live_heap });
     }
     samples
 }
@@ -404,7 +449,9 @@ async fn soak() {
          groups of {} trajectories of {} bytes, batches of {} groups, report every {:.0} s",
         knobs.seconds, knobs.workers, knobs.worker_inflight, knobs.group, knobs.payload, knobs.batch, knobs.report_s
     );
-    let server = NatsServer::start().expect("nats-server");
+    // the profiling port: the broker's live heap at each report (nats_live_heap)
+    let prof_port = jetrl_bus::harness::free_port().expect("a free port");
+    let server = NatsServer::start_with_config(&format!("prof_port: {prof_port}")).expect("nats-server");
     let url = server.url();
     let dir = tempfile::Builder::new().prefix("jetrl-soak-").tempdir().expect("tempdir");
     std::fs::write(
@@ -458,7 +505,7 @@ async fn soak() {
 
     let started = Instant::now();
     let end = started + Duration::from_secs_f64(knobs.seconds);
-    let report = tokio::spawn(reporter(knobs.clone(), started, ledger.clone(), watched));
+    let report = tokio::spawn(reporter(knobs.clone(), started, ledger.clone(), watched, prof_port));
     train(&bus, &groups, &knobs, &ledger, end).await;
     let samples = report.await.expect("reporter");
     let drained_s = (Instant::now() - end).as_secs_f64();
@@ -478,6 +525,8 @@ async fn soak() {
     for reader in readers {
         reader.join().expect("worker reader");
     }
+    // every group was trained and released: the buffer archives each to LEDGER and purges it from GROUPS
+    let (groups_left, archived) = archive_settled(&bus, &groups).await;
     let mut exited = Vec::new();
     for (name, child) in &mut services {
         if let Ok(Some(status)) = child.try_wait() {
@@ -514,6 +563,13 @@ async fn soak() {
         let mib_entry = growth_mib.entry(name.to_string()).or_insert(f64::NEG_INFINITY);
         *mib_entry = mib_entry.max(grown);
     }
+    // the broker's live heap (after a collection): bounded state shows flat here even while RSS follows the Go
+    // collector's garbage
+    let live_heap_growth = match (first.nats_live_heap, last.nats_live_heap) {
+        (Some(a), Some(b)) => serde_json::json!({ "nats-server": growth_pct(a, b) }),
+        _ => serde_json::Value::Null,
+    };
+    let live_heap_mib: Vec<f64> = samples.iter().filter_map(|s| s.nats_live_heap).map(|b| round2(mib(b))).collect();
     // the trainer stand-in holds the soak's own ledger: reported apart
     let harness_growth = growth.remove("trainer").unwrap_or(f64::NAN);
     let rss_end: BTreeMap<&str, f64> = last.rss.iter().map(|(k, &v)| (k.as_str(), round2(mib(v)))).collect();
@@ -562,6 +618,10 @@ async fn soak() {
         ("rss_growth_mib", serde_json::json!(growth_mib)),
         ("rss_mib_end", serde_json::json!(rss_end)),
         ("harness_rss_growth_pct", serde_json::json!({ "trainer": harness_growth })),
+        ("live_heap_growth_pct", live_heap_growth),
+        ("nats_live_heap_mib", serde_json::json!(live_heap_mib)),
+        ("groups_bucket_records_end", groups_left.into()),
+        ("ledger_archived_records", archived.into()),
         ("targets_met", met.into()),
     ];
     let fields: Vec<String> = fields.iter().map(|(k, v)| format!("{}:{v}", serde_json::Value::from(*k))).collect();
