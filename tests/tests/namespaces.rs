@@ -85,7 +85,7 @@ async fn two_jobs_on_one_server_train_side_by_side_each_on_its_own_records() {
     }
     let mut expected = BTreeSet::new();
     for job in ["alpha", "beta"] {
-        for kind in ["PROMPTS", "TRAJ", "SCORE", "REWARDS", "DLQ"] {
+        for kind in ["PROMPTS", "TRAJ", "SCORE", "REWARDS", "DLQ", "LEDGER"] {
             expected.insert(format!("JETRL_{job}_{kind}"));
         }
         for bucket in ["GROUPS", "WEIGHTS", "WORKERS", "LEASE"] {
