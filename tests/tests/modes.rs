@@ -251,14 +251,22 @@ async fn separate_async_survives_a_killed_worker_and_every_group_is_accounted_fo
     let cfg = job.config();
     let bus = jetrl_bus::Bus::connect_job(&cfg, "kill-check").await.unwrap();
     let store = jetrl_bus::GroupStore::open(&bus).await.unwrap();
-    job.kill("rollout-1");
-    let held: Vec<String> = jetrl_tests::group_records(&store)
-        .await
-        .into_iter()
-        .filter(|g| g.worker_id == "rollout-1" && g.state() == jetrl_wire::v1::GroupState::Running)
-        .map(|g| g.uid)
-        .collect();
-    assert!(!held.is_empty(), "the killed worker held no group: the test would check nothing");
+    // the kill point, by watching state: the worker holds a group it is generating
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let held: Vec<String> = loop {
+        let held: Vec<String> = jetrl_tests::group_records(&store)
+            .await
+            .into_iter()
+            .filter(|g| g.worker_id == "rollout-1" && g.state() == jetrl_wire::v1::GroupState::Running)
+            .map(|g| g.uid)
+            .collect();
+        if !held.is_empty() {
+            job.kill("rollout-1");
+            break held;
+        }
+        assert!(std::time::Instant::now() < deadline, "rollout-1 never held a group: the test would check nothing");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     let status = tokio::task::block_in_place(|| job.wait("trainer", Duration::from_secs(240)));
     assert!(status.success(), "trainer failed:\n{}", job.log("trainer"));
     assert_eq!(metrics(&job.run_dir()).len(), 10);
