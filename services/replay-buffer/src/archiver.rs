@@ -18,16 +18,19 @@ const MAX_BATCH: usize = 4096;
 const ATTEMPTS: u32 = 4;
 /// Backoff after the first failed try, doubled per try.
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
+/// Hand-overs (one per turn of the buffer's event loop) waiting for the archiver at most: when it falls behind, the
+/// buffer's loop waits for it (so the trainer's next sample does) instead of piling records up in memory.
+const QUEUED: usize = 64;
 
 pub type Retired = Vec<(GroupStatus, u64)>;
 
 /// Starts the archiver; it ends when the sender is dropped and what it was handed is archived.
-pub fn start(groups: GroupStore) -> (mpsc::UnboundedSender<Retired>, JoinHandle<()>) {
-    let (tx, rx) = mpsc::unbounded_channel();
+pub fn start(groups: GroupStore) -> (mpsc::Sender<Retired>, JoinHandle<()>) {
+    let (tx, rx) = mpsc::channel(QUEUED);
     (tx, tokio::spawn(run(groups, rx)))
 }
 
-async fn run(groups: GroupStore, mut rx: mpsc::UnboundedReceiver<Retired>) {
+async fn run(groups: GroupStore, mut rx: mpsc::Receiver<Retired>) {
     while let Some(mut batch) = rx.recv().await {
         while batch.len() < MAX_BATCH {
             match rx.try_recv() {

@@ -264,7 +264,8 @@ impl Buffer {
             }
             let retired = self.state.take_retired_records();
             if !retired.is_empty() {
-                let _ = archive.send(retired);
+                // waits while the archiver is QUEUED hand-overs behind (its memory stays bounded)
+                let _ = archive.send(retired).await;
             }
             if may_answer {
                 self.answer_waiting().await;
