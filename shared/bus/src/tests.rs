@@ -715,4 +715,11 @@ async fn archived_records_leave_groups_and_are_still_read_with_their_rollbacks()
     assert!(all["b"].evicted_reason.starts_with("rolled_back"));
     let (rows, duplicates) = crate::ledger::ledger(&all.into_values().collect::<Vec<_>>());
     assert!(duplicates.is_empty() && rows.len() == 3, "{rows:?}");
+
+    // garbage on the archive's subject is skipped (and counted), the history still reads
+    bus.publish_durable(Outgoing::new(bus.names().ledger_subject("train"), None, vec![0xff, 0xff, 0xff].into()))
+        .await
+        .unwrap();
+    let all = by_uid(groups.records("train").await.unwrap());
+    assert_eq!(all.len(), 3, "{all:?}");
 }
