@@ -384,7 +384,7 @@ mod tests {
                 match next_action(&self.state, cfg, req, progress) {
                     Action::Evict(list) => {
                         for (uid, reason) in &list {
-                            self.state.mark_evicted("train", uid, reason.label());
+                            self.state.mark_evicted("train", uid, reason.label(), 0);
                         }
                         progress.record_eviction(&list);
                         evicted.extend(list);
@@ -392,7 +392,7 @@ mod tests {
                     Action::Answer { selected, discard } => {
                         let list: Vec<_> = discard.iter().map(|u| (u.clone(), EvictReason::DiscardedSurplus)).collect();
                         for uid in &discard {
-                            self.state.mark_evicted("train", uid, "discarded_surplus");
+                            self.state.mark_evicted("train", uid, "discarded_surplus", 0);
                         }
                         progress.record_eviction(&list);
                         evicted.extend(list);

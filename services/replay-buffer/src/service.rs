@@ -623,8 +623,8 @@ impl Buffer {
         let mut done = Vec::new();
         for ((uid, reason), result) in groups.iter().zip(results) {
             match result {
-                Ok(()) => {
-                    self.state.mark_evicted(partition, uid, reason.label());
+                Ok(revision) => {
+                    self.state.mark_evicted(partition, uid, reason.label(), revision.unwrap_or(0));
                     metrics::counter!("jetrl_buffer_evicted_groups_total", "reason" => reason.label()).increment(1);
                     done.push((uid.clone(), reason.clone()));
                 }

@@ -384,12 +384,16 @@ impl BufferState {
         self.groups.get(&key(partition, uid))
     }
 
-    /// Marks a group evicted locally (the KV write is done by the caller).
-    pub fn mark_evicted(&mut self, partition: &str, uid: &str, reason: &str) {
+    /// Marks a group evicted locally (the KV write is done by the caller; `revision` is the one it wrote, 0 if
+    /// unknown): it retires with that revision, so its archive purges the record and the write's echo is ignored.
+    pub fn mark_evicted(&mut self, partition: &str, uid: &str, reason: &str, revision: u64) {
         let k = key(partition, uid);
         if let Some(group) = self.groups.get_mut(&k) {
             group.status.set_state(GroupState::Evicted);
             group.status.evicted_reason = reason.to_string();
+            if revision > 0 {
+                group.revision = revision;
+            }
         }
         self.refresh(&k);
     }
@@ -683,7 +687,7 @@ mod tests {
         }
         s.mark_sampled("train", "a", 1, "r1", 0);
         s.release(&["r1".into()]);
-        s.mark_evicted("train", "b", "staleness");
+        s.mark_evicted("train", "b", "staleness", 0);
         // the KV echo of the buffer's own writes changes nothing
         let mut echo = status("b", GroupState::Evicted, 1, &["b_0_0"]);
         echo.evicted_reason = "staleness".into();

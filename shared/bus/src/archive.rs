@@ -86,7 +86,8 @@ impl GroupStore {
             .filter(|(_, revision)| *revision > 0)
             .map(|(status, revision)| (subjects::group_key(&status.partition, &status.uid), *revision))
             .collect();
-        let (kv, attempt) = (self.kv().clone(), self.patience.attempt);
+        // one copy of the bucket's handle for every purge (it carries the stream's cached info)
+        let (kv, attempt) = (std::sync::Arc::new(self.kv().clone()), self.patience.attempt);
         let purges = targets.into_iter().map(move |(key, revision)| {
             let kv = kv.clone();
             async move {

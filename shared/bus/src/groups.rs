@@ -277,8 +277,15 @@ impl GroupStore {
         Ok(out)
     }
 
-    /// Marks a group evicted at trainer step `step` with `reason` (ledger), whatever its non-final state.
-    pub async fn evict(&self, partition: &str, uid: &str, reason: &str, step: u64) -> Result<(), GroupUpdateError> {
+    /// Marks a group evicted at trainer step `step` with `reason` (ledger), whatever its non-final state. Returns
+    /// the revision written (None when the record was already sampled or evicted, and left as it is).
+    pub async fn evict(
+        &self,
+        partition: &str,
+        uid: &str,
+        reason: &str,
+        step: u64,
+    ) -> Result<Option<u64>, GroupUpdateError> {
         self.evict_unless(partition, uid, reason, step, |s, _| {
             matches!(s.state(), GroupState::Sampled | GroupState::Evicted)
         })
@@ -292,6 +299,7 @@ impl GroupStore {
             s.state() == GroupState::Evicted && s.evicted_reason == reason
         })
         .await
+        .map(drop)
     }
 
     /// Evicts the group at `step` with `reason`, unless `keep(record, reason)` says to leave it as it is.
@@ -302,8 +310,8 @@ impl GroupStore {
         reason: &str,
         step: u64,
         keep: impl Fn(&GroupStatus, &str) -> bool,
-    ) -> Result<(), GroupUpdateError> {
-        self.update(partition, uid, |s| {
+    ) -> Result<Option<u64>, GroupUpdateError> {
+        self.update_from(partition, uid, None, |s| {
             if keep(s, reason) {
                 return None;
             }
@@ -312,7 +320,7 @@ impl GroupStore {
             Some(GroupState::Evicted)
         })
         .await
-        .map(|_| ())
+        .map(|written| written.map(|(_, revision)| revision))
     }
 }
 
