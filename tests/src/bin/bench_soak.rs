@@ -15,6 +15,11 @@
 //!   prompt tasks), keeping at most workers × in-flight + 2 batches submitted and not yet trained, samples batches
 //!   of `SOAK_BATCH_GROUPS` (16) groups from the buffer, fetches every payload from TRAJ (checking that each is
 //!   the trajectory the buffer named) and releases each step, continuously. It trains no model.
+//! - Paced: the trainer stand-in trains at most `SOAK_TRAJ_PER_S` (3000) trajectories per second (a step starts
+//!   no sooner than its share of the run), below what this 2-core machine sustains in its slowest minutes
+//!   (3,600–7,400 per minute were seen unpaced), so every minute carries the same load and memory growth measures
+//!   what the processes keep, not how hard the machine could push that minute (the broker's de-duplication window
+//!   holds one id per trajectory of the last minute). `SOAK_TRAJ_PER_S=0`: as fast as it goes.
 //! - Every `SOAK_REPORT_S` (60) seconds one line: trajectories per second trained (and produced) in that interval
 //!   and every process's RSS.
 //! - After `SOAK_MINUTES` (10; `SOAK_SECONDS` wins when set) no more groups are submitted; the trainer trains
@@ -79,6 +84,8 @@ struct Knobs {
     group: usize,
     payload: usize,
     batch: usize,
+    /// trajectories per second the trainer stand-in trains at most (0: as fast as the data plane goes)
+    pace: f64,
 }
 
 impl Knobs {
@@ -92,6 +99,7 @@ impl Knobs {
             group: knob("SOAK_GROUP", 8),
             payload: knob("SOAK_PAYLOAD_BYTES", 4096),
             batch: knob("SOAK_BATCH_GROUPS", 16),
+            pace: knob("SOAK_TRAJ_PER_S", 3000.0),
         }
     }
 }
@@ -372,7 +380,15 @@ async fn train(bus: &Bus, groups: &GroupStore, knobs: &Knobs, ledger: &Mutex<Led
     let drain_deadline = end + DRAIN;
     let mut releases = Vec::new();
     let mut step = 0u64;
+    let started = Instant::now();
+    // a paced step starts no sooner than its share of the run: a steady load, so that memory growth measures what
+    // is kept rather than how hard this (shared, noisy) machine could push in a given minute
+    let step_interval =
+        (knobs.pace > 0.0).then(|| Duration::from_secs_f64((knobs.batch * knobs.group) as f64 / knobs.pace));
     loop {
+        if let Some(interval) = step_interval {
+            tokio::time::sleep_until((started + interval.mul_f64(step as f64)).into()).await;
+        }
         let draining = Instant::now() >= end;
         let batch_size = if draining {
             let (left, in_flight) = {
@@ -605,6 +621,7 @@ async fn soak() {
         ("bench", "soak".into()),
         ("minutes", round2(knobs.seconds / 60.0).into()),
         ("traj_per_s", traj_per_s.round().into()),
+        ("paced_traj_per_s", knobs.pace.into()),
         ("rss_growth_pct", serde_json::json!(growth)),
         ("lost", lost.into()),
         ("duplicated", duplicated.into()),
