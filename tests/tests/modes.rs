@@ -60,17 +60,31 @@ fn demo_in(dir: &Path, mode: &str, seed: u64, steps: u32) -> (f64, Vec<serde_jso
 }
 
 /// Seeds a mode's final reward is the mean over. One run's final reward is one draw from a wide distribution in
-/// the async modes: measured this way (last 30 of 150 steps), seed 1: separate_async 0.994 / 0.957 / 0.949 / 0.961,
-/// colocate_async 0.986 / 0.985 / 0.997 / 0.970 / 0.944, sync 0.997 every time; seed 2: separate_async 0.987 /
-/// 0.993 / 0.912, colocate_async 0.990 / 0.977, sync 0.972. A single seed-1 run missed sync's ±0.05 about one time
-/// in four (the swings of a near-deterministic policy, larger with one step of staleness); two seeds average it.
-const SEEDS: [u64; 2] = [1, 2];
+/// the async modes: measured this way (last 30 of 150 steps, each run alone on the machine), seed 1:
+/// separate_async 0.994 / 0.957 / 0.949 / 0.961 / 0.989, colocate_async 0.986 / 0.985 / 0.997 / 0.970 / 0.990,
+/// sync 0.997 every time; seed 2: separate_async 0.987 / 0.993 / 0.912, colocate_async 0.990 / 0.977, sync 0.972.
+/// Run beside another test of this file (the suite runs two at once on a 2-core machine), colocate_async gave 0.944
+/// and 0.871: the swings of a near-deterministic policy are larger when the schedule's timing is disturbed. Hence
+/// [`EXCLUSIVE`], and one seed (the demo's), which keeps the suite's time.
+const SEEDS: [u64; 1] = [1];
+
+/// The learning test runs alone (write); the other tests of this file may run beside each other (read).
+static EXCLUSIVE: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn alone() -> std::sync::RwLockWriteGuard<'static, ()> {
+    EXCLUSIVE.write().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
+    EXCLUSIVE.read().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 /// Each async mode reaches the same final reward as sync on the demo task (within 0.05; a mode's final reward is
 /// the mean over [`SEEDS`] of its runs' last-[`FINAL_STEPS`] means), and shows the off-policy signature of its
-/// schedule.
+/// schedule. Runs alone ([`EXCLUSIVE`]).
 #[test]
 fn each_async_mode_learns_the_demo_task_as_well_as_sync() {
+    let _alone = alone();
     let dir = tempfile::tempdir().unwrap();
     let steps = 150;
     let mut finals = std::collections::BTreeMap::new();
@@ -103,6 +117,7 @@ fn each_async_mode_learns_the_demo_task_as_well_as_sync() {
 /// `wait` evicts nothing.
 #[test]
 fn staleness_bound_holds_under_drop_and_wait() {
+    let _shared = shared();
     for (strategy, warmup) in [("drop", 2), ("wait", 1)] {
         let mut job = TestJob::new(&format!(
             "run: {{name: stale-{strategy}}}\n\
@@ -135,6 +150,7 @@ fn staleness_bound_holds_under_drop_and_wait() {
 /// and every behaviour log-prob equals the log-prob that the checkpoint of its token's version gives it.
 #[test]
 fn colocate_partial_rollout_log_probs_match_each_versions_checkpoint() {
+    let _shared = shared();
     let mut job = TestJob::new(
         "run: {name: partial}\n\
          data: {train_batch_size: 4, max_response_length: 48}\n\
@@ -212,7 +228,9 @@ fn wait_for_step(job: &TestJob, step: usize, timeout: Duration) {
 /// its groups are redelivered to the other worker, and after SIGCONT it loads the newest version and takes work
 /// again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(clippy::await_holding_lock)] // the guard only orders the tests of this file
 async fn a_stopped_worker_is_left_out_of_weight_syncs_and_rejoins_after_sigcont() {
+    let _shared = shared();
     let mut job = TestJob::new(
         "run: {name: sigstop}\n\
          rollout: {n: 4, ack_wait_s: 3, heartbeat_interval_s: 0.5, heartbeat_timeout_s: 2}\n\
@@ -257,7 +275,9 @@ async fn a_stopped_worker_is_left_out_of_weight_syncs_and_rejoins_after_sigcont(
 /// kill -9 of a rollout worker mid-run in separate_async: the run completes, and the buffer's ledger shows every
 /// group trained once or evicted with a reason (none lost in the dead worker's hands).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(clippy::await_holding_lock)] // the guard only orders the tests of this file
 async fn separate_async_survives_a_killed_worker_and_every_group_is_accounted_for() {
+    let _shared = shared();
     let mut job = TestJob::new(
         "run: {name: killworker}\n\
          rollout: {n: 4, ack_wait_s: 3, heartbeat_interval_s: 0.5, heartbeat_timeout_s: 2}\n\
