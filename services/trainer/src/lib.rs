@@ -243,9 +243,6 @@ impl Trainer {
                 tracing::warn!("trainer.val_before_train / val_only: the validation set is empty; nothing to validate");
             } else {
                 let t = Instant::now();
-                // validation runs on the weights just published, in every mode (an async task otherwise takes
-                // whatever version its worker holds)
-                self.client.min_policy_version = self.start_step;
                 let mut val =
                     validation::validate(&mut self.client, &self.cfg, &self.val, self.start_step, &self.incarnation)
                         .await?;
@@ -267,9 +264,6 @@ impl Trainer {
             let test_freq = self.cfg.trainer.test_freq;
             if test_freq > 0 && (step % test_freq as u64 == 0 || step == self.total_steps) && !self.val.is_empty() {
                 let t = Instant::now();
-                // every mode validates the policy of this step, with the weights just published: a worker still on
-                // an older version hands the task back (async steps set their own minimum again before submitting)
-                self.client.min_policy_version = step;
                 metrics.extend(
                     validation::validate(&mut self.client, &self.cfg, &self.val, step, &self.incarnation).await?,
                 );
