@@ -44,7 +44,7 @@ impl Drop for Slot {
 const STEPS: u64 = 6;
 const BATCH: u64 = 4;
 
-fn job(dir: &Path, nats_url: &str, mode: &str) -> std::path::PathBuf {
+fn job(dir: &Path, nats_url: &str, mode: &str, save_freq: i64) -> std::path::PathBuf {
     jetrl_model::init_model("tiny", &dir.join("model"), 1).unwrap();
     let yaml = job_yaml(
         dir,
@@ -55,7 +55,7 @@ fn job(dir: &Path, nats_url: &str, mode: &str) -> std::path::PathBuf {
              rollout: {{n: 4, ack_wait_s: 3, heartbeat_interval_s: 0.5, heartbeat_timeout_s: 2}}\n\
              reward: {{ack_wait_s: 3}}\n\
              actor: {{ppo_mini_batch_size: 2}}\n\
-             trainer: {{mode: {mode}, total_training_steps: {STEPS}, save_freq: 1, weight_sync_timeout_s: 10, \
+             trainer: {{mode: {mode}, total_training_steps: {STEPS}, save_freq: {save_freq}, weight_sync_timeout_s: 10, \
              sample_wait_s: 2, separate_async: {{parameter_sync_step: 2}}, colocate_async: {{handshake_timeout_s: 5}}}}"
         ),
     );
@@ -77,11 +77,12 @@ fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
 fn run_job(
     dir: &Path,
     mode: &str,
+    save_freq: i64,
     crash_at: Option<&str>,
     nats_url: Option<&str>,
     mut during: impl FnMut(&Path),
 ) -> String {
-    let config = job(dir, nats_url.unwrap_or("nats://127.0.0.1:4222"), mode);
+    let config = job(dir, nats_url.unwrap_or("nats://127.0.0.1:4222"), mode, save_freq);
     let out = dir.join("console.txt");
     let mut command = Command::new(bin("jetrl"));
     command.arg("run").arg(&config).arg("--quiet");
@@ -140,11 +141,17 @@ fn check_exactly_once(dir: &Path, mode: &str, what: &str) {
     }
 }
 
+/// The job (a checkpoint every step) with a process killed at `point`.
 fn crash_at(mode: &str, point: &str) {
+    crash_with_checkpoints_every(mode, point, 1);
+}
+
+/// The job with `trainer.save_freq` = `save_freq` (-1: no checkpoint) and a process killed at `point`.
+fn crash_with_checkpoints_every(mode: &str, point: &str, save_freq: i64) {
     let _slot = slot();
     let dir = tempfile::tempdir().unwrap();
-    let what = format!("{mode}, {point}");
-    let console = run_job(dir.path(), mode, Some(point), None, |_| {});
+    let what = format!("{mode}, {point}, save_freq {save_freq}");
+    let console = run_job(dir.path(), mode, save_freq, Some(point), None, |_| {});
     assert!(dir.path().join("crashed").exists(), "{what}: the crash point was never reached");
     assert!(console.contains("restarting in"), "{what}: no restart on the console:\n{console}");
     check_exactly_once(dir.path(), mode, &what);
@@ -158,7 +165,7 @@ fn nats_restart(mode: &str) {
     let mut nats = Some(NatsServer::start().unwrap());
     let url = nats.as_ref().unwrap().url();
     let mut restarted = false;
-    run_job(dir.path(), mode, None, Some(&url), |run_dir| {
+    run_job(dir.path(), mode, 1, None, Some(&url), |run_dir| {
         if !restarted && metrics(run_dir).len() >= 3 {
             let server = nats.as_mut().unwrap();
             server.kill();
@@ -183,6 +190,13 @@ macro_rules! matrix {
             #[test]
             fn trainer_killed_after_submitting_a_step() {
                 super::crash_at($mode, "trainer.after_submit@3");
+            }
+
+            /// No checkpoint to resume from: the restarted trainer starts again from step 0, the rows the dead
+            /// one trained are rolled back, and each is trained once in the new timeline.
+            #[test]
+            fn trainer_killed_before_any_checkpoint() {
+                super::crash_with_checkpoints_every($mode, "trainer.after_submit@3", -1);
             }
 
             #[test]

@@ -1,10 +1,10 @@
 //! jetrl-trainer: owns the policy weights, the optimizer, the step counter and the dataloader cursor.
 //!
-//! One run: publish the starting weights and wait for the rollout workers to load them; re-issue the groups a
-//! previous incarnation left in flight (after a resume); validate first if asked; submit the warm-up batches of
-//! the async modes; then one global step after another in the configured schedule ([`schedule`]: `sync`,
-//! `colocate_async`, `separate_async`), validation every `trainer.test_freq` steps, the step's metrics to
-//! `metrics.jsonl`, NATS, Prometheus and TensorBoard.
+//! One run: publish the starting weights and wait for the rollout workers to load them; bring the groups a
+//! previous incarnation left to this run's timeline (after a resume, or a restart from step 0); validate first if
+//! asked; submit the warm-up batches of the async modes; then one global step after another in the configured
+//! schedule ([`schedule`]: `sync`, `colocate_async`, `separate_async`), validation every `trainer.test_freq`
+//! steps, the step's metrics to `metrics.jsonl`, NATS, Prometheus and TensorBoard.
 //!
 //! A trainer started where a checkpoint exists (`trainer.resume_mode: auto`, or a given path) loads it and
 //! continues with the next step.
@@ -124,7 +124,6 @@ pub(crate) struct Trainer {
     total_steps: u64,
     /// the last step of the checkpoint this run resumed from (0: a fresh run)
     start_step: u64,
-    resumed: bool,
     ckpt_root: PathBuf,
     /// names this trainer process in its sample request ids (`train-<incarnation>-<step>`): a request id is
     /// idempotent at the buffer, so a restarted trainer redoing a step must not reuse the dead one's ids
@@ -210,34 +209,22 @@ impl Trainer {
             "trainer ready"
         );
         let incarnation = format!("{:x}", client.incarnation());
-        Ok(Self {
-            cfg,
-            actor,
-            client,
-            weights,
-            val,
-            sink,
-            shutdown,
-            total_steps,
-            start_step,
-            resumed: resume.is_some(),
-            ckpt_root,
-            incarnation,
-        })
+        Ok(Self { cfg, actor, client, weights, val, sink, shutdown, total_steps, start_step, ckpt_root, incarnation })
     }
 
     async fn train(&mut self) -> Result<(), TrainerError> {
         let started = Instant::now();
-        // Every worker starts from the trainer's weights, whatever it loaded from disk; after a resume the
-        // workers may hold newer weights than the checkpoint, so they must report exactly its version.
+        // Every worker starts from the trainer's weights, whatever it loaded from disk; after a restart (from a
+        // checkpoint, or from step 0 when a trainer died before its first one) the workers may hold newer weights
+        // than the trainer's, so they must report exactly its version.
         let blob = self.weights_blob().await?;
         self.weights.publish(self.start_step, blob).await?;
-        self.weights.wait_for_workers(self.start_step, self.resumed).await?;
+        self.weights.wait_for_workers(self.start_step, true).await?;
         // sync mode: tasks need the weights of the step before theirs
         self.client.min_policy_version = if self.cfg.trainer.mode.is_async() { 0 } else { self.start_step };
-        if self.resumed {
-            self.client.resume(self.start_step).await?;
-        }
+        // the group records of an earlier trainer of this job, if any, are brought to this timeline: without a
+        // checkpoint its trained rows are rolled back and trained again from step 1, never counted twice
+        self.client.resume(self.start_step).await?;
         if self.cfg.trainer.val_before_train || self.cfg.trainer.val_only {
             if self.val.is_empty() {
                 tracing::warn!("trainer.val_before_train / val_only: the validation set is empty; nothing to validate");

@@ -384,9 +384,10 @@ impl RolloutClient {
         }
     }
 
-    /// After a resume from the checkpoint of step `k` (the dataloader restored to that checkpoint's cursor):
-    /// makes the group records agree with the restored timeline, so that every row ends trained, evicted or
-    /// failed once. For each dataset row:
+    /// At the start of every run, after a resume from the checkpoint of step `k` (the dataloader restored to that
+    /// checkpoint's cursor) or from step `k` = 0 (a fresh start, which finds records only when an earlier trainer
+    /// of this job died before its first checkpoint): makes the group records agree with this timeline, so that
+    /// every row ends trained, evicted or failed once. For each dataset row:
     ///
     /// - decided at or before step `k` (trained at a step ≤ k, or evicted then): kept; any later group of it is
     ///   superseded;
@@ -412,6 +413,11 @@ impl RolloutClient {
                 && (jetrl_bus::ledger::SUPERSEDED.contains(&g.evicted_reason.as_str())
                     || g.evicted_reason.starts_with(jetrl_bus::ledger::ROLLED_BACK))
         };
+        let since = if k == 0 {
+            "the trainer started again from step 0 (no checkpoint)".to_string()
+        } else {
+            format!("the checkpoint of step {k}")
+        };
         let mut positions: HashMap<u64, Vec<u64>> = HashMap::new();
         let mut again: Vec<Drawn> = Vec::new();
         let (mut superseded, mut rolled_back) = (0usize, 0usize);
@@ -429,16 +435,12 @@ impl RolloutClient {
                 let reason = match g.state() {
                     GroupState::Sampled => {
                         rolled_back += 1;
-                        format!(
-                            "{}: trained at step {} after the checkpoint of step {k}",
-                            jetrl_bus::ledger::ROLLED_BACK,
-                            g.sampled_step
-                        )
+                        format!("{}: trained at step {} after {since}", jetrl_bus::ledger::ROLLED_BACK, g.sampled_step)
                     }
                     GroupState::Evicted => {
                         rolled_back += 1;
                         format!(
-                            "{}: evicted at step {} ({}) after the checkpoint of step {k}",
+                            "{}: evicted at step {} ({}) after {since}",
                             jetrl_bus::ledger::ROLLED_BACK,
                             g.evicted_step,
                             g.evicted_reason
@@ -466,13 +468,15 @@ impl RolloutClient {
             }
         }
         let submitted = self.submit(subjects::TRAIN_PARTITION, k + 1, &again, false).await?;
-        tracing::info!(
-            checkpoint_step = k,
-            superseded,
-            rolled_back,
-            submitted_again = submitted,
-            "group records brought back to the checkpoint's timeline"
-        );
+        if superseded + rolled_back + submitted > 0 {
+            tracing::info!(
+                start_step = k,
+                superseded,
+                rolled_back,
+                submitted_again = submitted,
+                "an earlier trainer's group records brought to this run's timeline"
+            );
+        }
         Ok(submitted)
     }
 
