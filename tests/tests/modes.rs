@@ -60,9 +60,9 @@ fn demo_in(dir: &Path, mode: &str, steps: u32) -> (f64, Vec<serde_json::Value>) 
 /// How much one run's final reward varies, and why the test runs the demo's full 200 steps. The demo task has a
 /// trap: the policy can stop copying one of the ten digits (it writes `2` or `3` for `9`, say) while its entropy
 /// falls, and the reward then sits near 0.9 (one position in ten wrong) until exploration finds the digit again.
-/// Every mode can fall in: sync with seed 3 sat at 0.87–0.90 from step 50 to 100 of a 200-step run, then left. In
-/// sync a seed decides it once and for all; in the async modes timing decides which weights sample which token, so
-/// each run is a new draw. At 150 steps (the cosine decay then ends at step 150, 1e-4 from step ~120) a run that
+/// Every mode can fall in: sync with seed 3 (validating every 10 steps) sat at 0.87–0.90 from step 50 to 100 of a
+/// 200-step run, then left. A sync run repeats itself for a job file and seed (it falls in every time or never);
+/// in the async modes timing decides which weights sample which token, so each run is a new draw. At 150 steps (the cosine decay then ends at step 150, 1e-4 from step ~120) a run that
 /// fell in by step 60 stayed there: this test at 150 steps missed in 4 of 11 runs, every miss at the trap's level
 /// (0.892–0.906 against sync's 0.995; the two runs whose curves were kept, both beside a CPU-bound process, sat at
 /// 0.87–0.91 from step 50 to 150). At the demo's 200 steps the rate decays
