@@ -33,8 +33,6 @@ const MARKERS_KEPT: u64 = 1000;
 /// group follows its rewards within moments; these belong to deleted or foreign groups and would hold the
 /// purge floor down for ever).
 const ORPHAN_TTL: Duration = Duration::from_secs(120);
-/// How long the GROUPS watch may deliver nothing before the buffer checks the bucket for revisions it missed.
-const WATCH_CHECK: Duration = Duration::from_secs(5);
 /// How long a stopping buffer waits for the archiver to store what it was handed.
 const ARCHIVE_FLUSH: Duration = Duration::from_secs(5);
 
@@ -163,7 +161,7 @@ impl Buffer {
         let mut last_entry = Instant::now();
         // the same for the rewards consumer: its stream's last sequence against the newest reward read
         let mut last_reward = Instant::now();
-        let mut watch_check = tokio::time::interval(WATCH_CHECK);
+        let mut watch_check = tokio::time::interval(jetrl_bus::watch::WATCH_CHECK);
         loop {
             // Whether this event could let a waiting request be answered. Most cannot (a group created or
             // started, the buffer's own `sampled` write, a reward of a group still running), and running the
@@ -235,14 +233,14 @@ impl Buffer {
                 Some(msg) = ledger_sub.next() => self.on_ledger(msg).await,
                 _ = expiry => self.expire_waiting().await,
                 _ = watch_check.tick() => {
-                    if self.groups_current && last_entry.elapsed() >= WATCH_CHECK {
-                        if self.watch_behind(groups_revision).await {
+                    if self.groups_current && last_entry.elapsed() >= jetrl_bus::watch::WATCH_CHECK {
+                        if jetrl_bus::watch::behind(self.groups.kv(), None, groups_revision).await {
                             tracing::warn!(revision = groups_revision, "groups watch stalled behind the bucket; watching again from the next revision");
                             watch = self.watch_again(groups_revision, "stalled").await?;
                         }
                         last_entry = Instant::now();
                     }
-                    if self.rewards_current && last_reward.elapsed() >= WATCH_CHECK {
+                    if self.rewards_current && last_reward.elapsed() >= jetrl_bus::watch::WATCH_CHECK {
                         if self.rewards_behind().await {
                             let next = self.last_reward_seq + 1;
                             tracing::warn!(next, "rewards consumer stalled behind its stream; reading again from the next sequence");
@@ -328,19 +326,6 @@ impl Buffer {
             stream.info().await.ok().map(|i| i.state.last_sequence)
         };
         matches!(tokio::time::timeout(Duration::from_secs(2), ask).await, Ok(Some(last)) if last > self.last_reward_seq)
-    }
-
-    /// Whether the GROUPS bucket holds revisions after `seen` (so a watch that delivered nothing for a while is
-    /// stalled). A bucket that cannot be asked now is not taken as behind.
-    async fn watch_behind(&self, seen: u64) -> bool {
-        match tokio::time::timeout(Duration::from_secs(2), self.groups.kv().status()).await {
-            Ok(Ok(status)) => status.info.state.last_sequence > seen,
-            Ok(Err(err)) => {
-                tracing::debug!(error = %err, "GROUPS status not read");
-                false
-            }
-            Err(_) => false,
-        }
     }
 
     /// A message of the REWARDS stream: a reward batch (indexed), or a release marker. Returns whether it could

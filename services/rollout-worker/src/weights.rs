@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use jetrl_bus::{consume, weights, BusError, Cause};
+use jetrl_bus::{consume, watch, weights, BusError, Cause};
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::v1::{Heartbeat, WeightManifest, WorkerState};
 use jetrl_wire::Message;
@@ -113,22 +113,28 @@ impl Worker {
 
 /// Follows the `latest` manifest in the WEIGHTS bucket and loads each new version (a `latest` that goes back is
 /// a resumed trainer's: it is loaded too). Failed loads are retried with backoff until they succeed or a newer
-/// version replaces them; the worker reports `load_failed` meanwhile.
+/// version replaces them; the worker reports `load_failed` meanwhile. A watch can stall without an error (in a
+/// cluster, when the node holding its consumer dies and the consumer is not recreated): while it delivers nothing,
+/// the revision of `latest` is read every [`watch::WATCH_CHECK`], and a newer one than the watch gave starts it
+/// again.
 pub(crate) async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
     let mut pending: Option<WeightManifest> = None;
     let mut backoff = Duration::from_secs(1);
     let mut attempt = 0u32;
+    // the newest revision of `latest` the watch delivered
+    let mut seen = 0u64;
     loop {
+        let bucket = worker.bus.names().weights_bucket();
         let watch = async {
-            let bucket = worker.bus.names().weights_bucket();
             let kv = worker.bus.key_value(bucket).await?;
-            kv.watch_with_history("latest").await.map_err(|e| BusError::Kv {
+            let entries = kv.watch_with_history("latest").await.map_err(|e| BusError::Kv {
                 bucket: bucket.into(),
                 key: "latest".into(),
                 cause: Cause::of(e),
-            })
+            })?;
+            Ok::<_, BusError>((kv, entries))
         };
-        let mut entries = match watch.await {
+        let (kv, mut entries) = match watch.await {
             Ok(w) => w,
             Err(err) => {
                 tracing::warn!(error = %err, "cannot watch weights; retrying");
@@ -136,22 +142,33 @@ pub(crate) async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
                 continue;
             }
         };
+        let mut check = tokio::time::interval_at((Instant::now() + watch::WATCH_CHECK).into(), watch::WATCH_CHECK);
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             // wait for a new manifest, or (after a failed load) for the retry
-            let next = if pending.is_some() && attempt > 0 {
-                tokio::select! {
-                    _ = shutdown.wait() => return,
-                    e = entries.next() => Some(e),
-                    _ = tokio::time::sleep(backoff) => None,
+            let retry = async {
+                match (&pending, attempt) {
+                    (Some(_), 1..) => tokio::time::sleep(backoff).await,
+                    _ => std::future::pending().await,
                 }
-            } else {
-                tokio::select! {
-                    _ = shutdown.wait() => return,
-                    e = entries.next() => Some(e),
+            };
+            let next = tokio::select! {
+                _ = shutdown.wait() => return,
+                e = entries.next() => Some(e),
+                _ = retry => None,
+                _ = check.tick() => {
+                    if watch::behind(&kv, Some("latest"), seen).await {
+                        tracing::warn!(seen, "weights watch stalled behind the bucket; watching again");
+                        metrics::counter!("jetrl_rollout_weight_watch_restarts_total").increment(1);
+                        break;
+                    }
+                    continue;
                 }
             };
             if let Some(next) = next {
                 let Some(Ok(entry)) = next else { break };
+                seen = seen.max(entry.revision);
+                check.reset();
                 match WeightManifest::decode(entry.value.as_ref()) {
                     Ok(m) => {
                         worker.status.announced.store(m.version + 1, Ordering::SeqCst);
@@ -163,7 +180,6 @@ pub(crate) async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
                         }
                     }
                     Err(err) => {
-                        let bucket = worker.bus.names().weights_bucket();
                         let reason = format!("malformed weight manifest: {err}");
                         consume::dead_letter(SERVICE, bucket, &entry.key, &reason, &entry.value);
                         tracing::error!(error = %err, "malformed weight manifest ignored");

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::kv;
 use futures::StreamExt;
-use jetrl_bus::{Bus, BusError};
+use jetrl_bus::{watch, Bus, BusError};
 use jetrl_wire::v1::{Heartbeat, WorkerState};
 use jetrl_wire::Message;
 use tokio::sync::Notify;
@@ -69,7 +69,9 @@ impl Fleet {
         let task_shared = shared.clone();
         let task = tokio::spawn(async move {
             loop {
-                let mut watch = match kv.watch_with_history("rollout.>").await {
+                // what the bucket held before the watch opened counts as delivered (expired heartbeats too)
+                let mut seen = watch::newest(&kv, None).await.unwrap_or(0);
+                let mut entries = match kv.watch_with_history("rollout.>").await {
                     Ok(w) => w,
                     Err(err) => {
                         tracing::warn!(error = %err, "cannot watch rollout heartbeats; retrying");
@@ -77,8 +79,28 @@ impl Fleet {
                         continue;
                     }
                 };
-                while let Some(entry) = watch.next().await {
-                    let Ok(entry) = entry else { break };
+                // while nothing comes, the bucket is checked for revisions newer than those delivered (a watch
+                // whose consumer died with a cluster node stalls without an error)
+                let mut check = tokio::time::interval_at(
+                    (std::time::Instant::now() + watch::WATCH_CHECK).into(),
+                    watch::WATCH_CHECK,
+                );
+                check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    let entry = tokio::select! {
+                        entry = entries.next() => entry,
+                        _ = check.tick() => {
+                            if watch::behind(&kv, None, seen).await {
+                                tracing::warn!(seen, "rollout heartbeats watch stalled behind the bucket; watching again");
+                                metrics::counter!("jetrl_trainer_fleet_watch_restarts_total").increment(1);
+                                break;
+                            }
+                            continue;
+                        }
+                    };
+                    let Some(Ok(entry)) = entry else { break };
+                    seen = seen.max(entry.revision);
+                    check.reset();
                     if entry.operation != kv::Operation::Put {
                         // deleted or purged: the worker is gone (an expiry by max age sends nothing; liveness
                         // by the heartbeat's own time covers it)

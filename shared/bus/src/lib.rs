@@ -34,6 +34,7 @@ pub mod publish;
 pub mod retry;
 pub mod score;
 pub mod topology;
+pub mod watch;
 pub mod weights;
 
 pub use connect::Bus;
