@@ -121,6 +121,8 @@ pub(crate) async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
     let mut pending: Option<WeightManifest> = None;
     let mut backoff = Duration::from_secs(1);
     let mut attempt = 0u32;
+    // when a failed load is tried again (a deadline, not a sleep: the watch check must not keep postponing it)
+    let mut retry_at: Option<tokio::time::Instant> = None;
     // the newest revision of `latest` the watch delivered
     let mut seen = 0u64;
     loop {
@@ -147,8 +149,8 @@ pub(crate) async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
         loop {
             // wait for a new manifest, or (after a failed load) for the retry
             let retry = async {
-                match (&pending, attempt) {
-                    (Some(_), 1..) => tokio::time::sleep(backoff).await,
+                match (&pending, retry_at) {
+                    (Some(_), Some(at)) => tokio::time::sleep_until(at).await,
                     _ => std::future::pending().await,
                 }
             };
@@ -177,6 +179,7 @@ pub(crate) async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
                             pending = Some(m);
                             attempt = 0;
                             backoff = Duration::from_secs(1);
+                            retry_at = None;
                         }
                     }
                     Err(err) => {
@@ -192,6 +195,7 @@ pub(crate) async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
                 Ok(()) => {
                     pending = None;
                     attempt = 0;
+                    retry_at = None;
                     if worker.status.get().0 == WorkerState::LoadFailed {
                         worker.status.set(WorkerState::Ready, "");
                     }
@@ -206,6 +210,7 @@ pub(crate) async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
                     if attempt > 1 {
                         backoff = (backoff * 2).min(Duration::from_secs(30));
                     }
+                    retry_at = Some(tokio::time::Instant::now() + backoff);
                 }
             }
         }
