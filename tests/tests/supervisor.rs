@@ -19,9 +19,14 @@ struct JetrlRun {
 impl JetrlRun {
     /// Starts `jetrl run --quiet` on the test job (base + `extra` YAML).
     fn start(extra: &str) -> Self {
+        Self::start_with(extra, &[])
+    }
+
+    /// [`JetrlRun::start`] with more arguments for `jetrl run` (`--nats-url …`).
+    fn start_with(extra: &str, args: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let extra = format!("model: {{init_preset: tiny}}\n{extra}");
-        // jetrl run starts its own nats-server and overrides nats.url
+        // jetrl run starts its own nats-server and overrides nats.url (unless given --nats-url)
         let config = dir.path().join("job.yaml");
         std::fs::write(&config, job_yaml(dir.path(), "nats://127.0.0.1:1", &extra)).unwrap();
         let console = std::fs::File::create(dir.path().join("console.txt")).unwrap();
@@ -29,6 +34,7 @@ impl JetrlRun {
             .arg("run")
             .arg(&config)
             .arg("--quiet")
+            .args(args)
             // the services log at the job's level (info): the test reads their start-up lines
             .env_remove("RUST_LOG")
             .stdin(Stdio::null())
@@ -326,4 +332,40 @@ fn a_killed_embedded_nats_server_is_reported_at_once_and_restarted_with_its_stor
     assert!(console.contains("NATS at nats://127.0.0.1:"), "{console}");
     assert!(console.contains("nats-server restarted on port"), "{console}");
     assert!(journal.iter().any(|e| e["event"] == "nats_reachable"), "{journal:?}");
+}
+
+/// The broker is gone for good (a server jetrl run did not start, killed) and the user stops the job: every
+/// service leaves within a few seconds without the broker work it could not do (a worker's drain, the reward
+/// service's batches, the trainer's ledger and lease), none is killed for outliving the stop's grace, and each
+/// says what it left.
+#[test]
+fn a_job_stopped_while_its_broker_is_gone_stops_without_waiting_for_it() {
+    let mut nats = jetrl_bus::NatsServer::start().unwrap();
+    let url = nats.url();
+    let mut run = JetrlRun::start_with("trainer: {total_training_steps: 200}", &["--nats-url", &url]);
+    run.wait_until("step 2", Duration::from_secs(90), |r| r.steps() >= 2);
+    nats.kill();
+    run.wait_until("a broker outage on the console", Duration::from_secs(10), |r| {
+        r.console().contains("unreachable since")
+    });
+    let stopped_at = Instant::now();
+    kill(run.child.id() as libc::pid_t, libc::SIGTERM);
+    let status = run.wait(Duration::from_secs(60));
+    let took = stopped_at.elapsed();
+    let console = run.console();
+    assert!(!console.contains("did not stop in time"), "a service outlived the grace: {console}");
+    // each waits at most jetrl_bus::SETTLE_RECONNECT (5 s) for the broker, the trainer its heartbeat's 3 s more
+    assert!(took < Duration::from_secs(15), "stopping took {took:?}; console:\n{console}");
+    assert!(console.contains("job stopped: interrupted"), "{console} ({status})");
+    let trainer = run.log("trainer");
+    assert!(trainer.contains("NATS unreachable: ledger.jsonl not written"), "{trainer}");
+    assert!(trainer.contains("trainer stopped by shutdown"), "{trainer}");
+    for (service, stopped) in [
+        ("rollout-0", "rollout worker stopped"),
+        ("reward-0", "reward service stopped"),
+        ("checkpoint-sync", "checkpoint-sync stopped"),
+    ] {
+        let log = run.log(service);
+        assert!(log.contains(stopped), "{service}: {log}");
+    }
 }

@@ -186,7 +186,8 @@ pub async fn run(
         }
     };
     bar.finish_and_clear();
-    supervisor.stop_all(Duration::from_secs(20)).await;
+    // each service settles what it holds: a worker drains its in-flight groups, the trainer writes its ledger
+    supervisor.stop_all(cfg.rollout.drain() + STOP_MARGIN).await;
     // Close our connection before the embedded server goes, or the client keeps reconnecting to it.
     drop(progress_sub);
     let _ = tokio::time::timeout(Duration::from_secs(2), bus.client().drain()).await;
@@ -223,6 +224,10 @@ pub async fn run(
 }
 
 const INTERRUPTED: &str = "interrupted";
+/// What a stop allows every service beyond a rollout worker's drain (`rollout.drain()`): the trainer's ledger and
+/// lease release, the other services' naks and acks (a service whose broker is gone waits at most
+/// `jetrl_bus::SETTLE_RECONNECT` for it); a service still running after that is killed.
+const STOP_MARGIN: Duration = Duration::from_secs(15);
 
 /// Shows and records what the supervisor did; `Some` ends the job (the trainer finished, or a crash loop).
 fn handle_events(

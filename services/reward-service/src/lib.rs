@@ -151,14 +151,23 @@ pub async fn run(
             log_join_error(finished);
         }
     }
-    // Requests pulled but not started go back at once; batches in flight finish and acknowledge.
+    // Requests pulled but not started go back at once; batches in flight finish and acknowledge. With the broker
+    // gone neither can: what is left is redelivered after reward.ack_wait_s.
     puller.stop().await;
     pulled.close();
-    while let Some(held) = pulled.recv().await {
-        context.release_unscored(held).await;
-    }
-    while let Some(finished) = batches.join_next().await {
-        log_join_error(finished);
+    let settle = async {
+        while let Some(held) = pulled.recv().await {
+            context.release_unscored(held).await;
+        }
+        while let Some(finished) = batches.join_next().await {
+            log_join_error(finished);
+        }
+    };
+    tokio::select! {
+        () = settle => {}
+        () = context.bus.unreachable_for(jetrl_bus::SETTLE_RECONNECT) => {
+            tracing::warn!("NATS unreachable: the batches in flight are left to redelivery after reward.ack_wait_s");
+        }
     }
     renewal.stop();
     heartbeat.stop().await;

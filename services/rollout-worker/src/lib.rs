@@ -307,11 +307,19 @@ pub async fn run(
         // Slots reserved for messages that did not come are released here.
         drop(reserved);
     }
-    // Stop pulling; give in-flight groups a chance to finish, then nak what is left.
-    let drain = Duration::from_secs_f64(cfg.rollout.ack_wait_s.clamp(1.0, 30.0));
+    // Stop pulling; give in-flight groups a chance to finish, then nak what is left. With the broker gone a
+    // finished group could not be written anyway: nak at once (the naks reach the broker if it comes back;
+    // otherwise the tasks are redelivered after their ack wait).
+    let drain = cfg.rollout.drain();
     tracing::info!(inflight = tasks.len(), drain_s = drain.as_secs_f64(), "draining in-flight groups");
-    let drained = tokio::time::timeout(drain, async { while tasks.join_next().await.is_some() {} }).await;
-    if drained.is_err() {
+    let drained = tokio::select! {
+        drained = tokio::time::timeout(drain, async { while tasks.join_next().await.is_some() {} }) => drained.is_ok(),
+        _ = bus.unreachable_for(jetrl_bus::SETTLE_RECONNECT) => {
+            tracing::warn!(inflight = tasks.len(), "NATS unreachable: in-flight groups are not drained");
+            false
+        }
+    };
+    if !drained {
         let _ = hard_tx.send(());
         while tasks.join_next().await.is_some() {}
     }
@@ -321,7 +329,9 @@ pub async fn run(
         task.abort();
     }
     worker.status.set(WorkerState::Stopped, "");
-    let _ = worker.heartbeat().await;
+    if bus.wait_connected(Duration::ZERO).await {
+        let _ = worker.heartbeat().await;
+    }
     tracing::info!("rollout worker stopped");
     Ok(())
 }

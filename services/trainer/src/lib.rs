@@ -87,10 +87,18 @@ pub async fn run(
     let lease = Lease::acquire(&bus, subjects::TRAINER_LEASE_KEY).await?;
     let shutdown = Shutdown::new(lease.or_lost(shutdown));
     let heartbeat = jetrl_bus::heartbeat::start(&bus, &cfg, jetrl_bus::heartbeat::TRAINER, None, shutdown.clone());
-    let result = train(cfg, bus, shutdown).await;
+    let result = train(cfg, bus.clone(), shutdown.clone()).await;
     heartbeat.stop().await;
-    // released whatever happened, so a restarted trainer need not wait for the lease to expire
-    let released = lease.release().await;
+    // released whatever happened, so a restarted trainer need not wait for the lease to expire; with the broker
+    // gone it expires by its max age (a stopped trainer has just waited for the broker in `train`)
+    let patience = if shutdown.is_triggered() { Duration::ZERO } else { bus.topology_wait() };
+    let released = tokio::select! {
+        released = lease.release() => released,
+        () = bus.unreachable_for(patience) => {
+            tracing::warn!("NATS unreachable: the trainer lease is not released; it expires by its max age");
+            Ok(())
+        }
+    };
     match result.and(released.map_err(TrainerError::from)) {
         Err(TrainerError::Shutdown) => {
             tracing::info!("trainer stopped by shutdown");
@@ -104,11 +112,26 @@ pub async fn run(
 async fn train(cfg: JobConfig, bus: Bus, shutdown: Shutdown) -> Result<(), TrainerError> {
     let stop = shutdown.clone();
     jetrl_telemetry::serve_metrics(&cfg.trainer.metrics_addr, async move { stop.wait().await }).await?;
-    let mut trainer = Trainer::new(cfg, bus, shutdown).await?;
+    let mut trainer = Trainer::new(cfg, bus.clone(), shutdown.clone()).await?;
     let result = trainer.train().await;
-    trainer.client.finish_releases().await;
     trainer.sink.write_curve();
-    trainer.write_ledger().await;
+    // With the broker gone for longer than a stop waits ([`jetrl_bus::SETTLE_RECONNECT`]) or a finished run
+    // waits (`nats.connect_timeout_s`: its ledger is worth a cluster failover), the broker work is left.
+    let patience = if shutdown.is_triggered() { jetrl_bus::SETTLE_RECONNECT } else { bus.topology_wait() };
+    let settled = tokio::select! {
+        () = async {
+            trainer.client.finish_releases().await;
+            trainer.write_ledger().await;
+        } => true,
+        () = bus.unreachable_for(patience) => false,
+    };
+    if !settled {
+        trainer.client.abandon_releases();
+        tracing::warn!(
+            "NATS unreachable: ledger.jsonl not written and the last releases not sent (`jetrl status --ledger \
+             --json` prints the ledger once the broker is back; the buffer's next trainer settles the groups)"
+        );
+    }
     result
 }
 

@@ -38,6 +38,10 @@ impl PromptTokenizer for ModelPrompts<'_> {
     }
 }
 
+/// How long a step waits for its batch before the trainer says so (and again after each as long): a job whose
+/// workers are not running, or whose groups are never scored, otherwise waits without a word at info level.
+const SLOW_BATCH_WARN: Duration = Duration::from_secs(60);
+
 /// A sampled batch's training rows, and the groups that could not be trained on (with why).
 #[derive(Debug, Default)]
 pub struct Fetched {
@@ -258,6 +262,8 @@ impl RolloutClient {
         };
         let mut failures = 0u32;
         let mut backoff = Duration::from_millis(200);
+        let asked = Instant::now();
+        let mut next_warn = asked + SLOW_BATCH_WARN;
         loop {
             if self.shutdown.is_triggered() {
                 return Err(TrainerError::Shutdown);
@@ -289,6 +295,16 @@ impl RolloutClient {
                 }
                 Ok(resp) if resp.not_ready => {
                     tracing::debug!(request_id, step, "buffer: batch not ready yet");
+                    if Instant::now() >= next_warn {
+                        next_warn += SLOW_BATCH_WARN;
+                        tracing::warn!(
+                            step,
+                            batch_size,
+                            waited_s = asked.elapsed().as_secs(),
+                            "no batch yet: the replay buffer has fewer finished groups than a batch (are rollout \
+                             workers and the reward service running and scoring? `jetrl status` shows them)"
+                        );
+                    }
                     failures = 0;
                     backoff = Duration::from_millis(200);
                 }
@@ -374,6 +390,13 @@ impl RolloutClient {
         let mut releases = self.releases.lock().unwrap_or_else(PoisonError::into_inner);
         releases.retain(|t| !t.is_finished());
         releases.push(task);
+    }
+
+    /// Stops the releases still in flight (the broker is gone: each would wait out its retries).
+    pub fn abandon_releases(&self) {
+        for task in std::mem::take(&mut *self.releases.lock().unwrap_or_else(PoisonError::into_inner)) {
+            task.abort();
+        }
     }
 
     /// Waits for the releases still in flight.

@@ -109,13 +109,27 @@ impl WeightSync {
         // cleared) is tried again with backoff until the weight-sync deadline; then the error is the trainer's.
         let started = Instant::now();
         let mut backoff = Duration::from_millis(200);
+        // A stop lets a store in progress finish for `jetrl_bus::SETTLE_RECONNECT` more (a store cut short leaves
+        // chunks behind), and starts no other.
+        let stopped = async {
+            self.shutdown.wait().await;
+            tokio::time::sleep(jetrl_bus::SETTLE_RECONNECT).await;
+        };
+        tokio::pin!(stopped);
         let location = loop {
-            match self.bus.store_weights(&self.transport, version, blob.clone()).await {
+            let attempt = tokio::select! {
+                _ = &mut stopped => return Err(TrainerError::Shutdown),
+                attempt = self.bus.store_weights(&self.transport, version, blob.clone()) => attempt,
+            };
+            match attempt {
                 Ok(location) => break location,
                 Err(err) if started.elapsed() + backoff < self.deadline => {
                     tracing::warn!(version, error = %err, ?backoff, "weights not stored; trying again");
                     metrics::counter!("jetrl_trainer_weight_store_retries_total").increment(1);
-                    tokio::time::sleep(backoff).await;
+                    tokio::select! {
+                        _ = self.shutdown.wait() => return Err(TrainerError::Shutdown),
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
                     backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
                 Err(err) => return Err(err.into()),

@@ -14,6 +14,12 @@ use jetrl_wire::subjects::Names;
 
 use crate::{BusError, Cause};
 
+/// How long a stopping service waits for a lost broker to come back before it leaves without the broker work of
+/// its way out ([`Bus::wait_connected`]): what it skips is settled by the broker itself (a task not acked is
+/// redelivered after its ack wait, a lease expires by its max age, a heartbeat by its bucket's) or can be read
+/// later (`jetrl status --ledger`).
+pub const SETTLE_RECONNECT: Duration = Duration::from_secs(5);
+
 /// A NATS connection plus its JetStream context, for one job. Cheap to clone.
 #[derive(Clone)]
 pub struct Bus {
@@ -237,6 +243,31 @@ impl Bus {
 
     pub fn request_timeout(&self) -> Duration {
         self.request_timeout
+    }
+
+    /// Whether the connection is up now, or comes back within `within` (checked every 100 ms). A service that is
+    /// stopping asks this before the broker work it would do on the way out (nak, final heartbeat, ledger, lease
+    /// release): with the broker gone, each of those would wait out its own patience, and a stop would take
+    /// longer than a supervisor's grace ([`SETTLE_RECONNECT`]).
+    pub async fn wait_connected(&self, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        loop {
+            if self.client.connection_state() == async_nats::connection::State::Connected {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Resolves once the connection has been down for `within` without a break: raced against the broker work of
+    /// a service's way out (batches settling, groups draining), which cannot finish without the broker.
+    pub async fn unreachable_for(&self, within: Duration) {
+        while self.wait_connected(within).await {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// The server's max_payload (bytes), as announced on connect.

@@ -37,7 +37,7 @@ pub mod topology;
 pub mod watch;
 pub mod weights;
 
-pub use connect::Bus;
+pub use connect::{Bus, SETTLE_RECONNECT};
 pub use error::{BusError, Cause, Classify, Recovery};
 pub use groups::GroupStore;
 pub use harness::NatsServer;

@@ -570,6 +570,14 @@ pub struct RolloutConfig {
     pub tokio_threads: Option<u32>,
 }
 
+impl RolloutConfig {
+    /// How long a stopping worker lets its in-flight groups finish before it naks them: `ack_wait_s`, between
+    /// 1 and 30 s (a supervisor's stop grace allows at least this much more than its own margin).
+    pub fn drain(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.ack_wait_s.clamp(1.0, 30.0))
+    }
+}
+
 impl Default for RolloutConfig {
     fn default() -> Self {
         Self {
