@@ -33,6 +33,10 @@
 //!   which grows with the run by design. Note: every binary of the jetrl-tests package links libtorch (with CUDA
 //!   where the wheel has it), so a stand-in worker's RSS starts at a few hundred MiB, most of it libtorch's.
 //!
+//! - RSS trend (`rss_trend_pct_per_10min`, a diagnostic beside the target): per process, the least-squares slope
+//!   through every reading after the first interval, in percent of their mean per 10 minutes, so one reading
+//!   taken at a peak or a trough of a garbage-collected heap does not decide whether memory rises.
+//!
 //! - The broker's live heap (Go's heap right after a collection, from nats-server's profiling port) at each
 //!   report, beside its RSS: RSS also holds the garbage Go's collector lets pile up between collections, so bounded
 //!   state shows flat in the live heap first (`live_heap_growth_pct`, `nats_live_heap_mib`).
@@ -302,6 +306,29 @@ fn growth_pct(first: u64, last: u64) -> f64 {
         return f64::NAN;
     }
     round2((last as f64 - first as f64) / first as f64 * 100.0)
+}
+
+/// The trend of one process's RSS after the first interval: the least-squares slope through the readings of
+/// intervals 2 to the last, as percent of their mean per 10 minutes (`interval_s` apart). Two readings can land on
+/// a peak and a trough of a garbage-collected heap (the broker's moves ±15% from minute to minute); a slope over all
+/// of them says whether memory rises. A diagnostic beside `rss_growth_pct`, not the target. None with fewer
+/// than three such readings.
+fn trend_pct_per_10min(readings: &[u64], interval_s: f64) -> Option<f64> {
+    let ys: Vec<f64> = readings.iter().skip(1).map(|&b| b as f64).collect();
+    if ys.len() < 3 || interval_s <= 0.0 {
+        return None;
+    }
+    let n = ys.len() as f64;
+    let mean_x = (n - 1.0) / 2.0;
+    let mean_y = ys.iter().sum::<f64>() / n;
+    let (mut sxy, mut sxx) = (0.0, 0.0);
+    for (i, y) in ys.iter().enumerate() {
+        let dx = i as f64 - mean_x;
+        sxy += dx * (y - mean_y);
+        sxx += dx * dx;
+    }
+    let per_interval = sxy / sxx;
+    Some(round2(per_interval / mean_y * 100.0 * 600.0 / interval_s))
 }
 
 /// Waits (10 s at most) for the GROUPS bucket to hold no record (each trained group archived to LEDGER and purged);
@@ -579,6 +606,16 @@ async fn soak() {
         let mib_entry = growth_mib.entry(name.to_string()).or_insert(f64::NEG_INFINITY);
         *mib_entry = mib_entry.max(grown);
     }
+    // the slope after the first interval, per process (the workers as one: the steepest)
+    let mut trend: BTreeMap<String, f64> = BTreeMap::new();
+    for name in first.rss.keys() {
+        let readings: Vec<u64> = samples.iter().filter_map(|s| s.rss.get(name).copied()).collect();
+        let Some(slope) = trend_pct_per_10min(&readings, knobs.report_s) else { continue };
+        let name = if name.starts_with("rollout-worker-") { "rollout-worker" } else { name.as_str() };
+        let entry = trend.entry(name.to_string()).or_insert(f64::NEG_INFINITY);
+        *entry = entry.max(slope);
+    }
+    trend.remove("trainer");
     // the broker's live heap (after a collection): bounded state shows flat here even while RSS follows the Go
     // collector's garbage
     let live_heap_growth = match (first.nats_live_heap, last.nats_live_heap) {
@@ -634,6 +671,7 @@ async fn soak() {
         ("payload_bytes", knobs.payload.into()),
         ("rss_growth_mib", serde_json::json!(growth_mib)),
         ("rss_mib_end", serde_json::json!(rss_end)),
+        ("rss_trend_pct_per_10min", serde_json::json!(trend)),
         ("harness_rss_growth_pct", serde_json::json!({ "trainer": harness_growth })),
         ("live_heap_growth_pct", live_heap_growth),
         ("nats_live_heap_mib", serde_json::json!(live_heap_mib)),
@@ -643,4 +681,21 @@ async fn soak() {
     ];
     let fields: Vec<String> = fields.iter().map(|(k, v)| format!("{}:{v}", serde_json::Value::from(*k))).collect();
     println!("{{{}}}", fields.join(","));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::trend_pct_per_10min;
+
+    #[test]
+    fn the_trend_ignores_the_first_reading_and_a_swing_that_does_not_rise() {
+        // the first interval's reading is left out; the others swing ±10% around 200 without rising
+        let swinging = [100, 200, 220, 180, 180, 220, 200];
+        assert_eq!(trend_pct_per_10min(&swinging, 60.0), Some(0.0));
+        // 2 MiB a minute from 100 MiB: readings 2..=7 are 102..=112 MiB (mean 107), 2/107 a minute, 18.69% per 10
+        let rising: Vec<u64> = (0..7).map(|m| (100 + 2 * m) << 20).collect();
+        let slope = trend_pct_per_10min(&rising[..], 60.0).unwrap();
+        assert!((slope - 2.0 / 107.0 * 1000.0).abs() < 0.01, "{slope}");
+        assert_eq!(trend_pct_per_10min(&[1, 2, 3], 60.0), None);
+    }
 }
