@@ -109,16 +109,19 @@ impl WeightSync {
         // cleared) is tried again with backoff until the weight-sync deadline; then the error is the trainer's.
         let started = Instant::now();
         let mut backoff = Duration::from_millis(200);
-        // A stop lets a store in progress finish for `jetrl_bus::SETTLE_RECONNECT` more (a store cut short leaves
-        // chunks behind), and starts no other.
+        // A stop lets a store in progress finish (one cut short leaves chunks behind), unless the broker has been
+        // gone for `jetrl_bus::SETTLE_RECONNECT` (then it cannot finish); it starts no other.
         let stopped = async {
             self.shutdown.wait().await;
-            tokio::time::sleep(jetrl_bus::SETTLE_RECONNECT).await;
+            self.bus.unreachable_for(jetrl_bus::SETTLE_RECONNECT).await;
         };
         tokio::pin!(stopped);
         let location = loop {
             let attempt = tokio::select! {
-                _ = &mut stopped => return Err(TrainerError::Shutdown),
+                _ = &mut stopped => {
+                    tracing::warn!(version, "NATS unreachable: the weight store in progress is cut short by the stop");
+                    return Err(TrainerError::Shutdown);
+                }
                 attempt = self.bus.store_weights(&self.transport, version, blob.clone()) => attempt,
             };
             match attempt {
