@@ -184,7 +184,9 @@ impl SecureCluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let out = dir.path().join("generated");
         let server_dir = out.join("server");
-        let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
+        // six distinct ports, chosen together
+        let chosen = jetrl_bus::harness::free_ports(6).expect("free ports");
+        let ports: Vec<(u16, u16)> = chosen.chunks(2).map(|pair| (pair[0], pair[1])).collect();
         let spec: Vec<String> = ports.iter().map(|(client, route)| format!("localhost:{client}:{route}")).collect();
         gen(&[
             "--out",

@@ -19,10 +19,6 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
-}
-
 /// A child process killed on drop.
 struct Service(Child);
 
@@ -56,8 +52,10 @@ impl Job {
         let model = dir.path().join("model");
         jetrl_model::init_model("tiny-digits", &model, 1).expect("model");
         let mut job = Self { dir, services: Vec::new(), metrics: BTreeMap::new() };
-        for (user, binary, section) in SERVICES {
-            let addr = format!("127.0.0.1:{}", free_port());
+        // one metrics port per service, chosen together so no two are the same
+        let ports = jetrl_bus::harness::free_ports(SERVICES.len()).expect("free ports");
+        for ((user, binary, section), port) in SERVICES.into_iter().zip(ports) {
+            let addr = format!("127.0.0.1:{port}");
             job.metrics.insert(section, addr.clone());
             let log = std::fs::File::create(job.dir.path().join(format!("{user}.log"))).expect("log");
             let child = Command::new(bin(binary))

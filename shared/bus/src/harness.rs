@@ -221,6 +221,19 @@ pub fn free_port() -> Result<u16, BusError> {
     listener.local_addr().map(|a| a.port()).map_err(|e| BusError::Server(format!("no free port: {e}")))
 }
 
+/// `n` distinct ports on 127.0.0.1 that nothing listens on now: each listener is held until all are chosen, so no
+/// two are the same (ports chosen one at a time with [`free_port`] can repeat: a three-node cluster once got one
+/// node's route port equal to another's client port, and that node did not start).
+pub fn free_ports(n: usize) -> Result<Vec<u16>, BusError> {
+    let listeners = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").map_err(|e| BusError::Server(format!("no free port: {e}"))))
+        .collect::<Result<Vec<_>, _>>()?;
+    listeners
+        .iter()
+        .map(|l| l.local_addr().map(|a| a.port()).map_err(|e| BusError::Server(format!("no free port: {e}"))))
+        .collect()
+}
+
 /// Makes the process `command` starts get SIGKILL when the thread that starts it ends (PR_SET_PDEATHSIG; Linux
 /// only, elsewhere nothing): a child of a test or benchmark that is killed hard does not outlive it. Start the
 /// child from a thread that lives as long as the caller (the main thread), not from a pooled one.
