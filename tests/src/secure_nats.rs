@@ -12,10 +12,6 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
-}
-
 /// Starts `nats-server -c conf`, logging to `log`.
 fn spawn_server(conf: &Path, log: &Path) -> Child {
     Command::new(jetrl_bus::harness::find_binary().expect("nats-server"))
@@ -82,7 +78,7 @@ impl SecureNats {
     /// into a temporary directory and starts nats-server with it.
     pub fn start() -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
-        let port = free_port();
+        let port = jetrl_bus::harness::free_port().expect("a free port");
         let out = dir.path().join("generated");
         let server_dir = out.join("server");
         gen(&[
