@@ -186,6 +186,9 @@ read_stream() { # stream...
 }
 direct_get() { for s in "$@"; do echo "$API.DIRECT.GET.$s"; echo "$API.DIRECT.GET.$s.>"; echo "$API.STREAM.MSG.GET.$s"; done; }
 kv_read() { for b in "$@"; do direct_get "KV_$b"; read_stream "KV_$b"; done; }
+# one message read through the stream's leader (a stream without direct get: the ledger archive's last record,
+# which a read of the archive must reach)
+msg_get() { for s in "$@"; do echo "$API.STREAM.MSG.GET.$s"; done; }
 obj_read() { for b in "$@"; do direct_get "OBJ_$b"; read_stream "OBJ_$b"; done; }
 # write objects: chunks and metadata, a lookup of the name's current metadata, a purge of replaced chunks
 obj_write() { for b in "$@"; do echo "\$O.$b.C.>"; echo "\$O.$b.M.>"; direct_get "OBJ_$b"; echo "$API.STREAM.PURGE.OBJ_$b"; done; }
@@ -206,7 +209,7 @@ publish_allow() { # user
       echo "$TRAINER_METRICS"
       obj_write "$OBJ_BLOBS"                    # weight blobs (checkpoint-sync verifies, then announces them)
       echo "\$KV.$KV_GROUPS.>"; kv_read "$KV_GROUPS"  # group records: created pending, re-issued on resume
-      echo "$P_LEDGER.>"; read_stream "$S_LEDGER"  # the archived records: read on resume, amended by a rollback
+      echo "$P_LEDGER.>"; read_stream "$S_LEDGER"; msg_get "$S_LEDGER"  # the archived records: read on resume, amended by a rollback
       echo "\$KV.$KV_LEASE.trainer"; kv_read "$KV_LEASE"  # one trainer per job
       kv_read "$KV_WORKERS" "$KV_WEIGHTS"       # which workers run which version
       heartbeat trainer; dead_letters trainer
@@ -249,7 +252,7 @@ publish_allow() { # user
       echo "$API.STREAM.NAMES"                   # the account's jobs, when asked for one that is not there
       echo "$API.CONSUMER.INFO.$S_PROMPTS.$C_ROLLOUT"; echo "$API.CONSUMER.INFO.$S_SCORE.$C_REWARD"  # lag
       kv_read "$KV_WEIGHTS" "$KV_WORKERS"
-      kv_read "$KV_GROUPS"; read_stream "$S_LEDGER"  # the row ledger (jetrl status --ledger): read, never written
+      kv_read "$KV_GROUPS"; read_stream "$S_LEDGER"; msg_get "$S_LEDGER"  # the row ledger (jetrl status --ledger): read, never written
       echo "$BUFFER.ledger"
       ;;
     admin)

@@ -26,6 +26,23 @@ pub fn bin(name: &str) -> PathBuf {
     path
 }
 
+/// A temporary directory for a test's files; kept (and named on stderr) when `JETRL_TEST_KEEP` is set, to read
+/// a failed run's logs and store afterwards.
+pub fn test_dir(what: &str) -> tempfile::TempDir {
+    let mut dir = tempfile::Builder::new().prefix(&format!("jetrl-{what}-")).tempdir().expect("tempdir");
+    if std::env::var_os("JETRL_TEST_KEEP").is_some() {
+        dir.disable_cleanup(true);
+        eprintln!("{what}: files kept in {}", dir.path().display());
+    }
+    dir
+}
+
+/// The `RUST_LOG` of the service processes a test starts: `JETRL_TEST_LOG` when set (e.g.
+/// `info,jetrl_bus=debug`), else `info`.
+pub fn service_log_filter() -> String {
+    std::env::var("JETRL_TEST_LOG").unwrap_or_else(|_| "info".to_string())
+}
+
 /// A job directory with a tiny model and a config file, a NATS server (its own, or shared with other jobs), and
 /// service processes.
 pub struct TestJob {

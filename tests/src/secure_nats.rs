@@ -177,7 +177,7 @@ pub struct SecureCluster {
 
 impl SecureCluster {
     pub fn start() -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
+        let dir = crate::test_dir("cluster");
         let out = dir.path().join("generated");
         let server_dir = out.join("server");
         // six distinct ports, chosen together
@@ -344,7 +344,7 @@ pub fn spawn_service(log_dir: &Path, user: &str, binary: &str, job: &[String], i
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/job.yaml"))
         .args(job)
         .args(identity)
-        .env("RUST_LOG", "info")
+        .env("RUST_LOG", crate::service_log_filter())
         .stdin(Stdio::null())
         .stdout(file.try_clone().expect("log"))
         .stderr(file)

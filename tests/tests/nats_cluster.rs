@@ -5,7 +5,8 @@
 //!
 //! Every call of the services waits out the election that follows the leader's death (group records, lease,
 //! weight store and announcement, publishes, topology lookups, the buffer's GROUPS watch and REWARDS consumer);
-//! docs/deploy.md, "The cluster", says how. `just test-cluster` runs this test alone.
+//! docs/deploy.md, "The cluster", says how. `just test-cluster` runs this test alone; `JETRL_TEST_KEEP=1` keeps
+//! its logs and stores, `JETRL_TEST_LOG=info,jetrl_bus=debug` (a `RUST_LOG` filter) makes the services say more.
 
 #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
 
@@ -52,7 +53,7 @@ fn wait_until(what: &str, timeout: Duration, context: impl Fn() -> String, mut d
 #[test]
 fn a_job_on_a_three_node_cluster_survives_a_killed_node_and_trains_every_row_once() {
     let mut cluster = SecureCluster::start();
-    let dir = tempfile::tempdir().unwrap();
+    let dir = jetrl_tests::test_dir("cluster-job");
     let model = dir.path().join("model");
     jetrl_model::init_model("tiny-digits", &model, 1).unwrap();
     let run: PathBuf = dir.path().join("run");
@@ -79,8 +80,17 @@ fn a_job_on_a_three_node_cluster_survives_a_killed_node_and_trains_every_row_onc
     };
     let mut trainer = spawn("trainer", "jetrl-trainer");
     let _services: Vec<Service> = all_but_the_trainer(&spawn);
+    // a trainer that exits before the end fails the test at once, not after a wait's timeout
+    let steps_while_training = |trainer: &mut Service| {
+        if let Some(status) = trainer.0.try_wait().unwrap() {
+            panic!("the trainer exited early ({status})\n{}", logs());
+        }
+        metric_lines(&run)
+    };
 
-    wait_until("three steps before the node is killed", Duration::from_secs(240), logs, || metric_lines(&run) >= 3);
+    wait_until("three steps before the node is killed", Duration::from_secs(240), logs, || {
+        steps_while_training(&mut trainer) >= 3
+    });
     // the node leading the job's PROMPTS stream: its death forces an election
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let leader = runtime.block_on(async {
@@ -88,13 +98,16 @@ fn a_job_on_a_three_node_cluster_survives_a_killed_node_and_trains_every_row_onc
         let mut stream = bus.jetstream().get_stream(bus.names().prompts_stream()).await.unwrap();
         let info = stream.info().await.unwrap();
         assert_eq!(info.config.num_replicas, 3, "the job's streams are replicated on the three nodes");
+        // a follower answers a direct get from what it has applied: the group records are read from the leader
+        let groups = bus.jetstream().get_stream(format!("KV_{}", bus.names().groups_bucket())).await.unwrap();
+        assert!(!groups.cached_info().config.allow_direct, "GROUPS is read by direct get in a cluster");
         info.cluster.as_ref().and_then(|c| c.leader.clone()).expect("a stream leader")
     });
     assert!(cluster.nodes().contains(&leader), "leader {leader} is not one of {:?}", cluster.nodes());
     let killed_at = metric_lines(&run);
     cluster.kill(&leader);
     wait_until(&format!("training went on while {leader} was down"), Duration::from_secs(240), logs, || {
-        metric_lines(&run) >= killed_at + 3
+        steps_while_training(&mut trainer) >= killed_at + 3
     });
     cluster.restart(&leader);
 

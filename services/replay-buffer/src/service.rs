@@ -30,9 +30,11 @@ const ANSWER_CACHE: usize = 64;
 /// floor, which is a few steps at most.
 const MARKERS_KEPT: u64 = 1000;
 /// Rewards of a group whose record has not arrived this long after them are forgotten (the record of a live
-/// group follows its rewards within moments; these belong to deleted or foreign groups and would hold the
-/// purge floor down for ever).
+/// group is created before its prompt is sent; these belong to deleted or foreign groups and would hold the purge
+/// floor down for ever), once the groups watch has delivered everything the bucket held since they came.
 const ORPHAN_TTL: Duration = Duration::from_secs(120);
+/// Bucket revisions remembered for the watch to reach at most (one per watch check; the oldest go first).
+const MAX_GROUPS_MARKS: usize = 1024;
 /// How long a stopping buffer waits for the archiver to store what it was handed.
 const ARCHIVE_FLUSH: Duration = Duration::from_secs(5);
 
@@ -82,6 +84,12 @@ struct Buffer {
     last_reward_seq: u64,
     /// `(when, last_reward_seq)` at each tick of the last ORPHAN_TTL, oldest first
     reward_seq_history: VecDeque<(Instant, u64)>,
+    /// `(when, the GROUPS bucket's last revision then)`, oldest first, not yet delivered by the watch
+    groups_marks: VecDeque<(Instant, u64)>,
+    /// the latest time as of which the groups watch is known to have delivered everything the bucket held: orphan
+    /// rewards are forgotten only when their groups' records would have come by then (a watch whose consumer sits
+    /// on a cluster node still catching up delivers late, and its rewards must not be dropped meanwhile)
+    groups_seen_through: Option<Instant>,
     /// REWARDS is purged below this sequence (written by the purge task)
     rewards_purged_below: Arc<AtomicU64>,
     /// the floor purge in flight, if any (one at a time)
@@ -125,6 +133,8 @@ impl Buffer {
             rewards,
             last_reward_seq: 0,
             reward_seq_history: VecDeque::new(),
+            groups_marks: VecDeque::new(),
+            groups_seen_through: None,
             rewards_purged_below: Arc::new(AtomicU64::new(0)),
             rewards_purge: None,
             state: BufferState::default(),
@@ -182,6 +192,7 @@ impl Buffer {
                         Ok(entry) => {
                             last_entry = Instant::now();
                             groups_revision = groups_revision.max(entry.revision);
+                            self.groups_seen(groups_revision);
                             if entry.delta == 0 { self.groups_current = true; }
                             match decode_entry(&entry) {
                                 Some(Ok(status)) => {
@@ -233,12 +244,25 @@ impl Buffer {
                 Some(msg) = ledger_sub.next() => self.on_ledger(msg).await,
                 _ = expiry => self.expire_waiting().await,
                 _ = watch_check.tick() => {
-                    if self.groups_current && last_entry.elapsed() >= jetrl_bus::watch::WATCH_CHECK {
-                        if jetrl_bus::watch::behind(self.groups.kv(), None, groups_revision).await {
-                            tracing::warn!(revision = groups_revision, "groups watch stalled behind the bucket; watching again from the next revision");
-                            watch = self.watch_again(groups_revision, "stalled").await?;
+                    if self.groups_current {
+                        // the bucket's last revision now: once the watch has delivered it, it had everything
+                        // the bucket held at this moment
+                        let asked = Instant::now();
+                        let newest = jetrl_bus::watch::newest(self.groups.kv(), None).await;
+                        if let Some(newest) = newest {
+                            if self.groups_marks.len() >= MAX_GROUPS_MARKS {
+                                self.groups_marks.pop_front();
+                            }
+                            self.groups_marks.push_back((asked, newest));
+                            self.groups_seen(groups_revision);
                         }
-                        last_entry = Instant::now();
+                        if last_entry.elapsed() >= jetrl_bus::watch::WATCH_CHECK {
+                            if newest.is_some_and(|newest| newest > groups_revision) {
+                                tracing::warn!(revision = groups_revision, "groups watch stalled behind the bucket; watching again from the next revision");
+                                watch = self.watch_again(groups_revision, "stalled").await?;
+                            }
+                            last_entry = Instant::now();
+                        }
                     }
                     if self.rewards_current && last_reward.elapsed() >= jetrl_bus::watch::WATCH_CHECK {
                         if self.rewards_behind().await {
@@ -276,6 +300,17 @@ impl Buffer {
             tracing::warn!("archiving not finished at shutdown: the rest is archived at the next start");
         }
         Ok(())
+    }
+
+    /// The watch has delivered revision `revision`: every mark at or below it is reached.
+    fn groups_seen(&mut self, revision: u64) {
+        while let Some(&(at, newest)) = self.groups_marks.front() {
+            if newest > revision {
+                break;
+            }
+            self.groups_seen_through = Some(at);
+            self.groups_marks.pop_front();
+        }
     }
 
     /// A new watch of the group records from the revision after `seen`, asked again (with backoff) until it
@@ -385,7 +420,8 @@ impl Buffer {
         self.reward_seq_history.push_back((now, self.last_reward_seq));
         let mut horizon = 0;
         while let Some(&(at, seq)) = self.reward_seq_history.front() {
-            if now.duration_since(at) < ORPHAN_TTL {
+            // older than the TTL, and the watch has delivered every record the bucket held since
+            if now.duration_since(at) < ORPHAN_TTL || self.groups_seen_through.is_none_or(|seen| seen < at) {
                 break;
             }
             horizon = seq;

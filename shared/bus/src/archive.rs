@@ -18,6 +18,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::pull::OrderedConfig;
+use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use futures::StreamExt;
 use jetrl_wire::v1::{GroupState, GroupStatus};
 use jetrl_wire::{subjects, Message};
@@ -132,10 +133,17 @@ impl GroupStore {
     async fn archived(&self, partition: &str) -> Result<HashMap<String, (Version, GroupStatus)>, BusError> {
         let names = self.bus.names();
         let stream = self.bus.stream(names.ledger_stream()).await?;
-        let config = OrderedConfig { filter_subject: names.ledger_subject(partition), ..Default::default() };
+        let subject = names.ledger_subject(partition);
+        // the archive's last record as the stream leader has it: the read must get that far
+        let reach = match stream.get_last_raw_message_by_subject(&subject).await {
+            Ok(last) => last.sequence,
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => return Ok(HashMap::new()),
+            Err(e) => return Err(BusError::Consume { what: names.ledger_stream().into(), cause: Cause::of(e) }),
+        };
+        let config = OrderedConfig { filter_subject: subject, ..Default::default() };
         let mut by_uid = HashMap::new();
         let mut malformed = 0u64;
-        crate::consume::read_stored(&stream, config, usize::MAX, SCAN_WAIT, |msg| {
+        crate::consume::read_stored_through(&stream, config, reach, SCAN_WAIT, |msg| {
             let header = |name: &str| msg.headers.as_ref().and_then(|h| h.get(name)).map(|v| v.as_str().to_string());
             let version = Version {
                 amended: header(AMENDED_HEADER).is_some(),

@@ -126,14 +126,42 @@ pub async fn pull_collect(
 }
 
 /// Reads what `stream` holds now for `config` (an ordered consumer: its filter and start), oldest first, handing
-/// each message to `each`; stops at the stream's last message as of the call, after `max` messages, or when none
-/// comes for `wait`. Returns how many were read. For one-off reads (a scan, a test's check), not for following a
-/// stream.
+/// each message to `each`; stops at the stream's last message as of the call or after `max` messages. Returns how
+/// many were read. For one-off reads (a scan, a test's check), not for following a stream.
+///
+/// When no message comes for `wait` before the end, the read fails (transient: the caller asks again) instead of
+/// returning what it had: a consumer that stalls while a cluster elects a leader must not pass for a short stream.
 pub async fn read_stored(
     stream: &jetstream::stream::Stream,
     config: jetstream::consumer::pull::OrderedConfig,
     max: usize,
     wait: Duration,
+    each: impl FnMut(&jetstream::Message),
+) -> Result<usize, BusError> {
+    read_stored_until(stream, config, max, wait, None, each).await
+}
+
+/// [`read_stored`] that must deliver stream sequence `reach` (the last message on the filter, as the stream
+/// leader has it): in a cluster the ordered consumer may be placed on a replica still catching up after a
+/// restart, which holds fewer messages and reports none pending before `reach`; the read then waits for it and
+/// fails (transient) after `wait` without one, instead of passing a short read for the whole (a ledger read that
+/// way missed the last step's groups).
+pub async fn read_stored_through(
+    stream: &jetstream::stream::Stream,
+    config: jetstream::consumer::pull::OrderedConfig,
+    reach: u64,
+    wait: Duration,
+    each: impl FnMut(&jetstream::Message),
+) -> Result<usize, BusError> {
+    read_stored_until(stream, config, usize::MAX, wait, Some(reach), each).await
+}
+
+async fn read_stored_until(
+    stream: &jetstream::stream::Stream,
+    config: jetstream::consumer::pull::OrderedConfig,
+    max: usize,
+    wait: Duration,
+    reach: Option<u64>,
     mut each: impl FnMut(&jetstream::Message),
 ) -> Result<usize, BusError> {
     let what = stream.cached_info().config.name.clone();
@@ -142,21 +170,41 @@ pub async fn read_stored(
     if state.messages == 0 {
         return Ok(0);
     }
+    let behind = |read: usize| {
+        failed(Cause::transient(format!(
+            "the consumer's replica has not caught up: {read} read, #{} expected",
+            reach.unwrap_or_default()
+        )))
+    };
     let consumer = stream.create_consumer(config).await.map_err(|e| failed(Cause::of(e)))?;
     if consumer.cached_info().num_pending == 0 {
-        return Ok(0);
+        return match reach {
+            Some(_) => Err(behind(0)),
+            None => Ok(0),
+        };
     }
     let mut messages = consumer.messages().await.map_err(|e| failed(Cause::of(e)))?;
     let mut read = 0;
     while read < max {
-        let Ok(next) = tokio::time::timeout(wait, messages.next()).await else { break };
+        let Ok(next) = tokio::time::timeout(wait, messages.next()).await else {
+            return Err(failed(Cause::transient(format!(
+                "no message for {:.1}s after {read} of the stored ones (the stream's last is #{}{})",
+                wait.as_secs_f64(),
+                state.last_sequence,
+                reach.map(|r| format!(", #{r} expected")).unwrap_or_default()
+            ))));
+        };
         let msg =
             next.ok_or_else(|| failed(Cause::transient("the consumer ended")))?.map_err(|e| failed(Cause::of(e)))?;
         read += 1;
         each(&msg);
-        match msg.info() {
-            Ok(info) if info.pending > 0 && info.stream_sequence < state.last_sequence => {}
-            _ => break,
+        let Ok(info) = msg.info() else { break };
+        let done = match reach {
+            Some(reach) => info.stream_sequence >= reach,
+            None => info.pending == 0 || info.stream_sequence >= state.last_sequence,
+        };
+        if done {
+            break;
         }
     }
     Ok(read)

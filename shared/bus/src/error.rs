@@ -290,6 +290,11 @@ macro_rules! kinds {
 }
 
 kinds! {
+    jetstream::stream::LastRawMessageErrorKind {
+        K::NoMessageFound | K::InvalidSubject => Some(Permanent),
+        K::JetStream(e) => Some(api_recovery(e)),
+        K::Other => None,
+    }
     jetstream::kv::EntryErrorKind {
         K::TimedOut => Some(Transient),
         K::InvalidKey => Some(Permanent),

@@ -49,12 +49,18 @@ impl Bus {
         let missing: Vec<u64> = wanted.iter().map(|(_, s)| *s).filter(|s| !found.contains_key(s)).collect();
         if !missing.is_empty() {
             let handle = self.stream(stream).await?;
+            let replicated = self.replicas() > 1;
             let singles: Vec<(u64, Result<Bytes, DirectGetError>)> =
                 futures::stream::iter(missing.into_iter().map(|seq| {
                     let handle = &handle;
                     async move {
                         match handle.direct_get(seq).await {
                             Ok(msg) => (seq, Ok(msg.payload)),
+                            // a follower that has not applied it yet (just written, or a node catching up after
+                            // a restart) answers "not found": the stream leader decides
+                            Err(e) if replicated && e.kind() == DirectGetErrorKind::NotFound => {
+                                (seq, from_leader(handle, seq).await)
+                            }
                             Err(e) => (seq, Err(e)),
                         }
                     }
@@ -122,5 +128,18 @@ impl Bus {
         };
         let _ = tokio::time::timeout(BATCH_TIMEOUT, collect).await;
         Ok(out)
+    }
+}
+
+/// The message at `seq` read through its stream's leader (`STREAM.MSG.GET`, not a direct get): "not found" only
+/// when the leader has no such message.
+async fn from_leader(handle: &async_nats::jetstream::stream::Stream, seq: u64) -> Result<Bytes, DirectGetError> {
+    use async_nats::jetstream::stream::RawMessageErrorKind;
+    match handle.get_raw_message(seq).await {
+        Ok(msg) => Ok(msg.payload),
+        Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => {
+            Err(DirectGetError::new(DirectGetErrorKind::NotFound))
+        }
+        Err(e) => Err(DirectGetError::with_source(DirectGetErrorKind::Other, e)),
     }
 }

@@ -254,15 +254,23 @@ impl GroupStore {
         self.patience.retry("list group records", || self.list_once(partition)).await
     }
 
+    /// The keys come from the stream leader (`STREAM.INFO` with a subject filter), not from a consumer (what
+    /// `kv.keys()` uses): in a cluster an ephemeral consumer is placed on any replica, and one on a node still
+    /// catching up after a restart lists only what that node has (a ledger read that way missed the last step's
+    /// groups). The values are then read from the leader too ([`crate::topology::bucket_reads_direct`]).
     async fn list_once(&self, partition: &str) -> Result<Vec<(GroupStatus, u64)>, BusError> {
         use futures::StreamExt;
         let err = |key: &str, cause: Cause| kv_err(&self.kv, key, cause);
-        let mut keys = self.kv.keys().await.map_err(|e| err("*", Cause::of(e)))?;
+        let prefix = self.kv.prefix.as_str();
+        let filter = format!("{prefix}{}", subjects::group_key(partition, ">"));
+        let mut listed = self.kv.stream.info_with_subjects(&filter).await.map_err(|e| err("*", Cause::of(e)))?;
         let mut names = Vec::new();
-        while let Some(key) = keys.next().await {
-            let key = key.map_err(|e| err("*", Cause::of(e)))?;
-            if subjects::parse_group_key(&key).is_some_and(|(p, _)| p == partition) {
-                names.push(key);
+        while let Some(listed) = listed.next().await {
+            let (subject, _messages) = listed.map_err(|e| err("*", Cause::of(e)))?;
+            if let Some(key) = subject.strip_prefix(prefix) {
+                if subjects::parse_group_key(key).is_some_and(|(p, _)| p == partition) {
+                    names.push(key.to_string());
+                }
             }
         }
         let fetched = futures::future::join_all(names.iter().map(|k| self.kv.entry(k))).await;

@@ -723,3 +723,30 @@ async fn archived_records_leave_groups_and_are_still_read_with_their_rollbacks()
     let all = by_uid(groups.records("train").await.unwrap());
     assert_eq!(all.len(), 3, "{all:?}");
 }
+
+/// A read that must get to a sequence (the last one on its subject as the stream leader has it) and whose
+/// consumer ends before it (as one placed on a cluster replica still catching up does) fails, transiently, instead
+/// of passing a short read for the whole; one that gets there reads everything.
+#[tokio::test]
+async fn a_stored_read_short_of_the_leaders_last_message_fails_instead_of_passing_for_the_whole() {
+    use async_nats::jetstream::consumer::pull::OrderedConfig;
+    let server = NatsServer::start().unwrap();
+    let bus = bus(&server).await;
+    let subject = bus.names().ledger_subject("train");
+    let mut last = 0;
+    for i in 0..3u8 {
+        let ack = bus.jetstream().publish(subject.clone(), vec![i].into()).await.unwrap().await.unwrap();
+        last = ack.sequence;
+    }
+    let stream = bus.stream(bus.names().ledger_stream()).await.unwrap();
+    let config = || OrderedConfig { filter_subject: subject.clone(), ..Default::default() };
+    let wait = Duration::from_millis(300);
+    let mut seen = Vec::new();
+    let read = consume::read_stored_through(&stream, config(), last, wait, |m| seen.push(m.payload[0])).await;
+    assert_eq!(read.unwrap(), 3);
+    assert_eq!(seen, [0, 1, 2]);
+    let short = consume::read_stored_through(&stream, config(), last + 5, wait, |_| {}).await;
+    let err = short.expect_err("a read short of the expected sequence must fail");
+    assert_eq!(err.recovery(), Recovery::Transient, "{err}");
+    assert!(err.to_string().contains(&format!("#{} expected", last + 5)), "{err}");
+}

@@ -66,6 +66,15 @@ fn payload_stream(name: &str, filter: String, replicas: usize, duplicate_window:
     }
 }
 
+/// Whether a KV bucket of `replicas` replicas is read by direct get. A direct get is answered by any replica,
+/// and a follower answers from what it has applied: just after a write, or while a restarted node catches up, it
+/// returns an older revision or nothing at all for a key the leader holds (nats-server issues 4162, 4710). The
+/// group records are read to decide fates and written by compare-and-set, and the ledger lists them, so a
+/// replicated bucket is read from its stream leader (`STREAM.MSG.GET`) instead; a single server has one copy.
+pub fn bucket_reads_direct(replicas: usize) -> bool {
+    replicas <= 1
+}
+
 /// One stream, KV bucket or object store of the job, as this jetrl declares it.
 #[allow(clippy::large_enum_variant)] // a dozen, built once per declaration
 enum Part {
@@ -105,6 +114,7 @@ impl Part {
         }
         if let Part::Bucket(_) = self {
             out.push(("history", config.max_messages_per_subject.to_string()));
+            out.push(("allow_direct", config.allow_direct.to_string()));
         }
         if !matches!(self, Part::Objects(_)) {
             out.push(("max_age", format!("{:?}", config.max_age)));
@@ -124,6 +134,7 @@ impl Part {
                 max_age: c.max_age,
                 storage: c.storage,
                 num_replicas: c.num_replicas,
+                allow_direct: bucket_reads_direct(c.num_replicas),
                 ..Default::default()
             },
             Part::Objects(c) => {
@@ -144,6 +155,7 @@ impl Part {
         }
         if let Part::Bucket(_) = self {
             config.max_messages_per_subject = wanted.max_messages_per_subject;
+            config.allow_direct = wanted.allow_direct;
         }
         if !matches!(self, Part::Objects(_)) {
             config.max_age = wanted.max_age;
@@ -184,6 +196,12 @@ fn is_not_found(err: &jetstream::context::GetStreamError) -> bool {
         jetstream::context::GetStreamErrorKind::JetStream(e)
             if e.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
     )
+}
+
+/// Whether a creation failed because the cluster has no peers to place it on now (JetStream error 10005).
+fn is_no_placement(cause: &Cause) -> bool {
+    let text = cause.to_string();
+    text.contains("no suitable peers for placement") || text.contains("error code 10005")
 }
 
 impl Bus {
@@ -290,7 +308,7 @@ impl Bus {
                     }
                 }
                 None => {
-                    self.create_part(&part).await?;
+                    self.create_part(&part, started).await?;
                     declared.created.push(what);
                 }
             }
@@ -344,22 +362,44 @@ impl Bus {
         }
     }
 
-    async fn create_part(&self, part: &Part) -> Result<(), BusError> {
+    /// Creates the part. A cluster that cannot place it yet ("no suitable peers for placement": a node that just
+    /// started is not yet known to be online) is asked again with backoff (0.1 s doubling to 2 s) while the
+    /// declaration is younger than `nats.connect_timeout_s`; a cluster too small for `nats.replicas` fails then,
+    /// with the hint.
+    async fn create_part(&self, part: &Part, started: Instant) -> Result<(), BusError> {
         let js = self.jetstream();
-        let created = self
-            .api_call(async {
-                match part {
-                    Part::Stream(c) => js.create_stream((**c).clone()).await.map(drop).map_err(Cause::of),
-                    Part::Bucket(c) => js.create_key_value(c.clone()).await.map(drop).map_err(Cause::of),
-                    Part::Objects(c) => js.create_object_store(c.clone()).await.map(drop).map_err(Cause::of),
+        let mut delay = Duration::from_millis(100);
+        let created = loop {
+            let created = self
+                .api_call(async {
+                    match part {
+                        Part::Stream(c) => js.create_stream((**c).clone()).await.map(drop).map_err(Cause::of),
+                        Part::Bucket(c) => js.create_key_value(c.clone()).await.map(drop).map_err(Cause::of),
+                        Part::Objects(c) => js.create_object_store(c.clone()).await.map(drop).map_err(Cause::of),
+                    }
+                })
+                .await;
+            match created {
+                Err(cause) if is_no_placement(&cause) && started.elapsed() + delay < self.topology_wait() => {
+                    tracing::warn!(part = %part.what(), error = %cause, ?delay, "JetStream cannot place it yet; asking again");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(2));
                 }
-            })
-            .await;
-        let Err(cause) = created else { return Ok(()) };
-        if cause.to_string().contains("permissions violation") {
-            return Err(declare_err(&part.what(), cause));
-        }
-        // Another declarer may have created it meanwhile: then it only has to be as declared.
+                created => break created,
+            }
+        };
+        let created_bucket = matches!(part, Part::Bucket(_)) && created.is_ok();
+        let cause = match created {
+            // the client creates a bucket with its own settings (direct get on): made as declared below
+            Ok(()) if created_bucket => Cause::transient("the new bucket could not be read back"),
+            Ok(()) => return Ok(()),
+            Err(cause) if cause.to_string().contains("permissions violation") => {
+                return Err(declare_err(&part.what(), cause));
+            }
+            Err(cause) => cause,
+        };
+        // Another declarer may have created it meanwhile (or we just created a bucket): then it only has to be as
+        // declared.
         if let Ok(existing) = js.get_stream(part.stream_name()).await {
             let differences = part.differences(&existing.cached_info().config);
             if differences.is_empty() {
