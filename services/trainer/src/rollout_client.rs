@@ -38,9 +38,10 @@ impl PromptTokenizer for ModelPrompts<'_> {
     }
 }
 
-/// How long a step waits for its batch before the trainer says so (and again after each as long): a job whose
-/// workers are not running, or whose groups are never scored, otherwise waits without a word at info level.
-const SLOW_BATCH_WARN: Duration = Duration::from_secs(60);
+/// How long a step waits for its batch (or a weight sync for its workers) before the trainer says so, and again
+/// after each as long: a job whose workers are not running, or whose groups are never scored, otherwise waits
+/// without a word at info level.
+pub(crate) const SLOW_BATCH_WARN: Duration = Duration::from_secs(60);
 
 /// A sampled batch's training rows, and the groups that could not be trained on (with why).
 #[derive(Debug, Default)]

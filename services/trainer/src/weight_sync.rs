@@ -191,9 +191,26 @@ impl WeightSync {
         let started = Instant::now();
         let deadline = tokio::time::Instant::now() + self.deadline;
         let loaded = |v: u64| if exact { v == version } else { v >= version };
-        let waited = tokio::select! {
-            _ = self.shutdown.wait() => return Err(TrainerError::Shutdown),
-            held = self.fleet.wait_until(deadline, |live| !live.is_empty() && live.iter().all(|b| loaded(b.policy_version))) => held,
+        // a long wait is said every minute, with what each worker reports (the deadline may be minutes away)
+        let mut next_warn = tokio::time::Instant::now() + crate::rollout_client::SLOW_BATCH_WARN;
+        let waited = loop {
+            let until = next_warn.min(deadline);
+            let held = tokio::select! {
+                _ = self.shutdown.wait() => return Err(TrainerError::Shutdown),
+                held = self.fleet.wait_until(until, |live| !live.is_empty() && live.iter().all(|b| loaded(b.policy_version))) => held,
+            };
+            if held || until >= deadline {
+                break held;
+            }
+            let workers: Vec<String> = self.fleet.views().iter().map(ToString::to_string).collect();
+            tracing::warn!(
+                version,
+                waited_s = started.elapsed().as_secs(),
+                deadline_s = self.deadline.as_secs_f64(),
+                ?workers,
+                "weight sync still waiting: not every live rollout worker reports the new version"
+            );
+            next_warn += crate::rollout_client::SLOW_BATCH_WARN;
         };
         let views = self.fleet.views();
         let lagging: Vec<WorkerView> = views.iter().filter(|w| !loaded(w.version)).cloned().collect();
