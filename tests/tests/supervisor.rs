@@ -275,6 +275,40 @@ fn a_killed_rollout_worker_is_restarted_and_the_run_completes() {
     assert_eq!(job["reward"]["tokio_threads"].as_u64(), Some(2.min(cores)), "{job:?}");
 }
 
+/// A service that is alive but does nothing (SIGSTOP: no exit for the supervisor to see) is found by its missing
+/// heartbeats, killed and restarted; the run completes.
+#[test]
+fn a_stopped_reward_service_is_found_hung_killed_and_restarted_and_the_run_completes() {
+    let steps = 30;
+    let mut run = JetrlRun::start(&format!(
+        "trainer: {{total_training_steps: {steps}}}\nrun: {{supervisor: {{restart_delay_s: 0.2, hang_after_s: 4}}}}"
+    ));
+    run.wait_until("step 2", Duration::from_secs(90), |r| r.steps() >= 2);
+    let stopped = run.pid("reward-0");
+    kill(stopped, libc::SIGSTOP);
+    let frozen = Instant::now();
+    run.wait_until("a restart of reward-0", Duration::from_secs(60), |r| {
+        r.journal().iter().any(|e| e["event"] == "restarted" && e["service"] == "reward-0")
+    });
+    let found_after = frozen.elapsed();
+    let status = run.wait(Duration::from_secs(120));
+    let console = run.console();
+    assert!(status.success(), "jetrl run failed ({status}); console:\n{console}");
+    assert_eq!(run.steps(), steps, "console:\n{console}");
+    assert!(
+        console.contains(&format!("reward-0 (pid {stopped}) has sent no heartbeat for")),
+        "the console names the hung service: {console}"
+    );
+    // judged on the heartbeats (every 0.5 s in the test job), not before the window, not long after it
+    assert!(found_after >= Duration::from_secs(4) && found_after < Duration::from_secs(20), "{found_after:?}");
+    let journal = run.journal();
+    let hung = journal.iter().find(|e| e["event"] == "hung").unwrap_or_else(|| panic!("{journal:?}"));
+    assert_eq!((hung["service"].as_str(), hung["pid"].as_i64()), (Some("reward-0"), Some(i64::from(stopped))));
+    let exit = journal.iter().find(|e| e["event"] == "exit" && e["service"] == "reward-0").unwrap();
+    assert_eq!((exit["status"].as_str(), exit["action"].as_str()), (Some("signal: 9 (SIGKILL)"), Some("restart")));
+    assert_eq!(journal.iter().filter(|e| e["event"] == "hung").count(), 1, "only the stopped one: {journal:?}");
+}
+
 /// A service that fails at every start (here: an address it cannot bind) is restarted with backoff until it
 /// passes the crash-loop limit; then the job ends non-zero, naming it and showing its last log lines.
 #[test]

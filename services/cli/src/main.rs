@@ -3,6 +3,7 @@
 mod broker;
 mod embedded;
 mod ledger;
+mod liveness;
 mod run;
 mod status;
 mod supervisor;

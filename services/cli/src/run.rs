@@ -13,6 +13,7 @@ use serde_json::json;
 
 use crate::broker;
 use crate::embedded;
+use crate::liveness::Liveness;
 use crate::supervisor::{self, Event, RestartHistory, RestartPolicy, ServiceSpec, Supervisor, Verdict};
 use crate::threads;
 
@@ -85,6 +86,7 @@ pub async fn run(
     let bus = jetrl_bus::Bus::connect_job(&own, "jetrl-run").await?;
     bus.declare_topology().await?;
     let mut progress_sub = bus.client().subscribe(bus.names().trainer_metrics().to_string()).await?;
+    let liveness = Liveness::watch(&bus, Duration::from_secs_f64(cfg.run.supervisor.hang_after_s)).await?;
 
     let bin_dir = std::env::current_exe()?.parent().map(Path::to_path_buf).context("locating jetrl's directory")?;
     let policy = RestartPolicy::from_config(&cfg.run.supervisor);
@@ -147,7 +149,12 @@ pub async fn run(
     if let Some(server) = &embedded {
         journal.record("started", json!({"service": "nats-server", "pid": server.pid(), "port": server.port()}));
     }
-    let mut nats = NatsWatch { url: url.clone(), down_since: None, embedded: embedded.map(EmbeddedNats::new) };
+    let mut nats = NatsWatch {
+        url: url.clone(),
+        down_since: None,
+        up_since: Some(Instant::now()),
+        embedded: embedded.map(EmbeddedNats::new),
+    };
 
     // SIGINT (Ctrl-C) or SIGTERM: stop every service cleanly.
     let mut ctrl_c = Box::pin(jetrl_telemetry::shutdown_signal());
@@ -177,6 +184,9 @@ pub async fn run(
                 let now = Instant::now();
                 if let Err(reason) = nats.supervise_embedded(&policy, now, &console, &mut journal) {
                     break Err(reason);
+                }
+                if let Some(liveness) = &liveness {
+                    kill_hung(liveness.hung(&supervisor.running(), nats.up_since, now), &console, &mut journal);
                 }
                 match handle_events(supervisor.poll(now), &policy, &console, &mut journal) {
                     Some(end) => break end,
@@ -280,6 +290,21 @@ fn handle_events(
     end
 }
 
+/// Kills the hung services (SIGKILL, so a stopped one goes too): the supervisor then restarts each as one that
+/// died, under the same backoff and crash-loop rules.
+fn kill_hung(hung: Vec<crate::liveness::Hung>, console: &Console, journal: &mut Journal) {
+    for h in hung {
+        console.say(&format!(
+            "{} (pid {}) has sent no heartbeat for {:.0}s while NATS was reachable: hung; killing it to restart it",
+            h.service,
+            h.pid,
+            h.silent.as_secs_f64()
+        ));
+        journal.record("hung", json!({"service": h.service, "pid": h.pid, "silent_s": h.silent.as_secs_f64()}));
+        supervisor::signal(h.pid, libc::SIGKILL);
+    }
+}
+
 /// `exited with exit status: 1`, `was killed (signal: 9 (SIGKILL))`, `could not be started: ...`.
 fn failure(status: &str) -> String {
     if status.starts_with("signal") {
@@ -341,6 +366,8 @@ struct NatsWatch {
     url: String,
     /// since when the broker has not answered
     down_since: Option<(Instant, SystemTime)>,
+    /// since when it has answered (None while it does not)
+    up_since: Option<Instant>,
     embedded: Option<EmbeddedNats>,
 }
 
@@ -364,12 +391,14 @@ impl NatsWatch {
             (Some(reason), None) => {
                 let since = SystemTime::now();
                 self.down_since = Some((Instant::now(), since));
+                self.up_since = None;
                 console.say(&format!("NATS at {} unreachable since {} UTC ({reason})", self.url, utc_time(since)));
                 console.bar.set_message(format!("NATS at {} unreachable", self.url));
                 journal.record("nats_unreachable", json!({"url": self.url, "reason": reason}));
             }
             (None, Some((since, _))) => {
                 self.down_since = None;
+                self.up_since = Some(Instant::now());
                 let down = since.elapsed().as_secs_f64();
                 console.say(&format!("NATS at {} reachable again after {down:.0}s", self.url));
                 journal.record("nats_reachable", json!({"url": self.url, "down_s": down}));

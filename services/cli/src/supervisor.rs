@@ -194,6 +194,14 @@ impl Supervisor {
         events
     }
 
+    /// Every service running now, with its process id.
+    pub fn running(&self) -> Vec<(String, u32)> {
+        self.services
+            .iter()
+            .filter_map(|s| s.child.as_ref().and_then(Child::id).map(|pid| (s.spec.name.clone(), pid)))
+            .collect()
+    }
+
     /// Restarts per service so far (services never restarted are left out).
     pub fn restart_counts(&self) -> Vec<(String, u32)> {
         self.services.iter().filter(|s| s.restarts > 0).map(|s| (s.spec.name.clone(), s.restarts)).collect()

@@ -7,7 +7,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_nats::jetstream::kv;
-use futures::StreamExt;
 use jetrl_bus::{watch, Bus, BusError};
 use jetrl_wire::v1::{Heartbeat, WorkerState};
 use jetrl_wire::Message;
@@ -67,68 +66,41 @@ impl Fleet {
         let kv = bus.key_value(bus.names().workers_bucket()).await?;
         let malformed_source = bus.names().workers_bucket().to_string();
         let task_shared = shared.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                // what the bucket held before the watch opened counts as delivered (expired heartbeats too)
-                let mut seen = watch::newest(&kv, None).await.unwrap_or(0);
-                let mut entries = match kv.watch_with_history("rollout.>").await {
-                    Ok(w) => w,
-                    Err(err) => {
-                        tracing::warn!(error = %err, "cannot watch rollout heartbeats; retrying");
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                        continue;
-                    }
-                };
-                // while nothing comes, the bucket is checked for revisions newer than those delivered (a watch
-                // whose consumer died with a cluster node stalls without an error)
-                let mut check = tokio::time::interval_at(
-                    (std::time::Instant::now() + watch::WATCH_CHECK).into(),
-                    watch::WATCH_CHECK,
-                );
-                check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    let entry = tokio::select! {
-                        entry = entries.next() => entry,
-                        _ = check.tick() => {
-                            if watch::behind(&kv, None, seen).await {
-                                tracing::warn!(seen, "rollout heartbeats watch stalled behind the bucket; watching again");
-                                metrics::counter!("jetrl_trainer_fleet_watch_restarts_total").increment(1);
-                                break;
-                            }
-                            continue;
-                        }
-                    };
-                    let Some(Ok(entry)) = entry else { break };
-                    seen = seen.max(entry.revision);
-                    check.reset();
-                    if entry.operation != kv::Operation::Put {
-                        // deleted or purged: the worker is gone (an expiry by max age sends nothing; liveness
-                        // by the heartbeat's own time covers it)
-                        task_shared.beats.lock().unwrap_or_else(PoisonError::into_inner).remove(&entry.key);
-                        task_shared.changed.notify_waiters();
-                        continue;
-                    }
-                    match Heartbeat::decode(entry.value.as_ref()) {
-                        Ok(beat) => {
-                            task_shared.beats.lock().unwrap_or_else(PoisonError::into_inner).insert(entry.key, beat);
-                        }
-                        Err(err) => {
-                            let reason = format!("malformed heartbeat: {err}");
-                            jetrl_bus::consume::dead_letter(
-                                "trainer",
-                                &malformed_source,
-                                &entry.key,
-                                &reason,
-                                &entry.value,
-                            );
-                            tracing::warn!(key = %entry.key, error = %err, "malformed heartbeat ignored");
-                        }
-                    }
+        let task = tokio::spawn(watch::follow(
+            kv,
+            "rollout.>",
+            "rollout heartbeats",
+            "jetrl_trainer_fleet_watch_restarts_total",
+            // a live worker beats every rollout.heartbeat_interval_s: a watch that hears none for the liveness
+            // window is opened again (a deaf watch would leave the weight sync waiting for its deadline)
+            liveness,
+            move |entry| {
+                if entry.operation != kv::Operation::Put {
+                    // deleted or purged: the worker is gone (an expiry by max age sends nothing; liveness by the
+                    // heartbeat's own time covers it)
+                    task_shared.beats.lock().unwrap_or_else(PoisonError::into_inner).remove(&entry.key);
                     task_shared.changed.notify_waiters();
+                    return;
                 }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        });
+                match Heartbeat::decode(entry.value.as_ref()) {
+                    Ok(beat) => {
+                        task_shared.beats.lock().unwrap_or_else(PoisonError::into_inner).insert(entry.key, beat);
+                    }
+                    Err(err) => {
+                        let reason = format!("malformed heartbeat: {err}");
+                        jetrl_bus::consume::dead_letter(
+                            "trainer",
+                            &malformed_source,
+                            &entry.key,
+                            &reason,
+                            &entry.value,
+                        );
+                        tracing::warn!(key = %entry.key, error = %err, "malformed heartbeat ignored");
+                    }
+                }
+                task_shared.changed.notify_waiters();
+            },
+        ));
         Ok(Self { shared, liveness, _watch: Arc::new(WatchTask(task)) })
     }
 
@@ -177,6 +149,16 @@ impl Fleet {
                 message: b.message,
             })
             .collect()
+    }
+
+    /// Every rollout heartbeat held (live or not), and the age in seconds of the newest: what a weight sync that
+    /// sees no live worker reports (none held, or only old ones: the workers are gone, or their beats do not
+    /// reach the trainer).
+    pub fn heard(&self) -> (usize, Option<f64>) {
+        let beats = self.shared.beats.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = jetrl_wire::now_unix_ms();
+        let newest = beats.values().map(|b| b.unix_ms).max();
+        (beats.len(), newest.map(|ms| now.saturating_sub(ms) as f64 / 1000.0))
     }
 
     /// Sum over live workers of (engine idle seconds, slots): the growth of the first between two readings,

@@ -203,11 +203,14 @@ impl WeightSync {
                 break held;
             }
             let workers: Vec<String> = self.fleet.views().iter().map(ToString::to_string).collect();
+            let (heartbeats_held, newest_heartbeat_age_s) = self.fleet.heard();
             tracing::warn!(
                 version,
                 waited_s = started.elapsed().as_secs(),
                 deadline_s = self.deadline.as_secs_f64(),
                 ?workers,
+                heartbeats_held,
+                ?newest_heartbeat_age_s,
                 "weight sync still waiting: not every live rollout worker reports the new version"
             );
             next_warn += crate::rollout_client::SLOW_BATCH_WARN;

@@ -153,6 +153,16 @@ impl JobConfig {
                 r.heartbeat_interval_s, r.heartbeat_timeout_s
             ),
         )?;
+        let hang_after = self.run.supervisor.hang_after_s;
+        ensure(
+            hang_after == 0.0 || hang_after >= 3.0 * r.heartbeat_interval_s,
+            "run.supervisor.hang_after_s",
+            format!(
+                "must be 0 (never) or at least 3 × rollout.heartbeat_interval_s ({}): a service is killed as hung \
+                 when its heartbeats stop this long (got {hang_after})",
+                r.heartbeat_interval_s
+            ),
+        )?;
         ensure(
             self.trainer.weight_sync_timeout_s >= r.heartbeat_timeout_s,
             "trainer.weight_sync_timeout_s",
@@ -367,6 +377,10 @@ pub struct SupervisorConfig {
     /// abnormal exit ends it)
     pub max_restarts: u32,
     pub restart_window_s: f64,
+    /// a running service whose heartbeat has not come for this long while NATS was reachable is hung (stopped,
+    /// deadlocked): it is killed and restarted like one that crashed (0 = never). Judged only after its first
+    /// heartbeat, so a long start-up (a model load) is not taken for a hang
+    pub hang_after_s: f64,
 }
 
 impl Default for SupervisorConfig {
@@ -377,6 +391,7 @@ impl Default for SupervisorConfig {
             healthy_after_s: 60.0,
             max_restarts: 5,
             restart_window_s: 120.0,
+            hang_after_s: 120.0,
         }
     }
 }
@@ -395,7 +410,12 @@ impl SupervisorConfig {
             "run.supervisor.healthy_after_s",
             "must be >= 0",
         )?;
-        ensure(positive(self.restart_window_s), "run.supervisor.restart_window_s", "must be > 0")
+        ensure(positive(self.restart_window_s), "run.supervisor.restart_window_s", "must be > 0")?;
+        ensure(
+            self.hang_after_s >= 0.0 && self.hang_after_s.is_finite(),
+            "run.supervisor.hang_after_s",
+            "must be >= 0 (0 = never)",
+        )
     }
 }
 
@@ -1076,6 +1096,8 @@ mod tests {
         assert!(err.to_string().contains("run.supervisor.max_restart_delay_s"), "{err}");
         let err = load(&["run.supervisor.restart_window_s=0"]).unwrap_err();
         assert!(err.to_string().contains("run.supervisor.restart_window_s"), "{err}");
+        let err = load(&["run.supervisor.hang_after_s=-1"]).unwrap_err();
+        assert!(err.to_string().contains("run.supervisor.hang_after_s"), "{err}");
         assert_eq!(load(&["run.supervisor.max_restarts=0"]).unwrap().run.supervisor.max_restarts, 0);
     }
 
