@@ -131,9 +131,16 @@ async fn snapshot(bus: &Bus, target: &Target, options: &Options) -> anyhow::Resu
     let weights = bus.latest_manifest().await?;
 
     let request = LedgerRequest { partition: String::new(), uids: options.uids.clone(), limit: LEDGER_LIMIT };
-    let ledger: LedgerResponse = bus.request(names.buffer_ledger(), &request, bus.request_timeout()).await?;
-    if !ledger.error.is_empty() {
-        anyhow::bail!("replay buffer: {}", ledger.error);
+    // a job whose replay buffer is down (or hung) still shows everything else: what the broker holds is what
+    // tells why a job stands still
+    let asked: Result<LedgerResponse, _> = bus.request(names.buffer_ledger(), &request, bus.request_timeout()).await;
+    let (ledger, buffer_error) = match asked {
+        Ok(ledger) if ledger.error.is_empty() => (ledger, None),
+        Ok(ledger) => (LedgerResponse::default(), Some(format!("replay buffer: {}", ledger.error))),
+        Err(err) => (LedgerResponse::default(), Some(format!("replay buffer not answering: {err}"))),
+    };
+    if let (Some(err), false) = (&buffer_error, options.uids.is_empty()) {
+        anyhow::bail!("{err}");
     }
     let current_step = trainer
         .map(|t| t.step)
@@ -151,8 +158,9 @@ async fn snapshot(bus: &Bus, target: &Target, options: &Options) -> anyhow::Resu
         })),
         "services": beats.iter().map(|b| service_view(b, now, target.heartbeat_timeout_s)).collect::<Vec<_>>(),
         "health": health(&beats, now, target.heartbeat_timeout_s),
-        "groups": ledger.counts,
-        "staleness": staleness(&ledger, current_step),
+        "groups": buffer_error.is_none().then_some(&ledger.counts),
+        "staleness": buffer_error.is_none().then(|| staleness(&ledger, current_step)),
+        "buffer_error": buffer_error,
         "weight_versions": weight_versions(&beats),
         "consumers": consumers(bus).await,
         "dead_letters": dead_letters(bus).await,
@@ -402,6 +410,9 @@ fn render(s: &Value) -> String {
         for p in health["problems"].as_array().into_iter().flatten() {
             let _ = writeln!(out, "  - {}", p.as_str().unwrap_or("?"));
         }
+    }
+    if let Some(err) = s["buffer_error"].as_str() {
+        let _ = writeln!(out, "groups and staleness unknown: {err}");
     }
     let _ = writeln!(out, "services:");
     for v in s["services"].as_array().into_iter().flatten() {
