@@ -388,11 +388,10 @@ impl Bus {
                 created => break created,
             }
         };
-        let created_bucket = matches!(part, Part::Bucket(_)) && created.is_ok();
         let cause = match created {
+            Ok(()) if !matches!(part, Part::Bucket(_)) => return Ok(()),
             // the client creates a bucket with its own settings (direct get on): made as declared below
-            Ok(()) if created_bucket => Cause::transient("the new bucket could not be read back"),
-            Ok(()) => return Ok(()),
+            Ok(()) => Cause::transient("the new bucket could not be read back"),
             Err(cause) if cause.to_string().contains("permissions violation") => {
                 return Err(declare_err(&part.what(), cause));
             }
