@@ -66,6 +66,9 @@ fn a_job_on_a_three_node_cluster_survives_a_killed_node_and_trains_every_row_onc
         format!("data.train_batch_size={BATCH}"),
         "rollout.n=2".to_string(),
         format!("reward.metrics_addr={reward_metrics}"),
+        // the buffer reads its inputs again whenever the trainer waits a second with nothing coming in: through
+        // the failover too, where a missed update would otherwise stall the run
+        "buffer.reread_after_s=1".to_string(),
     ];
     let spawn = |user: &str, binary: &str| spawn_service(dir.path(), user, binary, &job, &cluster.overrides(user));
     let logs = || -> String {

@@ -120,9 +120,14 @@ async fn a_producer_writing_groups_concurrently_while_the_trainer_samples_loses_
 
 /// A `jetrl-replay-buffer` process for `server` (its job file written to `dir`), to be killed with -9.
 fn spawn_buffer_process(server: &NatsServer, dir: &std::path::Path) -> std::process::Child {
+    spawn_buffer_process_with(server, dir, "")
+}
+
+/// [`spawn_buffer_process`] with more YAML lines in its job file.
+fn spawn_buffer_process_with(server: &NatsServer, dir: &std::path::Path, extra: &str) -> std::process::Child {
     let config = dir.join("job.yaml");
-    std::fs::write(&config, format!("nats: {{url: \"{}\"}}\ndata: {{task: {{name: reverse}}}}\n", server.url()))
-        .unwrap();
+    let text = format!("nats: {{url: \"{}\"}}\ndata: {{task: {{name: reverse}}}}\n{extra}", server.url());
+    std::fs::write(&config, text).unwrap();
     std::process::Command::new(jetrl_tests::bin("jetrl-replay-buffer"))
         .arg("--config")
         .arg(&config)
@@ -381,4 +386,63 @@ async fn a_newer_trainer_incarnation_takes_over_from_the_dead_ones_waiting_reque
     let malformed = SampleResponse::decode(reply.payload.as_ref()).unwrap();
     assert_eq!(malformed.code(), ErrorCode::Malformed, "{}", malformed.error);
     drop(stop);
+}
+
+/// Sum of the samples of a metric family on the buffer's /metrics endpoint.
+async fn metric_sum(addr: std::net::SocketAddr, family: &str) -> f64 {
+    let body = jetrl_telemetry::scrape(addr).await.unwrap_or_default();
+    body.lines()
+        .filter(|l| l.starts_with(family))
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum()
+}
+
+/// A request that waits (here for 0.3 s with nothing coming in: `buffer.reread_after_s`) makes the buffer read the
+/// group records and rewards again from the stores, more than once while it waits; what it reads again that it
+/// already had changes nothing: every group is answered once, a retried request gets the same groups, and the
+/// re-reads found nothing missed (counted on /metrics).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reading_the_inputs_again_while_a_request_waits_repeats_and_loses_nothing() {
+    let server = NatsServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let metrics: std::net::SocketAddr =
+        format!("127.0.0.1:{}", jetrl_bus::harness::free_port().unwrap()).parse().unwrap();
+    let extra = format!("buffer: {{reread_after_s: 0.3, metrics_addr: \"{metrics}\"}}\n");
+    let mut buffer = spawn_buffer_process_with(&server, dir.path(), &extra);
+    let (bus, groups) = connect(&server.url()).await;
+    make_group(&bus, &groups, &GroupSpec::finished("a", 1, &[1.0, 0.0])).await;
+    let waiter = {
+        let bus = bus.clone();
+        tokio::spawn(async move { sample(&bus, &request("train-1", 1, 3)).await })
+    };
+    // the request waits for two more groups: re-reads happen meanwhile (every 0.3, 0.6, 1.2 s... at most)
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric_sum(metrics, "jetrl_buffer_rereads_total").await < 2.0 {
+        assert!(Instant::now() < deadline, "no second re-read while a request waited");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    make_group(&bus, &groups, &GroupSpec::finished("b", 1, &[0.5, 0.5])).await;
+    // a third group after another re-read, with b's record and rewards read again beside it
+    let rereads = metric_sum(metrics, "jetrl_buffer_rereads_total").await;
+    while metric_sum(metrics, "jetrl_buffer_rereads_total").await <= rereads {
+        assert!(Instant::now() < deadline, "no re-read after the second group");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    make_group(&bus, &groups, &GroupSpec::finished("c", 1, &[0.25, 0.75])).await;
+    let first = waiter.await.unwrap();
+    let uids: Vec<&str> = first.groups.iter().map(|g| g.uid.as_str()).collect();
+    assert_eq!(uids, ["a", "b", "c"], "each group once, whole");
+    assert!(first.groups.iter().all(|g| g.trajectories.len() == 2), "{:?}", first.groups);
+    let again = sample(&bus, &request("train-1", 1, 3)).await;
+    assert_eq!(again.groups.len(), 3, "a retried request gets the same groups");
+    assert!(again.groups.iter().zip(&first.groups).all(|(x, y)| x.uid == y.uid));
+    // a second request: nothing left to give until new groups come
+    let second = bus
+        .request::<_, SampleResponse>(bus.names().buffer_sample(), &request("train-2", 2, 1), Duration::from_secs(15))
+        .await
+        .unwrap();
+    assert!(second.not_ready && second.groups.is_empty(), "{second:?}");
+    assert_eq!(metric_sum(metrics, "jetrl_buffer_reread_found_total").await, 0.0, "nothing was missed");
+    buffer.kill().unwrap();
+    buffer.wait().unwrap();
 }

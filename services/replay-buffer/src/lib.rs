@@ -5,6 +5,8 @@
 //! - [`service`]: [`run`] — rebuilds the index from JetStream (the GROUPS bucket and the REWARDS stream),
 //!   then answers sample, release and ledger requests, event-driven: a request that can be satisfied is
 //!   answered as soon as the last group it needs becomes complete, with no polling interval.
+//! - [`reread`]: when a sample request has waited long with nothing coming in, the group records and rewards are
+//!   read again from the stores, and whatever the buffer had missed is applied and reported.
 //! - [`archiver`]: groups that leave the working set (trained and released, or evicted) move from the GROUPS
 //!   bucket to the job's LEDGER stream, so the bucket, the broker and the buffer hold the working set only.
 //!
@@ -12,6 +14,7 @@
 //! the trainer fetches trajectory bytes from the TRAJ stream directly.
 
 pub mod archiver;
+pub mod reread;
 pub mod sampler;
 pub mod service;
 pub mod state;

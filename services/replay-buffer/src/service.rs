@@ -19,6 +19,7 @@ use jetrl_wire::v1::{
 };
 use jetrl_wire::Message;
 
+use crate::reread::{Pass, Reread};
 use crate::sampler::{next_action, Action, EvictReason, Progress, SamplerConfig};
 use crate::state::BufferState;
 
@@ -68,7 +69,8 @@ pub async fn run(
     let heartbeat = jetrl_bus::heartbeat::start(&bus, &cfg, SERVICE, None, shutdown.clone());
     let stop = shutdown.clone();
     jetrl_telemetry::serve_metrics(&cfg.buffer.metrics_addr, async move { stop.wait().await }).await?;
-    let served = Buffer::start(bus, SamplerConfig::from_job(&cfg)).await?.serve(shutdown).await;
+    let reread = Reread::new(Duration::from_secs_f64(cfg.buffer.reread_after_s));
+    let served = Buffer::start(bus, SamplerConfig::from_job(&cfg), reread).await?.serve(shutdown).await;
     heartbeat.stop().await;
     served
 }
@@ -99,6 +101,10 @@ struct Buffer {
     /// per request id: the sample loop's memory (refill credit, metrics) between iterations
     progress: HashMap<String, Progress>,
     waiting: VecDeque<Waiting>,
+    /// since when a sample request has waited with none answered (None: the last one was answered)
+    waiting_since: Option<Instant>,
+    /// reading both inputs again when a request has waited long with nothing coming in
+    reread: Reread,
     /// the newest trainer incarnation a sample request came from (0: none named yet)
     incarnation: u64,
     answers: HashMap<String, SampleResponse>,
@@ -112,7 +118,7 @@ struct Buffer {
 }
 
 impl Buffer {
-    async fn start(bus: Bus, sampler: SamplerConfig) -> Result<Self, BufferError> {
+    async fn start(bus: Bus, sampler: SamplerConfig, reread: Reread) -> Result<Self, BufferError> {
         let groups = GroupStore::open(&bus).await?;
         let empty_bucket = groups.kv().status().await.map(|s| s.values() == 0).map_err(|e| BusError::Kv {
             bucket: groups.kv().name.clone(),
@@ -141,6 +147,8 @@ impl Buffer {
             sampler,
             progress: HashMap::new(),
             waiting: VecDeque::new(),
+            waiting_since: None,
+            reread,
             incarnation: 0,
             answers: HashMap::new(),
             answer_order: VecDeque::new(),
@@ -194,25 +202,11 @@ impl Buffer {
                             groups_revision = groups_revision.max(entry.revision);
                             self.groups_seen(groups_revision);
                             if entry.delta == 0 { self.groups_current = true; }
-                            match decode_entry(&entry) {
-                                Some(Ok(status)) => {
-                                    // terminal (may complete a batch) or evicted (leaves the in-flight set,
-                                    // which `wait` and sync DAPO's refill room look at)
-                                    may_answer = status.state().is_terminal() || status.state() == GroupState::Evicted;
-                                    self.state.apply_group_at(status, entry.revision);
-                                }
-                                Some(Err(err)) => {
-                                    let reason = format!("malformed group record: {err}");
-                                    consume::dead_letter(SERVICE, names.groups_bucket(), &entry.key, &reason, &entry.value);
-                                    tracing::error!(key = %entry.key, error = %err, "malformed group record ignored");
-                                }
-                                None => {
-                                    if let Some((partition, uid)) = subjects::parse_group_key(&entry.key) {
-                                        self.state.remove_group(partition, uid);
-                                    }
-                                    may_answer = true;
-                                }
-                            }
+                            may_answer = if self.reread.replays_record(entry.revision) {
+                                self.on_replayed_record(&entry)
+                            } else {
+                                self.on_group_entry(&entry)
+                            };
                         }
                         Err(err) => {
                             // the watch's consumer may be gone (a cluster node died): start a new one after what
@@ -230,8 +224,9 @@ impl Buffer {
                             last_reward = Instant::now();
                             let (seq, pending) = msg.info().map(|i| (i.stream_sequence, i.pending)).unwrap_or((0, 1));
                             if pending == 0 { self.rewards_current = true; }
+                            let replay = self.reread.replays_reward(seq);
                             self.last_reward_seq = self.last_reward_seq.max(seq);
-                            may_answer = self.on_rewards_message(&msg, seq);
+                            may_answer = self.on_rewards_message(&msg, seq, replay);
                         }
                         Err(err) => tracing::warn!(error = %err, "rewards consumer error"),
                     }
@@ -277,6 +272,32 @@ impl Buffer {
                 _ = gauge_tick.tick() => {
                     self.export_gauges();
                     self.purge_rewards();
+                    let now = Instant::now();
+                    if let Some(pass) = self.reread.finish(now) {
+                        self.report_reread(&pass);
+                    }
+                    let waiting_since = self.waiting_since.filter(|_| !self.waiting.is_empty());
+                    if self.groups_current
+                        && self.rewards_current
+                        && self.reread.due(now, waiting_since, last_entry.max(last_reward))
+                    {
+                        let view = self.state.waiting_view(self.waiting_partition());
+                        tracing::debug!(
+                            waited_s = waiting_since.map_or(0, |t| t.elapsed().as_secs()),
+                            complete = view.complete,
+                            generating = view.generating,
+                            scoring = view.scoring,
+                            orphan_rewards = view.orphan_rewards,
+                            "a sample request waits and nothing came in: reading the group records and rewards again"
+                        );
+                        metrics::counter!("jetrl_buffer_rereads_total").increment(1);
+                        // every record's newest value, then every change; every message REWARDS still holds
+                        watch = self.groups.watch().await?;
+                        rewards = self.follow_rewards(DeliverPolicy::All).await?;
+                        self.reread.begin(now, groups_revision, self.last_reward_seq);
+                        last_entry = now;
+                        last_reward = now;
+                    }
                 }
             }
             if !self.replay_retired && self.groups_current && self.rewards_current {
@@ -300,6 +321,83 @@ impl Buffer {
             tracing::warn!("archiving not finished at shutdown: the rest is archived at the next start");
         }
         Ok(())
+    }
+
+    /// A GROUPS entry from the watch: the record applied (or the group forgotten, for a delete). Returns whether it
+    /// could let a waiting request be answered.
+    fn on_group_entry(&mut self, entry: &async_nats::jetstream::kv::Entry) -> bool {
+        match decode_entry(entry) {
+            Some(Ok(status)) => {
+                // terminal (may complete a batch) or evicted (leaves the in-flight set, which `wait` and sync
+                // DAPO's refill room look at)
+                let may_answer = status.state().is_terminal() || status.state() == GroupState::Evicted;
+                self.state.apply_group_at(status, entry.revision);
+                may_answer
+            }
+            Some(Err(err)) => {
+                let reason = format!("malformed group record: {err}");
+                let bucket = self.bus.names().groups_bucket();
+                consume::dead_letter(SERVICE, bucket, &entry.key, &reason, &entry.value);
+                tracing::error!(key = %entry.key, error = %err, "malformed group record ignored");
+                false
+            }
+            None => {
+                if let Some((partition, uid)) = subjects::parse_group_key(&entry.key) {
+                    self.state.remove_group(partition, uid);
+                }
+                true
+            }
+        }
+    }
+
+    /// A GROUPS entry a re-read reads again: applied only when it is news (a record the watch had not delivered),
+    /// then counted and logged. Deletes and malformed records were handled when first read.
+    fn on_replayed_record(&mut self, entry: &async_nats::jetstream::kv::Entry) -> bool {
+        let Some(Ok(status)) = decode_entry(entry) else { return false };
+        if !self.state.is_news(&status.partition, &status.uid, entry.revision) {
+            return false;
+        }
+        tracing::warn!(
+            key = %entry.key,
+            revision = entry.revision,
+            state = status.state().label(),
+            "re-read found a group record the watch had not delivered"
+        );
+        self.reread.found_record();
+        self.on_group_entry(entry)
+    }
+
+    /// The partition of the oldest waiting request (`train` when none waits).
+    fn waiting_partition(&self) -> &str {
+        self.waiting.front().map_or("train", |w| w.request.partition.as_str())
+    }
+
+    /// Says what a finished re-read found: a warning and a count when the inputs had missed something, otherwise
+    /// what the waiting request waits on (the stores hold nothing more).
+    fn report_reread(&self, pass: &Pass) {
+        let view = self.state.waiting_view(self.waiting_partition());
+        let waited_s = self.waiting_since.map_or(0, |t| t.elapsed().as_secs());
+        if pass.found() > 0 {
+            metrics::counter!("jetrl_buffer_reread_found_total", "kind" => "records").increment(pass.found_records);
+            metrics::counter!("jetrl_buffer_reread_found_total", "kind" => "rewards").increment(pass.found_rewards);
+            tracing::warn!(
+                found_records = pass.found_records,
+                found_rewards = pass.found_rewards,
+                complete = view.complete,
+                generating = view.generating,
+                scoring = view.scoring,
+                "reading the inputs again found updates the buffer had missed; applied"
+            );
+        } else {
+            tracing::info!(
+                waited_s,
+                complete = view.complete,
+                generating = view.generating,
+                scoring = view.scoring,
+                orphan_rewards = view.orphan_rewards,
+                "a sample request is still waiting; the buffer holds every group record and reward the stores hold"
+            );
+        }
     }
 
     /// The watch has delivered revision `revision`: every mark at or below it is reached.
@@ -365,8 +463,14 @@ impl Buffer {
 
     /// A message of the REWARDS stream: a reward batch (indexed), or a release marker. Returns whether it could
     /// let a waiting request be answered.
-    fn on_rewards_message(&mut self, msg: &async_nats::jetstream::Message, seq: u64) -> bool {
-        if msg.subject.as_str() == self.bus.names().released_subject() {
+    /// A `replay` (a message a re-read reads again) only adds rewards the buffer lacks, and counts those of live
+    /// groups; its release markers and malformed messages were handled when first read.
+    fn on_rewards_message(&mut self, msg: &async_nats::jetstream::Message, seq: u64, replay: bool) -> bool {
+        let marker = msg.subject.as_str() == self.bus.names().released_subject();
+        if replay && marker {
+            return false;
+        }
+        if marker {
             match ReleasedGroups::decode(msg.payload.as_ref()) {
                 Ok(marker) => {
                     // Live, this buffer released these groups itself and this finds none of them. After a
@@ -393,13 +497,23 @@ impl Buffer {
         let mut may_answer = false;
         match RewardBatch::decode(msg.payload.as_ref()) {
             Ok(batch) => {
+                let mut found = 0;
                 for reward in batch.rewards {
                     // a reward can only complete a group that is already terminal
-                    may_answer |=
-                        self.state.group(&reward.partition, &reward.uid).is_some_and(|g| g.state().is_terminal());
-                    self.state.apply_reward(reward, seq);
+                    let group = self.state.group(&reward.partition, &reward.uid);
+                    let (live, terminal) = (group.is_some(), group.is_some_and(|g| g.state().is_terminal()));
+                    let key = replay.then(|| (reward.uid.clone(), reward.session_id, reward.index));
+                    if self.state.apply_reward(reward, seq) {
+                        may_answer |= terminal;
+                        if let Some((uid, session, index)) = key.filter(|_| live) {
+                            tracing::warn!(%uid, session, index, seq, "re-read found a reward the rewards consumer had not delivered");
+                            found += 1;
+                        }
+                    }
                 }
+                self.reread.found_rewards(found);
             }
+            Err(_) if replay => {}
             Err(err) => {
                 let reason = format!("malformed reward batch: {err}");
                 consume::dead_letter(SERVICE, self.bus.names().rewards_stream(), &msg.subject, &reason, &msg.payload);
@@ -484,6 +598,7 @@ impl Buffer {
                 }
                 let wait = Duration::from_millis(u64::from(request.wait_ms.max(1)));
                 let now = Instant::now();
+                self.waiting_since.get_or_insert(now);
                 self.waiting.push_back(Waiting { request, reply, deadline: now + wait, received: now });
             }
             Err(err) => {
@@ -532,6 +647,8 @@ impl Buffer {
                 Some(response) => {
                     metrics::histogram!("jetrl_buffer_sample_wait_seconds").record(w.received.elapsed().as_secs_f64());
                     self.reply(&w.reply, &response).await;
+                    self.waiting_since = None;
+                    self.reread.answered();
                 }
                 None => still_waiting.push_back(w),
             }

@@ -129,6 +129,15 @@ impl Retired {
     }
 }
 
+/// Counts of [`BufferState::waiting_view`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WaitingView {
+    pub complete: usize,
+    pub generating: usize,
+    pub scoring: usize,
+    pub orphan_rewards: usize,
+}
+
 /// Group and trajectory index of one buffer.
 #[derive(Debug)]
 pub struct BufferState {
@@ -405,6 +414,37 @@ impl BufferState {
         self.groups.get(&key(partition, uid))
     }
 
+    /// The GROUPS revision of the record the buffer has for a group, live or retired (None: not known; 0: known at
+    /// an unknown revision).
+    pub fn known_revision(&self, partition: &str, uid: &str) -> Option<u64> {
+        let k = key(partition, uid);
+        self.groups.get(&k).map(|g| g.revision).or_else(|| self.retired.get(&k).map(|r| r.revision))
+    }
+
+    /// Whether a record read again from the bucket (at `revision`) tells the buffer something it does not know:
+    /// a group it has never seen, or a newer record of one it has.
+    pub fn is_news(&self, partition: &str, uid: &str, revision: u64) -> bool {
+        self.known_revision(partition, uid).is_none_or(|known| known > 0 && revision > known)
+    }
+
+    /// What a waiting request of `partition` waits on, for the logs: groups complete and sampleable, being
+    /// generated (pending or running), finished but not every trajectory scored, and rewards whose group the
+    /// buffer has not seen.
+    pub fn waiting_view(&self, partition: &str) -> WaitingView {
+        let mut view =
+            WaitingView { orphan_rewards: self.orphans.values().map(BTreeMap::len).sum(), ..Default::default() };
+        for g in self.live_groups().filter(|g| g.status.partition == partition) {
+            if g.is_complete() {
+                view.complete += 1;
+            } else if g.state().is_inflight() {
+                view.generating += 1;
+            } else if g.state().is_terminal() {
+                view.scoring += 1;
+            }
+        }
+        view
+    }
+
     /// Marks a group evicted locally (the KV write is done by the caller; `revision` is the one it wrote, 0 if
     /// unknown): it retires with that revision, so its archive purges the record and the write's echo is ignored.
     pub fn mark_evicted(&mut self, partition: &str, uid: &str, reason: &str, revision: u64) {
@@ -656,6 +696,28 @@ mod tests {
         assert!(s.select("train", 4).is_none());
         let g = s.group("train", "a").unwrap();
         assert_eq!(s.sampled_group(g).trajectories.len(), 4);
+    }
+
+    #[test]
+    fn a_record_read_again_is_news_only_when_unknown_or_newer_and_the_waiting_view_counts_each_kind() {
+        let mut s = BufferState::default();
+        assert!(s.is_news("train", "a", 5), "never seen");
+        s.apply_group_at(status("a", GroupState::Running, 1, &[]), 5);
+        assert!(!s.is_news("train", "a", 5) && !s.is_news("train", "a", 4), "what the buffer has, or older");
+        assert!(s.is_news("train", "a", 6), "a newer record (the watch missed it)");
+        s.apply_group_at(status("b", GroupState::Finished, 1, &["b_0_0", "b_0_1"]), 7);
+        s.apply_reward(reward("b", "b_0_0", 1), 1);
+        s.apply_group_at(status("c", GroupState::Finished, 1, &["c_0_0"]), 8);
+        s.apply_reward(reward("c", "c_0_0", 2), 2);
+        s.apply_reward(reward("z", "z_0_0", 3), 3);
+        let view = s.waiting_view("train");
+        assert_eq!(view, WaitingView { complete: 1, generating: 1, scoring: 1, orphan_rewards: 1 });
+        s.mark_sampled("train", "c", 1, "r1", 9);
+        s.release(&["r1".into()]);
+        assert_eq!(s.known_revision("train", "c"), Some(9), "a retired group's revision is known");
+        assert!(!s.is_news("train", "c", 9) && s.is_news("train", "c", 10));
+        s.apply_group(status("d", GroupState::Pending, 1, &[]));
+        assert!(!s.is_news("train", "d", 3), "known at no revision: the buffer cannot tell, and keeps what it has");
     }
 
     #[test]

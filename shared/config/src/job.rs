@@ -64,6 +64,11 @@ impl JobConfig {
         ensure(self.actor.clip_ratio_c > 1.0, "actor.clip_ratio_c", "must be > 1 (dual-clip lower bound)")?;
         ensure(self.buffer.max_off_policy_threshold > 0, "buffer.max_off_policy_threshold", "must be > 0")?;
         ensure(
+            self.buffer.reread_after_s >= 0.0 && self.buffer.reread_after_s.is_finite(),
+            "buffer.reread_after_s",
+            "must be >= 0 (0 = never)",
+        )?;
+        ensure(
             self.checkpoint.transport != WeightTransportKind::SharedFs || self.checkpoint.shared_dir.is_some(),
             "checkpoint.shared_dir",
             "required when checkpoint.transport is shared_fs",
@@ -697,6 +702,9 @@ pub struct BufferConfig {
     pub max_off_policy_threshold: u64,
     pub max_off_policy_strategy: OffPolicyStrategy,
     pub sync_refill_failed_groups: bool,
+    /// seconds a sample request may wait, with nothing coming in, before the buffer reads the group records and
+    /// rewards again from the stores (doubling up to 10×, while it finds nothing); 0 = never
+    pub reread_after_s: f64,
     /// tokio worker threads; null = one per core (`jetrl run` passes 2)
     pub tokio_threads: Option<u32>,
 }
@@ -708,6 +716,7 @@ impl Default for BufferConfig {
             max_off_policy_threshold: 8,
             max_off_policy_strategy: OffPolicyStrategy::Drop,
             sync_refill_failed_groups: false,
+            reread_after_s: 30.0,
             tokio_threads: None,
         }
     }
@@ -1025,6 +1034,8 @@ mod tests {
         assert!(err.contains("must be > 0"), "{err}");
         let err = load(&["buffer.max_off_policy_threshold=0"]).unwrap_err().to_string();
         assert!(err.contains("buffer.max_off_policy_threshold"), "{err}");
+        let err = load(&["buffer.reread_after_s=-1"]).unwrap_err().to_string();
+        assert!(err.contains("buffer.reread_after_s"), "{err}");
     }
 
     #[test]
