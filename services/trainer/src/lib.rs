@@ -87,7 +87,7 @@ pub async fn run(
     let lease = Lease::acquire(&bus, subjects::TRAINER_LEASE_KEY).await?;
     let shutdown = Shutdown::new(lease.or_lost(shutdown));
     let heartbeat = jetrl_bus::heartbeat::start(&bus, &cfg, jetrl_bus::heartbeat::TRAINER, None, shutdown.clone());
-    let result = train(cfg, bus.clone(), shutdown.clone()).await;
+    let result = train(cfg, bus.clone(), shutdown.clone(), heartbeat.step_metrics()).await;
     heartbeat.stop().await;
     // released whatever happened, so a restarted trainer need not wait for the lease to expire; with the broker
     // gone it expires by its max age (a stopped trainer has just waited for the broker in `train`)
@@ -109,10 +109,16 @@ pub async fn run(
 }
 
 /// Builds the trainer and trains; the run directory's curve is written however training ended.
-async fn train(cfg: JobConfig, bus: Bus, shutdown: Shutdown) -> Result<(), TrainerError> {
+async fn train(
+    cfg: JobConfig,
+    bus: Bus,
+    shutdown: Shutdown,
+    heartbeat: jetrl_bus::heartbeat::StepMetrics,
+) -> Result<(), TrainerError> {
     let stop = shutdown.clone();
     jetrl_telemetry::serve_metrics(&cfg.trainer.metrics_addr, async move { stop.wait().await }).await?;
     let mut trainer = Trainer::new(cfg, bus.clone(), shutdown.clone()).await?;
+    trainer.sink.report_to(heartbeat);
     let result = trainer.train().await;
     trainer.sink.write_curve();
     // With the broker gone for longer than a stop waits ([`jetrl_bus::SETTLE_RECONNECT`]) or a finished run

@@ -22,6 +22,8 @@ pub struct MetricsSink {
     console: bool,
     /// the step of the last line in the file
     last_step: Option<u64>,
+    /// the trainer's heartbeat, told each line
+    heartbeat: Option<jetrl_bus::heartbeat::StepMetrics>,
 }
 
 /// The step a metrics line belongs to.
@@ -81,7 +83,13 @@ impl MetricsSink {
             tensorboard,
             console: trainer.logger.contains(&Logger::Console),
             last_step,
+            heartbeat: None,
         })
+    }
+
+    /// Tells `heartbeat` every line from now on.
+    pub fn report_to(&mut self, heartbeat: jetrl_bus::heartbeat::StepMetrics) {
+        self.heartbeat = Some(heartbeat);
     }
 
     /// The step of the last line kept or written.
@@ -96,6 +104,9 @@ impl MetricsSink {
         let line = serde_json::to_string(&finite).unwrap_or_default();
         if let Err(err) = writeln!(self.jsonl, "{line}").and_then(|_| self.jsonl.flush()) {
             tracing::error!(error = %err, "cannot append to metrics.jsonl");
+        }
+        if let Some(heartbeat) = &self.heartbeat {
+            heartbeat.record(line.as_bytes());
         }
         let subject = self.bus.names().trainer_metrics().to_string();
         if let Err(err) = self.bus.client().publish(subject, line.into_bytes().into()).await {

@@ -5,10 +5,12 @@
 //! cluster, a node that dies moves the leadership of what it led).
 //!
 //! The rollout worker writes its own, richer heartbeat (engine load, loaded version). The trainer's says the step
-//! it last finished, how long it took and its mean reward, read from its own step metrics on
-//! `jetrl.<ns>.trainer.metrics`, so the training loop needs no hook.
+//! it last finished, how long it took and its mean reward: its metrics sink hands each step's metrics line to
+//! [`Heartbeats::step_metrics`] in the process (it used to come back over `jetrl.<ns>.trainer.metrics`, and a run
+//! of the observability test saw a trainer at step 0 in `jetrl status` after several steps: a round trip through
+//! the broker is not needed to tell a process's own step).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -24,7 +26,7 @@ use crate::{Bus, BusError, Cause};
 pub const TRAINER: &str = "trainer";
 
 /// What the heartbeat reports, updated between beats.
-#[derive(Default)]
+#[derive(Default, Clone)]
 struct Progress {
     step: u64,
     total_steps: u64,
@@ -46,14 +48,37 @@ impl Progress {
     }
 }
 
+/// Where the trainer's step metrics reach its heartbeat: each line recorded is in the next beat.
+#[derive(Clone, Default)]
+pub struct StepMetrics(Arc<Mutex<Progress>>);
+
+impl StepMetrics {
+    /// Folds in one line of step metrics (JSON, verl's names: `training/global_step`, `timing_s/step`, ...).
+    pub fn record(&self, line: &[u8]) {
+        if let Ok(mut progress) = self.0.lock() {
+            progress.record(line);
+        }
+    }
+
+    fn now(&self) -> Progress {
+        self.0.lock().map(|p| p.clone()).unwrap_or_default()
+    }
+}
+
 /// A running heartbeat. Dropping it leaves it running until the service's shutdown; [`Heartbeats::stop`] ends it
 /// with a last beat that says `stopped`, written before the process exits.
 pub struct Heartbeats {
     stop: Arc<Notify>,
     task: tokio::task::JoinHandle<()>,
+    progress: StepMetrics,
 }
 
 impl Heartbeats {
+    /// The handle the trainer's metrics sink records its step metrics into.
+    pub fn step_metrics(&self) -> StepMetrics {
+        self.progress.clone()
+    }
+
     /// Writes the last beat (`stopped`, the trainer's last step) and ends the heartbeat.
     pub async fn stop(self) {
         self.stop.notify_one();
@@ -77,38 +102,27 @@ pub fn start(
     let bus = bus.clone();
     let stop = Arc::new(Notify::new());
     let stopped = stop.clone();
+    let progress = StepMetrics::default();
+    let shared = progress.clone();
     let task = tokio::spawn(async move {
         tokio::spawn(count_leader_elections(bus.clone(), shutdown.clone()));
-        let mut metrics = match service {
-            TRAINER => bus.client().subscribe(bus.names().trainer_metrics().to_string()).await.ok(),
-            _ => None,
-        };
-        let mut progress = Progress::default();
         let mut ticker = tokio::time::interval(interval);
         loop {
             tokio::select! {
                 _ = shutdown.wait() => break,
                 _ = stopped.notified() => break,
-                Some(line) = async { metrics.as_mut()?.next().await } => progress.record(&line.payload),
                 _ = ticker.tick() => {
-                    if let Err(err) = beat(&bus, service, &instance, WorkerState::Ready, &progress).await {
+                    if let Err(err) = beat(&bus, service, &instance, WorkerState::Ready, &shared.now()).await {
                         tracing::warn!(error = %err, "heartbeat failed");
                     }
                 }
             }
         }
-        // the last step's metrics may still be on their way back from the server
-        if let Some(metrics) = metrics.as_mut() {
-            let _ = bus.client().flush().await;
-            while let Ok(Some(line)) = tokio::time::timeout(Duration::from_millis(100), metrics.next()).await {
-                progress.record(&line.payload);
-            }
-        }
-        if let Err(err) = beat(&bus, service, &instance, WorkerState::Stopped, &progress).await {
+        if let Err(err) = beat(&bus, service, &instance, WorkerState::Stopped, &shared.now()).await {
             tracing::debug!(error = %err, "last heartbeat not written");
         }
     });
-    Heartbeats { stop, task }
+    Heartbeats { stop, task, progress }
 }
 
 async fn beat(
