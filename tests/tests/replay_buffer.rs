@@ -446,3 +446,33 @@ async fn reading_the_inputs_again_while_a_request_waits_repeats_and_loses_nothin
     buffer.kill().unwrap();
     buffer.wait().unwrap();
 }
+
+/// At the default re-read wait (30 s: 10 s of quiet inputs are needed, longer than the buffer's stall checks, every
+/// 5 s), a waiting request is re-read for: the checks' bookkeeping does not count as input. Found by trying the
+/// default as a user (a reward service stopped for 45 s, and no re-read); at 18 s this test passed without the
+/// fix, so it uses the default.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_re_read_comes_after_a_wait_longer_than_the_stall_checks() {
+    let server = NatsServer::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let metrics: std::net::SocketAddr =
+        format!("127.0.0.1:{}", jetrl_bus::harness::free_port().unwrap()).parse().unwrap();
+    let extra = format!("buffer: {{reread_after_s: 30, metrics_addr: \"{metrics}\"}}\n");
+    let mut buffer = spawn_buffer_process_with(&server, dir.path(), &extra);
+    let (bus, groups) = connect(&server.url()).await;
+    make_group(&bus, &groups, &GroupSpec::finished("a", 1, &[1.0])).await;
+    let waiter = {
+        let bus = bus.clone();
+        tokio::spawn(async move { sample(&bus, &request("train-1", 1, 2)).await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(50);
+    while metric_sum(metrics, "jetrl_buffer_rereads_total").await < 1.0 {
+        assert!(Instant::now() < deadline, "no re-read 50 s into a request's wait at reread_after_s 30");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    make_group(&bus, &groups, &GroupSpec::finished("b", 1, &[0.0])).await;
+    let answer = waiter.await.unwrap();
+    assert_eq!(answer.groups.len(), 2);
+    buffer.kill().unwrap();
+    buffer.wait().unwrap();
+}

@@ -179,6 +179,8 @@ impl Buffer {
         let mut last_entry = Instant::now();
         // the same for the rewards consumer: its stream's last sequence against the newest reward read
         let mut last_reward = Instant::now();
+        // when anything last came in on either input (the two above are also moved on by their stall checks)
+        let mut last_input = Instant::now();
         let mut watch_check = tokio::time::interval(jetrl_bus::watch::WATCH_CHECK);
         loop {
             // Whether this event could let a waiting request be answered. Most cannot (a group created or
@@ -199,6 +201,7 @@ impl Buffer {
                     match entry {
                         Ok(entry) => {
                             last_entry = Instant::now();
+                            last_input = last_entry;
                             groups_revision = groups_revision.max(entry.revision);
                             self.groups_seen(groups_revision);
                             if entry.delta == 0 { self.groups_current = true; }
@@ -222,6 +225,7 @@ impl Buffer {
                     match msg {
                         Ok(msg) => {
                             last_reward = Instant::now();
+                            last_input = last_reward;
                             let (seq, pending) = msg.info().map(|i| (i.stream_sequence, i.pending)).unwrap_or((0, 1));
                             if pending == 0 { self.rewards_current = true; }
                             let replay = self.reread.replays_reward(seq);
@@ -279,7 +283,7 @@ impl Buffer {
                     let waiting_since = self.waiting_since.filter(|_| !self.waiting.is_empty());
                     if self.groups_current
                         && self.rewards_current
-                        && self.reread.due(now, waiting_since, last_entry.max(last_reward))
+                        && self.reread.due(now, waiting_since, last_input)
                     {
                         let view = self.state.waiting_view(self.waiting_partition());
                         tracing::debug!(
