@@ -397,37 +397,58 @@ async fn metric_sum(addr: std::net::SocketAddr, family: &str) -> f64 {
         .sum()
 }
 
+fn free_addr() -> std::net::SocketAddr {
+    format!("127.0.0.1:{}", jetrl_bus::harness::free_port().unwrap()).parse().unwrap()
+}
+
+/// A buffer process that re-reads after `reread_after_s` and serves /metrics on `metrics`.
+fn rereading_buffer(
+    server: &NatsServer,
+    dir: &std::path::Path,
+    reread_after_s: &str,
+    metrics: std::net::SocketAddr,
+) -> std::process::Child {
+    let extra = format!("buffer: {{reread_after_s: {reread_after_s}, metrics_addr: \"{metrics}\"}}\n");
+    spawn_buffer_process_with(server, dir, &extra)
+}
+
+/// Group `first` made, then request `train-1` for `batch` groups sent (in a task, asked again until answered).
+async fn waiting_request(
+    bus: &Bus,
+    groups: &GroupStore,
+    first: &GroupSpec,
+    batch: u32,
+) -> tokio::task::JoinHandle<SampleResponse> {
+    make_group(bus, groups, first).await;
+    let bus = bus.clone();
+    tokio::spawn(async move { sample(&bus, &request("train-1", 1, batch)).await })
+}
+
+/// Waits until the buffer has counted `n` re-reads; fails with `what` after `deadline`.
+async fn wait_for_rereads(metrics: std::net::SocketAddr, n: f64, deadline: Instant, what: &str) {
+    while metric_sum(metrics, "jetrl_buffer_rereads_total").await < n {
+        assert!(Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// A request that waits (here for 0.3 s with nothing coming in: `buffer.reread_after_s`) makes the buffer read the
 /// group records and rewards again from the stores, more than once while it waits; what it reads again that it
 /// already had changes nothing: every group is answered once, a retried request gets the same groups, and the
 /// re-reads found nothing missed (counted on /metrics).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reading_the_inputs_again_while_a_request_waits_repeats_and_loses_nothing() {
-    let server = NatsServer::start().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let metrics: std::net::SocketAddr =
-        format!("127.0.0.1:{}", jetrl_bus::harness::free_port().unwrap()).parse().unwrap();
-    let extra = format!("buffer: {{reread_after_s: 0.3, metrics_addr: \"{metrics}\"}}\n");
-    let mut buffer = spawn_buffer_process_with(&server, dir.path(), &extra);
+    let (server, dir, metrics) = (NatsServer::start().unwrap(), tempfile::tempdir().unwrap(), free_addr());
+    let mut buffer = rereading_buffer(&server, dir.path(), "0.3", metrics);
     let (bus, groups) = connect(&server.url()).await;
-    make_group(&bus, &groups, &GroupSpec::finished("a", 1, &[1.0, 0.0])).await;
-    let waiter = {
-        let bus = bus.clone();
-        tokio::spawn(async move { sample(&bus, &request("train-1", 1, 3)).await })
-    };
+    let waiter = waiting_request(&bus, &groups, &GroupSpec::finished("a", 1, &[1.0, 0.0]), 3).await;
     // the request waits for two more groups: re-reads happen meanwhile (every 0.3, 0.6, 1.2 s... at most)
     let deadline = Instant::now() + Duration::from_secs(30);
-    while metric_sum(metrics, "jetrl_buffer_rereads_total").await < 2.0 {
-        assert!(Instant::now() < deadline, "no second re-read while a request waited");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_for_rereads(metrics, 2.0, deadline, "no second re-read while a request waited").await;
     make_group(&bus, &groups, &GroupSpec::finished("b", 1, &[0.5, 0.5])).await;
     // a third group after another re-read, with b's record and rewards read again beside it
     let rereads = metric_sum(metrics, "jetrl_buffer_rereads_total").await;
-    while metric_sum(metrics, "jetrl_buffer_rereads_total").await <= rereads {
-        assert!(Instant::now() < deadline, "no re-read after the second group");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_for_rereads(metrics, rereads + 1.0, deadline, "no re-read after the second group").await;
     make_group(&bus, &groups, &GroupSpec::finished("c", 1, &[0.25, 0.75])).await;
     let first = waiter.await.unwrap();
     let uids: Vec<&str> = first.groups.iter().map(|g| g.uid.as_str()).collect();
@@ -453,23 +474,12 @@ async fn reading_the_inputs_again_while_a_request_waits_repeats_and_loses_nothin
 /// fix, so it uses the default.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_re_read_comes_after_a_wait_longer_than_the_stall_checks() {
-    let server = NatsServer::start().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let metrics: std::net::SocketAddr =
-        format!("127.0.0.1:{}", jetrl_bus::harness::free_port().unwrap()).parse().unwrap();
-    let extra = format!("buffer: {{reread_after_s: 30, metrics_addr: \"{metrics}\"}}\n");
-    let mut buffer = spawn_buffer_process_with(&server, dir.path(), &extra);
+    let (server, dir, metrics) = (NatsServer::start().unwrap(), tempfile::tempdir().unwrap(), free_addr());
+    let mut buffer = rereading_buffer(&server, dir.path(), "30", metrics);
     let (bus, groups) = connect(&server.url()).await;
-    make_group(&bus, &groups, &GroupSpec::finished("a", 1, &[1.0])).await;
-    let waiter = {
-        let bus = bus.clone();
-        tokio::spawn(async move { sample(&bus, &request("train-1", 1, 2)).await })
-    };
+    let waiter = waiting_request(&bus, &groups, &GroupSpec::finished("a", 1, &[1.0]), 2).await;
     let deadline = Instant::now() + Duration::from_secs(50);
-    while metric_sum(metrics, "jetrl_buffer_rereads_total").await < 1.0 {
-        assert!(Instant::now() < deadline, "no re-read 50 s into a request's wait at reread_after_s 30");
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    wait_for_rereads(metrics, 1.0, deadline, "no re-read 50 s into a request's wait at reread_after_s 30").await;
     make_group(&bus, &groups, &GroupSpec::finished("b", 1, &[0.0])).await;
     let answer = waiter.await.unwrap();
     assert_eq!(answer.groups.len(), 2);
