@@ -17,6 +17,14 @@ pub mod secure_nats;
 pub mod sim;
 
 /// Path of a workspace binary (`target/<profile>/<name>`), located from the test executable.
+/// Sum of every sample of the metric family `family` (lines starting with it) in a Prometheus text page.
+pub fn metric_family_sum(page: &str, family: &str) -> f64 {
+    page.lines()
+        .filter(|l| l.starts_with(family))
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum()
+}
+
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
     // tests live in target/<profile>/deps/, binaries (benchmarks too) in target/<profile>/

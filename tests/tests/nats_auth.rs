@@ -37,12 +37,7 @@ fn prompt_task() -> PromptTask {
 }
 
 fn permission_violations_counted() -> f64 {
-    jetrl_telemetry::prometheus()
-        .render()
-        .lines()
-        .filter(|l| l.starts_with("jetrl_bus_permission_violations_total"))
-        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
-        .sum()
+    jetrl_tests::metric_family_sum(&jetrl_telemetry::prometheus().render(), "jetrl_bus_permission_violations_total")
 }
 
 #[tokio::test]

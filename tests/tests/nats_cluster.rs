@@ -35,10 +35,7 @@ fn scrape_sum(addr: &str, family: &str) -> f64 {
     let _ = write!(stream, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n");
     let mut body = String::new();
     let _ = stream.read_to_string(&mut body);
-    body.lines()
-        .filter(|l| l.starts_with(family))
-        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
-        .sum()
+    jetrl_tests::metric_family_sum(&body, family)
 }
 
 /// Waits for `done`; on a timeout, fails with `what` and `context()` (read then: the logs so far).

@@ -390,11 +390,7 @@ async fn a_newer_trainer_incarnation_takes_over_from_the_dead_ones_waiting_reque
 
 /// Sum of the samples of a metric family on the buffer's /metrics endpoint.
 async fn metric_sum(addr: std::net::SocketAddr, family: &str) -> f64 {
-    let body = jetrl_telemetry::scrape(addr).await.unwrap_or_default();
-    body.lines()
-        .filter(|l| l.starts_with(family))
-        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
-        .sum()
+    jetrl_tests::metric_family_sum(&jetrl_telemetry::scrape(addr).await.unwrap_or_default(), family)
 }
 
 fn free_addr() -> std::net::SocketAddr {

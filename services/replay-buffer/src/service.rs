@@ -467,6 +467,7 @@ impl Buffer {
 
     /// A message of the REWARDS stream: a reward batch (indexed), or a release marker. Returns whether it could
     /// let a waiting request be answered.
+    ///
     /// A `replay` (a message a re-read reads again) only adds rewards the buffer lacks, and counts those of live
     /// groups; its release markers and malformed messages were handled when first read.
     fn on_rewards_message(&mut self, msg: &async_nats::jetstream::Message, seq: u64, replay: bool) -> bool {
