@@ -292,10 +292,20 @@ async fn jetrl_status_and_the_dashboard_show_a_running_job() {
     }
     assert!(job.steps_done() < STEPS as usize, "the trainer finished before its metrics were checked");
 
-    // --json: one object with everything on-call needs
-    let (ok, text) = status(&nats, &["--json"]);
-    assert!(ok, "jetrl status --json:\n{text}\n{}", job.logs());
-    let s: Value = serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("not one JSON object ({e}):\n{text}"));
+    // --json: one object with everything on-call needs. The trainer's heartbeat is written every
+    // `heartbeat_interval_s` (0.5 s here), so the beat read just after step 1 may be one from before it: the
+    // status is read until the heartbeat shows a finished step (a trainer whose beats never carry a step fails).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let s = loop {
+        let (ok, text) = status(&nats, &["--json"]);
+        assert!(ok, "jetrl status --json:\n{text}\n{}", job.logs());
+        let s: Value =
+            serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("not one JSON object ({e}):\n{text}"));
+        if s["trainer"]["step"].as_u64().is_some_and(|step| step >= 1) || Instant::now() > deadline {
+            break s;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     assert_eq!(s["job"], "jetrl");
     let trainer = &s["trainer"];
     assert!(trainer["step"].as_u64().unwrap() >= 1 && trainer["total_steps"] == STEPS, "{trainer}");
