@@ -6,9 +6,9 @@
 //!
 //! The rollout worker writes its own, richer heartbeat (engine load, loaded version). The trainer's says the step
 //! it last finished, how long it took and its mean reward: its metrics sink hands each step's metrics line to
-//! [`Heartbeats::step_metrics`] in the process (it used to come back over `jetrl.<ns>.trainer.metrics`, and a run
-//! of the observability test saw a trainer at step 0 in `jetrl status` after several steps: a round trip through
-//! the broker is not needed to tell a process's own step).
+//! [`Heartbeats::step_metrics`] in the process (no round trip through `jetrl.<ns>.trainer.metrics` to tell a
+//! process's own step). A beat carries the step last finished when it was written, so a reader may see a step up
+//! to one interval old.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
