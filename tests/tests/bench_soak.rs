@@ -38,6 +38,11 @@ fn a_short_soak_loses_and_duplicates_nothing_and_reports_every_interval() {
         assert!(json["rss_growth_pct"][service].is_number(), "{service} growth in {last}");
     }
     assert_eq!(json["nats_live_heap_mib"].as_array().map(Vec::len), Some(4), "the broker's heap each interval: {last}");
+    // the broker runs under the soak's memory limit, and the CPU each process used is reported
+    assert_eq!(json["nats_gomemlimit"], "160MiB", "{last}");
+    for process in ["nats-server", "reward-service", "replay-buffer", "rollout-workers"] {
+        assert!(json["cpu_s"][process].as_f64().is_some_and(|s| s > 0.0), "{process}'s CPU seconds in {last}");
+    }
     // every trained group left GROUPS for the ledger's archive: the bucket holds the working set, not the history
     assert_eq!(json["groups_bucket_records_end"], 0, "{last}");
     assert_eq!(json["ledger_archived_records"], json["submitted_groups"], "{last}");

@@ -23,6 +23,8 @@ pub struct NatsServer {
     max_payload: usize,
     /// more configuration written at every start: accounts and users, a profiling port
     auth: Option<String>,
+    /// environment of the server process at every start (e.g. `GOMEMLIMIT`, the Go runtime's soft memory limit)
+    env: Vec<(String, String)>,
 }
 
 impl NatsServer {
@@ -48,7 +50,15 @@ impl NatsServer {
     /// Starts a server as [`NatsServer::start`] does with `extra` added to its configuration (at every start), e.g.
     /// `prof_port: <port>` for a benchmark that reads the broker's heap.
     pub fn start_with_config(extra: &str) -> Result<Self, BusError> {
-        Self::in_temp_dir(free_port()?, MAX_PAYLOAD_BYTES, Some(format!("{extra}\n")))
+        Self::start_with_config_and_env(extra, Vec::new())
+    }
+
+    /// Starts a server as [`NatsServer::start_with_config`] does, its process given `env` (at every start), e.g.
+    /// `GOMEMLIMIT` for a benchmark that runs the broker under a memory limit as a deployment does.
+    pub fn start_with_config_and_env(extra: &str, env: Vec<(String, String)>) -> Result<Self, BusError> {
+        let mut server = Self::unstarted(free_port()?, MAX_PAYLOAD_BYTES, Some(format!("{extra}\n")))?;
+        server.env = env;
+        server.launched()
     }
 
     /// Starts a server whose store lives in `root` (kept after drop), e.g. a run directory.
@@ -62,18 +72,23 @@ impl NatsServer {
             child: None,
             max_payload: MAX_PAYLOAD_BYTES,
             auth: None,
+            env: Vec::new(),
         };
         server.launched()
     }
 
     fn in_temp_dir(port: u16, max_payload: usize, auth: Option<String>) -> Result<Self, BusError> {
+        Self::unstarted(port, max_payload, auth)?.launched()
+    }
+
+    /// A server with a fresh temporary store, not started yet.
+    fn unstarted(port: u16, max_payload: usize, auth: Option<String>) -> Result<Self, BusError> {
         let dir = tempfile::Builder::new()
             .prefix("jetrl-nats-")
             .tempdir()
             .map_err(|e| BusError::Server(format!("temp dir: {e}")))?;
         let root = dir.path().to_path_buf();
-        let server = Self { binary: find_binary()?, port, dir: Some(dir), root, child: None, max_payload, auth };
-        server.launched()
+        Ok(Self { binary: find_binary()?, port, dir: Some(dir), root, child: None, max_payload, auth, env: Vec::new() })
     }
 
     fn launched(mut self) -> Result<Self, BusError> {
@@ -100,6 +115,7 @@ impl NatsServer {
         // The server must not outlive the process that started it (a test or `jetrl run` killed hard).
         die_with_parent(&mut command);
         let child = command
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .arg("-c")
             .arg(&conf)
             .arg("-l")

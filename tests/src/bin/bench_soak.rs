@@ -41,6 +41,10 @@
 //!   report, beside its RSS: RSS also holds the garbage Go's collector lets pile up between collections, so bounded
 //!   state shows flat in the live heap first (`live_heap_growth_pct`, `nats_live_heap_mib`).
 //!
+//! - The broker runs under `GOMEMLIMIT` (`SOAK_NATS_GOMEMLIMIT`, default [`NATS_MEMORY_LIMIT`]; `off`: none), as
+//!   docs/operations.md has a deployment run it (`nats_gomemlimit`); each process's CPU seconds over the run
+//!   (`cpu_s`, the workers summed) show what the collector's extra work costs.
+//!
 //! Last line: `{"bench":"soak","minutes":…,"traj_per_s":…,"rss_growth_pct":{…},"lost":…,"duplicated":…,…}`.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -63,6 +67,12 @@ const DRAIN: Duration = Duration::from_secs(60);
 const ACK_WAIT: Duration = Duration::from_secs(30);
 /// RSS growth after the first interval that the issue allows, in percent.
 const GROWTH_LIMIT_PCT: f64 = 5.0;
+/// The broker's `GOMEMLIMIT` unless `SOAK_NATS_GOMEMLIMIT` says otherwise (`off`: none). Go collects when its
+/// heap reaches twice what the last collection kept, so without a limit the broker's RSS follows the highest
+/// live heap it has had (here 65–110 MiB: the ids of the one-minute duplicate window, the stores' block
+/// buffers) doubled, and rises for minutes after the first. A limit about 1.5× that peak, as a deployment sets
+/// one (docs/operations.md), keeps the collector ahead of it.
+const NATS_MEMORY_LIMIT: &str = "160MiB";
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -90,6 +100,8 @@ struct Knobs {
     batch: usize,
     /// trajectories per second the trainer stand-in trains at most (0: as fast as the data plane goes)
     pace: f64,
+    /// the broker's `GOMEMLIMIT` (Go's soft memory limit), as a deployment sets it; None: Go's default (none)
+    nats_memory_limit: Option<String>,
 }
 
 impl Knobs {
@@ -104,6 +116,8 @@ impl Knobs {
             payload: knob("SOAK_PAYLOAD_BYTES", 4096),
             batch: knob("SOAK_BATCH_GROUPS", 16),
             pace: knob("SOAK_TRAJ_PER_S", 3000.0),
+            nats_memory_limit: Some(knob("SOAK_NATS_GOMEMLIMIT", NATS_MEMORY_LIMIT.to_string()))
+                .filter(|limit| !limit.is_empty() && limit != "off"),
         }
     }
 }
@@ -270,6 +284,8 @@ struct Sample {
     /// trajectories trained since the start, at the end of the interval
     trained: u64,
     rss: BTreeMap<String, u64>,
+    /// CPU seconds each process has used since it started
+    cpu_s: BTreeMap<String, f64>,
     /// nats-server's live heap in bytes ([`nats_live_heap`])
     nats_live_heap: Option<u64>,
 }
@@ -382,6 +398,8 @@ async fn reporter(
             (ledger.trained_trajectories, ledger.completed_trajectories)
         };
         let rss: BTreeMap<String, u64> = watched.iter().map(|w| (w.name.clone(), bench::rss_bytes(w.pid))).collect();
+        let cpu_s: BTreeMap<String, f64> =
+            watched.iter().map(|w| (w.name.clone(), bench::cpu_seconds(Some(w.pid)))).collect();
         let seconds = at - at_before;
         let listed: Vec<String> = watched.iter().map(|w| format!("{} {:.1}", w.name, mib(rss[&w.name]))).collect();
         let nats_live_heap = tokio::task::spawn_blocking(move || nats_live_heap(nats_prof_port)).await.ok().flatten();
@@ -394,7 +412,7 @@ async fn reporter(
             nats_live_heap.map_or("?".to_string(), |b| format!("{:.1}", mib(b)))
         );
         (trained_before, produced_before, at_before) = (trained, produced, at);
-        samples.push(Sample { trained, rss, nats_live_heap });
+        samples.push(Sample { trained, rss, cpu_s, nats_live_heap });
     }
     samples
 }
@@ -489,12 +507,22 @@ async fn soak() {
     assert!(knobs.seconds > 0.0 && knobs.report_s > 0.0, "SOAK_SECONDS and SOAK_REPORT_S must be > 0");
     println!(
         "soak: {:.0} s, {} stand-in rollout workers (fast stand-in generator, no model; {} groups in flight each), \
-         groups of {} trajectories of {} bytes, batches of {} groups, report every {:.0} s",
-        knobs.seconds, knobs.workers, knobs.worker_inflight, knobs.group, knobs.payload, knobs.batch, knobs.report_s
+         groups of {} trajectories of {} bytes, batches of {} groups, report every {:.0} s; nats-server \
+         GOMEMLIMIT {}",
+        knobs.seconds,
+        knobs.workers,
+        knobs.worker_inflight,
+        knobs.group,
+        knobs.payload,
+        knobs.batch,
+        knobs.report_s,
+        knobs.nats_memory_limit.as_deref().unwrap_or("off")
     );
     // the profiling port: the broker's live heap at each report (nats_live_heap)
     let prof_port = jetrl_bus::harness::free_port().expect("a free port");
-    let server = NatsServer::start_with_config(&format!("prof_port: {prof_port}")).expect("nats-server");
+    let env = knobs.nats_memory_limit.iter().map(|limit| ("GOMEMLIMIT".to_string(), limit.clone())).collect();
+    let server =
+        NatsServer::start_with_config_and_env(&format!("prof_port: {prof_port}"), env).expect("nats-server");
     let url = server.url();
     let dir = tempfile::Builder::new().prefix("jetrl-soak-").tempdir().expect("tempdir");
     std::fs::write(
@@ -623,6 +651,14 @@ async fn soak() {
         _ => serde_json::Value::Null,
     };
     let live_heap_mib: Vec<f64> = samples.iter().filter_map(|s| s.nats_live_heap).map(|b| round2(mib(b))).collect();
+    // CPU seconds over the run (to the last report): the broker's garbage collection under its memory limit shows
+    // here; the workers as one (their sum)
+    let mut cpu_s: BTreeMap<String, f64> = BTreeMap::new();
+    for (name, &seconds) in &last.cpu_s {
+        let name = if name.starts_with("rollout-worker-") { "rollout-workers" } else { name.as_str() };
+        *cpu_s.entry(name.to_string()).or_default() += seconds;
+    }
+    cpu_s.values_mut().for_each(|s| *s = round2(*s));
     // the trainer stand-in holds the soak's own ledger: reported apart
     let harness_growth = growth.remove("trainer").unwrap_or(f64::NAN);
     let rss_end: BTreeMap<&str, f64> = last.rss.iter().map(|(k, &v)| (k.as_str(), round2(mib(v)))).collect();
@@ -675,6 +711,8 @@ async fn soak() {
         ("harness_rss_growth_pct", serde_json::json!({ "trainer": harness_growth })),
         ("live_heap_growth_pct", live_heap_growth),
         ("nats_live_heap_mib", serde_json::json!(live_heap_mib)),
+        ("nats_gomemlimit", serde_json::json!(knobs.nats_memory_limit)),
+        ("cpu_s", serde_json::json!(cpu_s)),
         ("groups_bucket_records_end", groups_left.into()),
         ("ledger_archived_records", archived.into()),
         ("targets_met", met.into()),
