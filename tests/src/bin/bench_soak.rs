@@ -521,8 +521,7 @@ async fn soak() {
     // the profiling port: the broker's live heap at each report (nats_live_heap)
     let prof_port = jetrl_bus::harness::free_port().expect("a free port");
     let env = knobs.nats_memory_limit.iter().map(|limit| ("GOMEMLIMIT".to_string(), limit.clone())).collect();
-    let server =
-        NatsServer::start_with_config_and_env(&format!("prof_port: {prof_port}"), env).expect("nats-server");
+    let server = NatsServer::start_with_config_and_env(&format!("prof_port: {prof_port}"), env).expect("nats-server");
     let url = server.url();
     let dir = tempfile::Builder::new().prefix("jetrl-soak-").tempdir().expect("tempdir");
     std::fs::write(
