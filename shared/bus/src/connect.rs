@@ -471,7 +471,17 @@ fn connection_events(
             async_nats::Event::ServerError(async_nats::ServerError::Other(text)) => match parse_violation(text) {
                 Some((operation, subject)) => {
                     metrics::counter!("jetrl_bus_permission_violations_total", "operation" => operation).increment(1);
-                    tracing::error!(%url, as_ = %identity, operation, subject, "the NATS server refused: permissions violation");
+                    if refused_reply(operation, subject) {
+                        tracing::warn!(
+                            %url, as_ = %identity, subject,
+                            "the NATS server refused a reply: a server lets a connection answer only requests it \
+                             delivered on that connection, so an answer to a request received before a reconnect to \
+                             another node is refused, and the requester asks again. Seen without a reconnect, the \
+                             identity lacks allow_responses (deploy/nats/gen.sh)"
+                        );
+                    } else {
+                        tracing::error!(%url, as_ = %identity, operation, subject, "the NATS server refused: permissions violation");
+                    }
                     refusals.record(operation, subject);
                 }
                 None => tracing::warn!(%url, error = %text, "NATS server error"),
@@ -480,6 +490,12 @@ fn connection_events(
         }
         futures::future::ready(())
     }
+}
+
+/// Whether a refused publish was a reply: an inbox subject (`_INBOX.…`, or `_INBOX_<user>.…` under gen.sh's
+/// per-identity inbox prefixes).
+fn refused_reply(operation: &str, subject: &str) -> bool {
+    operation == "publish" && subject.starts_with("_INBOX")
 }
 
 /// `Permissions Violation for Publish to "subject"` → ("publish", "subject"); subscriptions likewise.
@@ -647,5 +663,13 @@ mod tests {
             Some(("subscribe", "_INBOX.x.*"))
         );
         assert_eq!(parse_violation("Maximum Payload Violation"), None);
+    }
+
+    #[test]
+    fn a_refused_publish_to_an_inbox_is_a_refused_reply() {
+        assert!(refused_reply("publish", "_INBOX_jetrl-trainer.abc.def"));
+        assert!(refused_reply("publish", "_INBOX.abc.def"));
+        assert!(!refused_reply("publish", "jetrl.job.prompts.train"));
+        assert!(!refused_reply("subscribe", "_INBOX_jetrl-trainer.>"));
     }
 }
