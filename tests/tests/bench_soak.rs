@@ -39,7 +39,7 @@ fn a_short_soak_loses_and_duplicates_nothing_and_reports_every_interval() {
     }
     assert_eq!(json["nats_live_heap_mib"].as_array().map(Vec::len), Some(4), "the broker's heap each interval: {last}");
     // the broker runs under the soak's memory limit, and the CPU each process used is reported
-    assert_eq!(json["nats_gomemlimit"], "144MiB", "{last}");
+    assert_eq!(json["nats_gomemlimit"], "160MiB", "{last}");
     for process in ["nats-server", "reward-service", "replay-buffer", "rollout-workers"] {
         assert!(json["cpu_s"][process].as_f64().is_some_and(|s| s > 0.0), "{process}'s CPU seconds in {last}");
     }

@@ -70,11 +70,10 @@ const GROWTH_LIMIT_PCT: f64 = 5.0;
 /// The broker's `GOMEMLIMIT` unless `SOAK_NATS_GOMEMLIMIT` says otherwise (`off`: none). Go collects when its
 /// heap reaches twice what the last collection kept, so without a limit the broker's RSS follows the highest
 /// live heap it has had (here 65–110 MiB: the ids of the one-minute duplicate window, the stores' block
-/// buffers) doubled, and rises for minutes after the first. A limit about 1.4× that peak, as a deployment sets
-/// one (docs/operations.md), keeps the collector ahead of it. Low enough that the heap reaches it within the
-/// first minute: under 160MiB, two runs of five read the broker at 153–156 MiB after one minute and grew 5–6% to
-/// the limit afterwards, which measured the limit, not a leak.
-const NATS_MEMORY_LIMIT: &str = "144MiB";
+/// buffers) doubled, and rises for minutes after the first. A limit about 1.5× that peak, as a deployment sets
+/// one (docs/operations.md), keeps the collector ahead of it. A run whose first minute ends before the heap has
+/// reached the limit still grows up to it afterwards (5–7% in three of seven runs under 160MiB or 144MiB).
+const NATS_MEMORY_LIMIT: &str = "160MiB";
 
 fn main() {
     let mut args = std::env::args().skip(1);
