@@ -7,7 +7,8 @@
 # Knobs (env): SOAK_MINUTES (10; SOAK_SECONDS wins when set), SOAK_REPORT_S (60), SOAK_WORKERS (8),
 # SOAK_WORKER_INFLIGHT (4 groups per worker), SOAK_GROUP (8 trajectories), SOAK_PAYLOAD_BYTES (4096),
 # SOAK_BATCH_GROUPS (16), SOAK_TRAJ_PER_S (3000: the pace of the trainer stand-in, a steady load every minute;
-# 0: as fast as it goes), SOAK_NATS_GOMEMLIMIT (160MiB: the broker's Go memory limit, docs/operations.md; off: none).
+# 0: as fast as it goes), SOAK_NATS_GOMEMLIMIT (160MiB: the broker's Go memory limit, docs/operations.md; off: none),
+# SOAK_NATS_GOGC (unset: Go's default, 100; off, with a limit: Go collects only at the limit).
 # Last line: {"bench":"soak","minutes":…,"traj_per_s":…,"rss_growth_pct":{"<process>":…},"lost":…,"duplicated":…,…}
 # (RSS growth from the end of the first minute to the end of the run; the target is ≤ 5% and nothing lost or
 # duplicated: "targets_met").

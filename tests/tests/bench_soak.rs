@@ -40,6 +40,14 @@ fn a_short_soak_loses_and_duplicates_nothing_and_reports_every_interval() {
     assert_eq!(json["nats_live_heap_mib"].as_array().map(Vec::len), Some(4), "the broker's heap each interval: {last}");
     // the broker runs under the soak's memory limit, and the CPU each process used is reported
     assert_eq!(json["nats_gomemlimit"], "160MiB", "{last}");
+    assert!(json["nats_gogc"].is_null(), "Go's default GOGC unless SOAK_NATS_GOGC sets one: {last}");
+    // the services' heap in use, read from their /metrics every interval
+    for service in ["reward-service", "replay-buffer"] {
+        let readings = json["heap_in_use_mib"][service].as_array().unwrap_or_else(|| panic!("{service}: {last}"));
+        assert_eq!(readings.len(), 4, "{service}'s heap in use each interval: {last}");
+        assert!(readings.iter().all(|r| r.as_f64().is_some_and(|mib| mib > 0.0)), "{service}: {last}");
+        assert!(json["heap_in_use_growth_pct"][service].is_number(), "{service}: {last}");
+    }
     for process in ["nats-server", "reward-service", "replay-buffer", "rollout-workers"] {
         assert!(json["cpu_s"][process].as_f64().is_some_and(|s| s > 0.0), "{process}'s CPU seconds in {last}");
     }

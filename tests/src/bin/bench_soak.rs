@@ -41,9 +41,14 @@
 //!   report, beside its RSS: RSS also holds the garbage Go's collector lets pile up between collections, so bounded
 //!   state shows flat in the live heap first (`live_heap_growth_pct`, `nats_live_heap_mib`).
 //!
+//! - The services' heap in use (`jetrl_process_heap_in_use_bytes` from their `/metrics`: what malloc has handed
+//!   out and not had back) at each report, beside their RSS (`heap_in_use_mib`, `heap_in_use_growth_pct`): a
+//!   live heap that grows shows there; RSS rising while it stays flat is the allocator's memory (fragmentation).
+//!
 //! - The broker runs under `GOMEMLIMIT` (`SOAK_NATS_GOMEMLIMIT`, default [`NATS_MEMORY_LIMIT`]; `off`: none), as
-//!   docs/operations.md has a deployment run it (`nats_gomemlimit`); each process's CPU seconds over the run
-//!   (`cpu_s`, the workers summed) show what the collector's extra work costs.
+//!   docs/operations.md has a deployment run it (`nats_gomemlimit`), with Go's default `GOGC` unless
+//!   `SOAK_NATS_GOGC` sets one (`nats_gogc`; `off` only with a limit); each process's CPU seconds over the run
+//!   (`cpu_s`, the workers summed) show what the collector's work costs.
 //!
 //! Last line: `{"bench":"soak","minutes":…,"traj_per_s":…,"rss_growth_pct":{…},"lost":…,"duplicated":…,…}`.
 
@@ -73,6 +78,8 @@ const GROWTH_LIMIT_PCT: f64 = 5.0;
 /// buffers) doubled, and rises for minutes after the first. A limit about 1.5× that peak, as a deployment sets
 /// one (docs/operations.md), keeps the collector ahead of it. A run whose first minute ends before the heap has
 /// reached the limit still grows up to it afterwards (5–7% in three of seven runs under 160MiB or 144MiB).
+/// `SOAK_NATS_GOGC=off` (collect only at the limit) did not settle it: 3 of 4 runs within 5%, one +5.0% from a
+/// first reading of 156.9 MiB (docs/operations.md).
 const NATS_MEMORY_LIMIT: &str = "160MiB";
 
 fn main() {
@@ -103,11 +110,20 @@ struct Knobs {
     pace: f64,
     /// the broker's `GOMEMLIMIT` (Go's soft memory limit), as a deployment sets it; None: Go's default (none)
     nats_memory_limit: Option<String>,
+    /// the broker's `GOGC`; None: Go's default (100)
+    nats_gogc: Option<String>,
 }
 
 impl Knobs {
     fn from_env() -> Self {
         let minutes: f64 = knob("SOAK_MINUTES", 10.0);
+        let nats_memory_limit = Some(knob("SOAK_NATS_GOMEMLIMIT", NATS_MEMORY_LIMIT.to_string()))
+            .filter(|limit| !limit.is_empty() && limit != "off");
+        let nats_gogc = Some(knob("SOAK_NATS_GOGC", String::new())).filter(|gogc| !gogc.is_empty());
+        assert!(
+            !(nats_gogc.as_deref() == Some("off") && nats_memory_limit.is_none()),
+            "SOAK_NATS_GOGC=off needs a SOAK_NATS_GOMEMLIMIT: without a memory limit the broker would never collect"
+        );
         Self {
             seconds: knob("SOAK_SECONDS", minutes * 60.0),
             report_s: knob("SOAK_REPORT_S", 60.0),
@@ -117,8 +133,8 @@ impl Knobs {
             payload: knob("SOAK_PAYLOAD_BYTES", 4096),
             batch: knob("SOAK_BATCH_GROUPS", 16),
             pace: knob("SOAK_TRAJ_PER_S", 3000.0),
-            nats_memory_limit: Some(knob("SOAK_NATS_GOMEMLIMIT", NATS_MEMORY_LIMIT.to_string()))
-                .filter(|limit| !limit.is_empty() && limit != "off"),
+            nats_memory_limit,
+            nats_gogc,
         }
     }
 }
@@ -278,6 +294,8 @@ impl Ledger {
 struct Watched {
     name: String,
     pid: u32,
+    /// its `/metrics` endpoint (the services): their heap in use is read there
+    metrics: Option<std::net::SocketAddr>,
 }
 
 /// One interval's report.
@@ -289,6 +307,15 @@ struct Sample {
     cpu_s: BTreeMap<String, f64>,
     /// nats-server's live heap in bytes ([`nats_live_heap`])
     nats_live_heap: Option<u64>,
+    /// each service's heap in use, bytes ([`heap_in_use`]; those whose endpoint answered)
+    heap_in_use: BTreeMap<String, u64>,
+}
+
+/// A service's heap in use (`jetrl_process_heap_in_use_bytes`) from its `/metrics`; None if unreadable.
+async fn heap_in_use(addr: std::net::SocketAddr) -> Option<u64> {
+    let body = tokio::time::timeout(Duration::from_secs(10), jetrl_telemetry::scrape(addr)).await.ok()?.ok()?;
+    let line = body.lines().find(|l| l.starts_with(jetrl_telemetry::heap::IN_USE_METRIC))?;
+    line.rsplit(' ').next()?.parse::<f64>().ok().map(|v| v as u64)
 }
 
 /// Starts `command` so that it dies with this process (the soak stopped or killed); called from the main thread.
@@ -404,16 +431,27 @@ async fn reporter(
         let seconds = at - at_before;
         let listed: Vec<String> = watched.iter().map(|w| format!("{} {:.1}", w.name, mib(rss[&w.name]))).collect();
         let nats_live_heap = tokio::task::spawn_blocking(move || nats_live_heap(nats_prof_port)).await.ok().flatten();
+        let mut heap = BTreeMap::new();
+        for w in &watched {
+            if let Some(bytes) = match w.metrics {
+                Some(addr) => heap_in_use(addr).await,
+                None => None,
+            } {
+                heap.insert(w.name.clone(), bytes);
+            }
+        }
+        let heap_listed: Vec<String> = heap.iter().map(|(name, &b)| format!("{name} {:.2}", mib(b))).collect();
         println!(
             "soak {unit} {k}/{intervals} ({at:.0} s): trained {:.0} traj/s, produced {:.0} traj/s; RSS MiB: {}; \
-             nats-server live heap MiB: {}",
+             nats-server live heap MiB: {}; heap in use MiB: {}",
             (trained - trained_before) as f64 / seconds,
             (produced - produced_before) as f64 / seconds,
             listed.join(", "),
-            nats_live_heap.map_or("?".to_string(), |b| format!("{:.1}", mib(b)))
+            nats_live_heap.map_or("?".to_string(), |b| format!("{:.1}", mib(b))),
+            heap_listed.join(", ")
         );
         (trained_before, produced_before, at_before) = (trained, produced, at);
-        samples.push(Sample { trained, rss, cpu_s, nats_live_heap });
+        samples.push(Sample { trained, rss, cpu_s, nats_live_heap, heap_in_use: heap });
     }
     samples
 }
@@ -509,7 +547,7 @@ async fn soak() {
     println!(
         "soak: {:.0} s, {} stand-in rollout workers (fast stand-in generator, no model; {} groups in flight each), \
          groups of {} trajectories of {} bytes, batches of {} groups, report every {:.0} s; nats-server \
-         GOMEMLIMIT {}",
+         GOMEMLIMIT {} GOGC {}",
         knobs.seconds,
         knobs.workers,
         knobs.worker_inflight,
@@ -517,17 +555,30 @@ async fn soak() {
         knobs.payload,
         knobs.batch,
         knobs.report_s,
-        knobs.nats_memory_limit.as_deref().unwrap_or("off")
+        knobs.nats_memory_limit.as_deref().unwrap_or("off"),
+        knobs.nats_gogc.as_deref().unwrap_or("100 (Go's default)")
     );
     // the profiling port: the broker's live heap at each report (nats_live_heap)
     let prof_port = jetrl_bus::harness::free_port().expect("a free port");
-    let env = knobs.nats_memory_limit.iter().map(|limit| ("GOMEMLIMIT".to_string(), limit.clone())).collect();
+    let env = [("GOMEMLIMIT", &knobs.nats_memory_limit), ("GOGC", &knobs.nats_gogc)]
+        .into_iter()
+        .filter_map(|(name, value)| value.clone().map(|value| (name.to_string(), value)))
+        .collect();
     let server = NatsServer::start_with_config_and_env(&format!("prof_port: {prof_port}"), env).expect("nats-server");
     let url = server.url();
     let dir = tempfile::Builder::new().prefix("jetrl-soak-").tempdir().expect("tempdir");
+    // the services' /metrics on known ports: their heap in use at each report
+    let metrics_ports: HashMap<&str, u16> = ["reward-service", "replay-buffer"]
+        .into_iter()
+        .map(|name| (name, jetrl_bus::harness::free_port().expect("a free port")))
+        .collect();
     std::fs::write(
         dir.path().join("job.yaml"),
-        format!("nats: {{url: \"{url}\"}}\ndata: {{task: {{name: reverse}}}}\nlog: {{level: warn}}\n"),
+        format!(
+            "nats: {{url: \"{url}\"}}\ndata: {{task: {{name: reverse}}}}\nlog: {{level: warn}}\n\
+             reward: {{metrics_addr: \"127.0.0.1:{}\"}}\nbuffer: {{metrics_addr: \"127.0.0.1:{}\"}}\n",
+            metrics_ports["reward-service"], metrics_ports["replay-buffer"]
+        ),
     )
     .expect("job.yaml");
     // the trainer's connection: it declares the job's topology, as the trainer does
@@ -564,15 +615,19 @@ async fn soak() {
         let stdin = child.stdin.take();
         workers.push((child, stdin));
     }
-    let mut watched = vec![Watched { name: "nats-server".into(), pid: server.pid().expect("server pid") }];
-    watched.extend(services.iter().map(|(name, child)| Watched { name: name.clone(), pid: child.id() }));
-    watched.push(Watched { name: "trainer".into(), pid: std::process::id() });
-    watched.extend(
-        workers
-            .iter()
-            .enumerate()
-            .map(|(i, (child, _))| Watched { name: format!("rollout-worker-{i}"), pid: child.id() }),
-    );
+    let mut watched =
+        vec![Watched { name: "nats-server".into(), pid: server.pid().expect("server pid"), metrics: None }];
+    watched.extend(services.iter().map(|(name, child)| Watched {
+        name: name.clone(),
+        pid: child.id(),
+        metrics: metrics_ports.get(name.as_str()).map(|&port| std::net::SocketAddr::from(([127, 0, 0, 1], port))),
+    }));
+    watched.push(Watched { name: "trainer".into(), pid: std::process::id(), metrics: None });
+    watched.extend(workers.iter().enumerate().map(|(i, (child, _))| Watched {
+        name: format!("rollout-worker-{i}"),
+        pid: child.id(),
+        metrics: None,
+    }));
 
     let started = Instant::now();
     let end = started + Duration::from_secs_f64(knobs.seconds);
@@ -651,6 +706,18 @@ async fn soak() {
         _ => serde_json::Value::Null,
     };
     let live_heap_mib: Vec<f64> = samples.iter().filter_map(|s| s.nats_live_heap).map(|b| round2(mib(b))).collect();
+    // the services' heap in use: each reading, and its growth from the first interval to the last
+    let mut heap_mib: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for sample in &samples {
+        for (name, &bytes) in &sample.heap_in_use {
+            heap_mib.entry(name.as_str()).or_default().push(round2(mib(bytes)));
+        }
+    }
+    let heap_growth: BTreeMap<&str, f64> = first
+        .heap_in_use
+        .iter()
+        .filter_map(|(name, &a)| last.heap_in_use.get(name).map(|&b| (name.as_str(), growth_pct(a, b))))
+        .collect();
     // CPU seconds over the run (to the last report): the broker's garbage collection under its memory limit shows
     // here; the workers as one (their sum)
     let mut cpu_s: BTreeMap<String, f64> = BTreeMap::new();
@@ -711,7 +778,10 @@ async fn soak() {
         ("harness_rss_growth_pct", serde_json::json!({ "trainer": harness_growth })),
         ("live_heap_growth_pct", live_heap_growth),
         ("nats_live_heap_mib", serde_json::json!(live_heap_mib)),
+        ("heap_in_use_mib", serde_json::json!(heap_mib)),
+        ("heap_in_use_growth_pct", serde_json::json!(heap_growth)),
         ("nats_gomemlimit", serde_json::json!(knobs.nats_memory_limit)),
+        ("nats_gogc", serde_json::json!(knobs.nats_gogc)),
         ("cpu_s", serde_json::json!(cpu_s)),
         ("groups_bucket_records_end", groups_left.into()),
         ("ledger_archived_records", archived.into()),
