@@ -277,25 +277,27 @@ async fn score(engine: &Arc<RewardEngine>, inputs: Vec<ScoreInput>, batch_size: 
     if inputs.is_empty() {
         return Vec::new();
     }
-    let chunks = chunked(inputs, batch_size.max(1));
     if engine.route_name() != "rules" {
         // concurrently: the user-function pool and the reward-model client bound the work in flight themselves
-        let calls = chunks.into_iter().map(|chunk| engine.score_batch(chunk));
+        let calls = chunked(inputs, batch_size.max(1)).into_iter().map(|chunk| engine.score_batch(chunk));
         return futures::future::join_all(calls).await.into_iter().flatten().collect();
     }
-    let keys: Vec<String> = chunks.iter().flatten().map(|input| input.key.clone()).collect();
-    let engine = Arc::clone(engine);
+    // The rules are CPU work: scored on a blocking thread, their metrics recorded here, on the runtime's worker
+    // threads (RewardEngine::score_rules says why).
+    let keys: Vec<String> = inputs.iter().map(|input| input.key.clone()).collect();
+    let scoring = Arc::clone(engine);
     let scored = tokio::task::spawn_blocking(move || {
-        let mut outcomes = Vec::new();
-        for chunk in chunks {
-            outcomes.extend(futures::executor::block_on(engine.score_batch(chunk)));
-        }
-        outcomes
+        let outcomes = scoring.score_rules(&inputs);
+        (inputs, outcomes)
     })
     .await;
     match scored {
-        Ok(outcomes) => outcomes,
-        // `score_batch` catches scorer panics itself; this is only reached if the blocking pool is gone.
+        Ok((inputs, Some(outcomes))) => {
+            engine.observe(&inputs, &outcomes);
+            outcomes
+        }
+        Ok((_, None)) => keys.iter().map(|key| missing_outcome(key, "the reward route is not the rules")).collect(),
+        // the rules catch scorer panics themselves; this is only reached if the blocking pool is gone.
         Err(err) => keys.iter().map(|key| missing_outcome(key, &format!("scoring task failed: {err}"))).collect(),
     }
 }
@@ -451,6 +453,7 @@ fn missing_outcome(key: &str, why: &str) -> ScoreOutcome {
         failure_reason: Some(why.to_string()),
         failure_kind: None,
         scorer: "none",
+        seconds: None,
     }
 }
 

@@ -117,6 +117,30 @@ async fn batch_is_scored_in_order_with_failures_for_unknown_sources_and_metrics_
     // Other tests of this binary score math_dapo concurrently through the same global recorder.
     assert!(recorder.get("jetrl_reward_score_latency_seconds{scorer=math_dapo}") >= 1.0);
 
+    // The rules alone (what the reward service runs on a blocking thread) record nothing; observe, called where
+    // the caller chooses, records the scores and each rule's latency (only this test scores lighteval/MATH).
+    let math = [input("m1", "lighteval/MATH", "\\boxed{2}", "2"), input("m2", "lighteval/MATH", "\\boxed{3}", "2")];
+    let latency_before = recorder.get("jetrl_reward_score_latency_seconds{scorer=math}");
+    let scored = std::thread::spawn({
+        let engine = std::sync::Arc::new(engine);
+        let math = math.clone();
+        move || (engine.score_rules(&math), engine)
+    });
+    let (outcomes, engine) = scored.join().unwrap();
+    let outcomes = outcomes.expect("the rules route");
+    assert_eq!(outcomes.iter().map(|o| o.score).collect::<Vec<_>>(), [1.0, 0.0]);
+    assert!(outcomes.iter().all(|o| o.seconds.is_some_and(|s| s >= 0.0)), "each rule's time is kept: {outcomes:?}");
+    assert_eq!(
+        recorder.get("jetrl_reward_scores_total{data_source=lighteval/MATH}"),
+        1.0,
+        "score_rules records nothing"
+    );
+    assert_eq!(recorder.get("jetrl_reward_score_latency_seconds{scorer=math}"), latency_before);
+    engine.observe(&math, &outcomes);
+    assert_eq!(recorder.get("jetrl_reward_scores_total{data_source=lighteval/MATH}"), 3.0);
+    assert_eq!(recorder.get("jetrl_reward_score_latency_seconds{scorer=math}"), latency_before + 2.0);
+    let engine = std::sync::Arc::into_inner(engine).expect("the only handle");
+
     // Past the label budget, new data sources share the `other` label.
     let many = (0..80).map(|i| input(&format!("g{i}"), &format!("jetrl/task{i}"), "1", "1")).collect();
     engine.score_batch(many).await;
