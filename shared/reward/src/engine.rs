@@ -159,7 +159,7 @@ impl RewardEngine {
     /// gets score 0.0 and a `failure_reason`.
     pub async fn score_batch(&self, inputs: Vec<ScoreInput>) -> Vec<ScoreOutcome> {
         let outcomes = match &self.route {
-            Route::Rules => inputs.iter().map(|input| self.score_with_rules(input)).collect(),
+            Route::Rules => self.rules(&inputs),
             Route::UserFunction(runner) => self.score_with_user_function(runner, &inputs).await,
             Route::RewardModel(model) => self.score_with_reward_model(model, &inputs).await,
         };
@@ -176,7 +176,11 @@ impl RewardEngine {
     /// service, reached over tens of minutes (`just bench soak`: the reward service's heap in use grew 30% in
     /// 10 minutes); recorded by the runtime's few worker threads, a fraction of it.
     pub fn score_rules(&self, inputs: &[ScoreInput]) -> Option<Vec<ScoreOutcome>> {
-        matches!(self.route, Route::Rules).then(|| inputs.iter().map(|input| self.score_with_rules(input)).collect())
+        matches!(self.route, Route::Rules).then(|| self.rules(inputs))
+    }
+
+    fn rules(&self, inputs: &[ScoreInput]) -> Vec<ScoreOutcome> {
+        inputs.iter().map(|input| self.score_with_rules(input)).collect()
     }
 
     /// Records the metrics of scored `inputs` (their `outcomes`, in the same order): scores and failures by
