@@ -235,6 +235,15 @@ async fn turn_limits_and_the_response_budget_end_the_loop_like_verl() {
     let (_, out) = run(&plain, &Script::new(&tok, &turns), 7).await;
     assert!(out.truncated);
     assert_eq!(out.response_ids.len(), 7);
+    assert_eq!(out.stop_reason, "length");
+
+    // A turn whose end-of-turn token is the last one the budget allows: the loop ends for the budget (the tool
+    // call is not run), and says so rather than "eos".
+    let (_, out) = run(&plain, &Script::new(&tok, &turns), first_len).await;
+    assert_eq!(out.response_ids.len(), first_len);
+    assert!(out.tool_rewards.is_empty());
+    assert!(out.truncated);
+    assert_eq!(out.stop_reason, "response_budget");
 }
 
 #[tokio::test]

@@ -217,8 +217,15 @@ impl ToolAgent {
                 out.aborted = true;
                 break;
             }
-            if out.response_ids.len() >= budget || generated.finish == Finish::Length {
+            if generated.finish == Finish::Length {
                 out.truncated = true;
+                break;
+            }
+            if out.response_ids.len() >= budget {
+                // The turn ended on its own (end-of-turn token) with the budget's last token: the loop ends for
+                // the budget, as verl's does, and a tool call in it is not run.
+                out.truncated = true;
+                out.stop_reason = "response_budget".into();
                 break;
             }
             if self.multi_turn.max_assistant_turns.is_some_and(|m| turns.assistant >= m) {
