@@ -10,8 +10,8 @@
 # 0: as fast as it goes), SOAK_NATS_GOMEMLIMIT (160MiB: the broker's Go memory limit, docs/operations.md; off: none),
 # SOAK_NATS_GOGC (unset: Go's default, 100; off, with a limit: Go collects only at the limit).
 # Last line: {"bench":"soak","minutes":…,"traj_per_s":…,"rss_growth_pct":{"<process>":…},"lost":…,"duplicated":…,…}
-# (RSS growth from the end of the first minute to the end of the run; the target is ≤ 5% and nothing lost or
-# duplicated: "targets_met").
+# (the growth of each process's peak RSS in a minute, read every second, from the first minute to the last; the
+# target is ≤ 5% and nothing lost or duplicated: "targets_met").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # `just bench` has built the workspace; this keeps the script usable on its own.

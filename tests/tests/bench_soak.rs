@@ -23,6 +23,7 @@ fn a_short_soak_loses_and_duplicates_nothing_and_reports_every_interval() {
         {
             assert!(line.contains(process), "{process}'s RSS is in every interval line: {line}");
         }
+        assert_eq!(line.matches("(peak ").count(), 12, "each process's peak RSS in the interval: {line}");
     }
     let last = out.lines().last().unwrap();
     let json: serde_json::Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}\n{stderr}"));
@@ -36,6 +37,7 @@ fn a_short_soak_loses_and_duplicates_nothing_and_reports_every_interval() {
     assert_eq!(json["trained_groups"], json["submitted_groups"], "{last}");
     for service in ["nats-server", "reward-service", "replay-buffer", "rollout-worker"] {
         assert!(json["rss_growth_pct"][service].is_number(), "{service} growth in {last}");
+        assert!(json["rss_end_growth_pct"][service].is_number(), "{service} end-of-interval growth in {last}");
     }
     assert_eq!(json["nats_live_heap_mib"].as_array().map(Vec::len), Some(4), "the broker's heap each interval: {last}");
     // the broker runs under the soak's memory limit, and the CPU each process used is reported
