@@ -29,7 +29,7 @@ fn input(key: &str, solution: &str, truth: &str) -> ScoreInput {
 
 /// A protocol-speaking script whose behaviour per item is chosen by `solution_str`.
 const SCRIPTED_FUNCTION: &str = r#"
-import json, math, os, socket, sys, time
+import json, math, mmap, os, socket, sys, time
 out = sys.stdout
 sys.stdout = sys.stderr
 print("stray line before any request", file=out, flush=True)
@@ -47,11 +47,12 @@ for line in sys.stdin:
         elif what == "text":
             results.append("high")
         elif what == "alloc":
+            # 1 GiB of address space, not touched (a filled GiB took over 10 s once on a fresh VM)
             try:
-                block = bytearray(1 << 30)
+                block = mmap.mmap(-1, 1 << 30)
                 results.append({"score": 1.0, "allocated": len(block)})
-            except MemoryError:
-                results.append({"error": "MemoryError"})
+            except (MemoryError, OSError) as e:
+                results.append({"error": f"{type(e).__name__}: {e}"})
         elif what.startswith("connect:"):
             try:
                 socket.create_connection(("127.0.0.1", int(what.split(":")[1])), timeout=2).close()
@@ -177,11 +178,13 @@ async fn memory_limit_bounds_the_function_address_space() {
     let engine = RewardEngine::new(&setup.config).await.unwrap();
     let outcomes = engine.score_batch(vec![input("a", "alloc", "x")]).await;
     assert_eq!(outcomes[0].failure_kind, Some(FailureKind::UserFunction), "{:?}", outcomes[0]);
-    assert!(outcomes[0].failure_reason.as_deref().unwrap_or_default().contains("MemoryError"));
+    let reason = outcomes[0].failure_reason.as_deref().unwrap_or_default();
+    assert!(reason.contains("Cannot allocate memory"), "{reason}");
 
     let unlimited = scripted(SCRIPTED_FUNCTION, |config| config.custom_reward_function.memory_mb = 0);
     let engine = RewardEngine::new(&unlimited.config).await.unwrap();
-    assert_eq!(engine.score_batch(vec![input("b", "alloc", "x")]).await[0].score, 1.0);
+    let outcome = &engine.score_batch(vec![input("b", "alloc", "x")]).await[0];
+    assert_eq!(outcome.score, 1.0, "{outcome:?}");
 }
 
 #[tokio::test]
