@@ -380,14 +380,17 @@ fn growth_by_process(
     let mut growth_mib: BTreeMap<String, f64> = BTreeMap::new();
     for (name, &before) in first {
         let after = last.get(name).copied().unwrap_or(0);
-        let (pct, grown) = (growth_pct(before, after), round2(mib(after) - mib(before)));
-        let name = if name.starts_with("rollout-worker-") { "rollout-worker" } else { name.as_str() };
-        let pct_entry = growth.entry(name.to_string()).or_insert(f64::NEG_INFINITY);
-        *pct_entry = pct_entry.max(pct);
-        let mib_entry = growth_mib.entry(name.to_string()).or_insert(f64::NEG_INFINITY);
-        *mib_entry = mib_entry.max(grown);
+        keep_largest(&mut growth, name, growth_pct(before, after));
+        keep_largest(&mut growth_mib, name, round2(mib(after) - mib(before)));
     }
     (growth, growth_mib)
+}
+
+/// Puts `value` under `process` in `by_process`, the workers as one (`rollout-worker`: the largest of theirs).
+fn keep_largest(by_process: &mut BTreeMap<String, f64>, process: &str, value: f64) {
+    let name = if process.starts_with("rollout-worker-") { "rollout-worker" } else { process };
+    let entry = by_process.entry(name.to_string()).or_insert(f64::NEG_INFINITY);
+    *entry = entry.max(value);
 }
 
 /// The trend of one process's RSS after the first interval: the least-squares slope through the readings of
@@ -741,9 +744,7 @@ async fn soak() {
     for name in first.rss.keys() {
         let readings: Vec<u64> = samples.iter().filter_map(|s| s.rss.get(name).copied()).collect();
         let Some(slope) = trend_pct_per_10min(&readings, knobs.report_s) else { continue };
-        let name = if name.starts_with("rollout-worker-") { "rollout-worker" } else { name.as_str() };
-        let entry = trend.entry(name.to_string()).or_insert(f64::NEG_INFINITY);
-        *entry = entry.max(slope);
+        keep_largest(&mut trend, name, slope);
     }
     trend.remove("trainer");
     // the broker's live heap (after a collection): bounded state shows flat here even while RSS follows the Go
