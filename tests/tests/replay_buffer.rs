@@ -125,12 +125,33 @@ fn spawn_buffer_process(server: &NatsServer, dir: &std::path::Path) -> std::proc
 
 /// [`spawn_buffer_process`] with more YAML lines in its job file.
 fn spawn_buffer_process_with(server: &NatsServer, dir: &std::path::Path, extra: &str) -> std::process::Child {
+    spawn_buffer_process_env(server, dir, extra, &[])
+}
+
+/// A child process killed when this goes (a failed assertion included).
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A buffer process with `extra` configuration and `env` set.
+fn spawn_buffer_process_env(
+    server: &NatsServer,
+    dir: &std::path::Path,
+    extra: &str,
+    env: &[(&str, &str)],
+) -> std::process::Child {
     let config = dir.join("job.yaml");
     let text = format!("nats: {{url: \"{}\"}}\ndata: {{task: {{name: reverse}}}}\n{extra}", server.url());
     std::fs::write(&config, text).unwrap();
     std::process::Command::new(jetrl_tests::bin("jetrl-replay-buffer"))
         .arg("--config")
         .arg(&config)
+        .envs(env.iter().copied())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -462,6 +483,69 @@ async fn reading_the_inputs_again_while_a_request_waits_repeats_and_loses_nothin
     assert_eq!(metric_sum(metrics, "jetrl_buffer_reread_found_total").await, 0.0, "nothing was missed");
     buffer.kill().unwrap();
     buffer.wait().unwrap();
+}
+
+/// The state the three-node cluster test stood still in once (docs/deploy.md): a group finished and scored, its
+/// record and rewards in the stores, and the buffer never putting it together because one of its inputs missed an
+/// update without an error. `JETRL_MISS_AT` makes the buffer ignore the group's reward batch, or the record that
+/// finishes it, as such a consumer would. With re-reads off the trainer's request is never answered and neither
+/// stall check notices; with them on (`reread_after_s` 0.3 s) a re-read finds what was missed, counts it by kind,
+/// and the request gets the group whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missed_reward_or_finishing_record_stalls_a_request_until_a_re_read_finds_it() {
+    for (point, kind) in [("buffer.reward", "rewards"), ("buffer.terminal_record", "records")] {
+        for reread_after_s in ["0", "0.3"] {
+            let (server, dir, metrics) = (NatsServer::start().unwrap(), tempfile::tempdir().unwrap(), free_addr());
+            let extra = format!("buffer: {{reread_after_s: {reread_after_s}, metrics_addr: \"{metrics}\"}}\n");
+            let _buffer =
+                KillOnDrop(spawn_buffer_process_env(&server, dir.path(), &extra, &[("JETRL_MISS_AT", point)]));
+            let (bus, groups) = connect(&server.url()).await;
+            let spec = GroupSpec::finished("a", 1, &[1.0, 0.0]);
+            // the group's record reaches the buffer before its rewards are published, as in a run
+            let known = sim::submit(&groups, &spec).await.unwrap();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while metric_sum(metrics, "jetrl_buffer_groups{").await < 1.0 {
+                assert!(Instant::now() < deadline, "{point}: the buffer never counted the submitted group");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            let seqs = sim::produce(&bus, &groups, &spec, Some(known)).await.unwrap();
+            sim::score(&mut Publisher::new(&bus, 64), &spec, &seqs).await.unwrap();
+            if reread_after_s == "0" {
+                // asked for 8 s (four waits of 2 s): each answer says not ready
+                for _ in 0..4 {
+                    let answer = bus
+                        .request::<_, SampleResponse>(
+                            bus.names().buffer_sample(),
+                            &request("train-1", 1, 1),
+                            Duration::from_secs(15),
+                        )
+                        .await
+                        .unwrap();
+                    assert!(
+                        answer.not_ready && answer.groups.is_empty(),
+                        "{point}: answered without a re-read: {answer:?}"
+                    );
+                }
+                assert_eq!(metric_sum(metrics, "jetrl_buffer_rereads_total").await, 0.0);
+            } else {
+                let answer = sample(&bus, &request("train-1", 1, 1)).await;
+                assert_eq!(answer.groups.len(), 1, "{point}: {answer:?}");
+                assert_eq!(answer.groups[0].uid, "a");
+                assert_eq!(answer.groups[0].trajectories.len(), 2, "{point}: the group whole");
+                // the pass is reported REPORT_AFTER (10 s) after it began
+                let deadline = Instant::now() + Duration::from_secs(30);
+                let found = loop {
+                    let found =
+                        metric_sum(metrics, &format!("jetrl_buffer_reread_found_total{{kind=\"{kind}\"}}")).await;
+                    if found > 0.0 || Instant::now() > deadline {
+                        break found;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                };
+                assert!(found >= 1.0, "{point}: the re-read's find was not counted as {kind}");
+            }
+        }
+    }
 }
 
 /// At the default re-read wait (30 s: 10 s of quiet inputs are needed, longer than the buffer's stall checks, every

@@ -230,7 +230,10 @@ impl Buffer {
                             if pending == 0 { self.rewards_current = true; }
                             let replay = self.reread.replays_reward(seq);
                             self.last_reward_seq = self.last_reward_seq.max(seq);
-                            may_answer = self.on_rewards_message(&msg, seq, replay);
+                            self.state.rewards_read_through(seq);
+                            if replay || !jetrl_telemetry::crash::missed_input("buffer.reward") {
+                                may_answer = self.on_rewards_message(&msg, seq, replay);
+                            }
                         }
                         Err(err) => tracing::warn!(error = %err, "rewards consumer error"),
                     }
@@ -332,6 +335,9 @@ impl Buffer {
     fn on_group_entry(&mut self, entry: &async_nats::jetstream::kv::Entry) -> bool {
         match decode_entry(entry) {
             Some(Ok(status)) => {
+                if status.state().is_terminal() && jetrl_telemetry::crash::missed_input("buffer.terminal_record") {
+                    return false;
+                }
                 // terminal (may complete a batch) or evicted (leaves the in-flight set, which `wait` and sync
                 // DAPO's refill room look at)
                 let may_answer = status.state().is_terminal() || status.state() == GroupState::Evicted;

@@ -57,6 +57,10 @@ pub struct Group {
     pub released: bool,
     /// KV revision of the record last seen (0: unknown), for a compare-and-set without reading it again
     pub revision: u64,
+    /// The lowest REWARDS sequence this group's rewards may still be at: one past the last the buffer had read when
+    /// the group's record first came (a reward is published after its group's record is). Until the group has
+    /// every reward, REWARDS is not purged from here on: a reward its consumer missed stays for a re-read to find.
+    pub rewards_from: u64,
 }
 
 impl Group {
@@ -77,6 +81,15 @@ impl Group {
     /// Terminal, and every trajectory the worker listed has been scored.
     pub fn is_complete(&self) -> bool {
         self.state().is_terminal() && self.expected.iter().all(|k| self.rewards.contains_key(k))
+    }
+
+    /// Its rewards may still come: in flight, or terminal and not yet complete (a sampled group had them all).
+    fn awaits_rewards(&self) -> bool {
+        match self.state() {
+            GroupState::Sampled | GroupState::Evicted => false,
+            state if state.is_terminal() => !self.is_complete(),
+            _ => true,
+        }
     }
 
     /// The key of a trajectory of this group.
@@ -161,6 +174,8 @@ pub struct BufferState {
     released_unseen: HashSet<String>,
     /// interned strings (data sources, metric names)
     strings: HashMap<Box<str>, Arc<str>>,
+    /// the newest REWARDS sequence read ([`Self::rewards_read_through`])
+    rewards_read: u64,
 }
 
 impl Default for BufferState {
@@ -180,6 +195,7 @@ impl Default for BufferState {
             orphans: HashMap::new(),
             released_unseen: HashSet::new(),
             strings: HashMap::new(),
+            rewards_read: 0,
         }
     }
 }
@@ -300,7 +316,8 @@ impl BufferState {
         // a retired group's record again (an eviction's reason amended, a sampled group retracted, a watch
         // started again): it comes back as a group, released if it was, and leaves again below
         let was_released = self.unretire(&k).is_some_and(|r| r.state == GroupState::Sampled);
-        let group = self.groups.entry(k.clone()).or_default();
+        let rewards_from = self.rewards_read + 1;
+        let group = self.groups.entry(k.clone()).or_insert_with(|| Group { rewards_from, ..Group::default() });
         group.released |= was_released;
         // A re-issued group (back to pending) discards its partial trajectories.
         if status.state() == GroupState::Pending && group.state() != GroupState::Pending {
@@ -346,11 +363,21 @@ impl BufferState {
         out
     }
 
-    /// The lowest REWARDS sequence an indexed reward still needs (live groups and orphans): everything below it
-    /// may be purged. None when no reward is indexed.
+    /// The lowest REWARDS sequence still needed: an indexed reward's (of a live group or an orphan), or the first
+    /// at which a live group still short of rewards may find one. Everything below it may be purged. None when
+    /// neither is there.
     pub fn reward_floor(&self) -> Option<u64> {
         let live = self.live_groups().flat_map(|g| g.rewards.values());
-        live.chain(self.orphans.values().flat_map(BTreeMap::values)).map(|r| r.reward_seq).min()
+        let indexed = live.chain(self.orphans.values().flat_map(BTreeMap::values)).map(|r| r.reward_seq);
+        // a live group still short of rewards may own a message the consumer missed (see `Group::rewards_from`)
+        let awaited = self.live_groups().filter(|g| g.awaits_rewards()).map(|g| g.rewards_from);
+        indexed.chain(awaited).min()
+    }
+
+    /// REWARDS has been read through sequence `seq` (groups whose record comes from now on have their rewards
+    /// after it).
+    pub fn rewards_read_through(&mut self, seq: u64) {
+        self.rewards_read = self.rewards_read.max(seq);
     }
 
     /// Forgets orphan rewards (of groups whose record never came) that are all older than REWARDS sequence
@@ -854,6 +881,27 @@ mod tests {
         assert_eq!(s.drop_orphans_below(9), 0);
         assert_eq!(s.drop_orphans_below(10), 1);
         assert_eq!(s.reward_floor(), Some(11));
+    }
+
+    #[test]
+    fn a_group_short_of_rewards_holds_the_floor_where_its_rewards_may_start() {
+        let mut s = BufferState::default();
+        s.rewards_read_through(20);
+        s.apply_group(status("a", GroupState::Running, 1, &[]));
+        s.rewards_read_through(24);
+        s.apply_group(status("b", GroupState::Finished, 1, &["b_0_0"]));
+        s.apply_reward(reward("b", "b_0_0", 1), 25);
+        s.rewards_read_through(25);
+        // a's reward may be anywhere after 20, the one a lost delivery would leave out included
+        assert_eq!(s.reward_floor(), Some(21));
+        s.apply_group(status("a", GroupState::Finished, 1, &["a_0_0", "a_1_0"]));
+        s.apply_reward(reward("a", "a_0_0", 2), 30);
+        assert_eq!(s.reward_floor(), Some(21), "terminal and one reward short");
+        s.apply_reward(reward("a", "a_1_0", 3), 31);
+        assert_eq!(s.reward_floor(), Some(25), "complete: its indexed rewards hold it");
+        s.mark_sampled("train", "b", 1, "r1", 0);
+        s.release(&["r1".into()]);
+        assert_eq!(s.reward_floor(), Some(30));
     }
 
     #[test]

@@ -9,8 +9,15 @@
 //! Points: `trainer.before_submit`, `trainer.after_submit`, `trainer.mid_update`,
 //! `trainer.between_checkpoint_and_publish`, `rollout.mid_group`, `reward.mid_batch`, `buffer.mid_sample`,
 //! `checkpoint.mid_announce`.
+//!
+//! A second kind, [`missed_input`], makes a process miss one input as a consumer lost with a cluster node can
+//! (the replay buffer's stall in the three-node cluster test): inert unless `JETRL_MISS_AT=<point>[@<n>]` is set;
+//! the `<n>`-th time (1 when not given) the process reaches `<point>` it is told to ignore what it just read,
+//! once. Points: `buffer.reward` (a REWARDS message), `buffer.terminal_record` (a group record that ends the
+//! group).
 
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Kills this process if `JETRL_CRASH_AT` names `point` (and `step` reached its step) and it has not crashed
 /// there before.
@@ -37,4 +44,22 @@ pub fn crash_point(point: &str, step: u64) {
     unsafe {
         libc::kill(libc::getpid(), libc::SIGKILL);
     }
+}
+
+/// Times [`missed_input`]'s point has been reached in this process.
+static MISS_COUNT: AtomicU64 = AtomicU64::new(0);
+
+/// Whether the input just read at `point` is to be ignored: true once, the `<n>`-th time `point` is reached, when
+/// `JETRL_MISS_AT` names it (see the module's note); false otherwise, always when the variable is not set.
+pub fn missed_input(point: &str) -> bool {
+    let Ok(spec) = std::env::var("JETRL_MISS_AT") else { return false };
+    let (name, nth) = match spec.split_once('@') {
+        Some((name, n)) => (name, n.parse::<u64>().unwrap_or(1).max(1)),
+        None => (spec.as_str(), 1),
+    };
+    if name != point || MISS_COUNT.fetch_add(1, Ordering::Relaxed) + 1 != nth {
+        return false;
+    }
+    tracing::warn!(point, nth, "ignoring this input as if it had not been delivered (JETRL_MISS_AT)");
+    true
 }
