@@ -128,7 +128,7 @@ fn a_job_on_a_three_node_cluster_survives_a_killed_node_and_trains_every_row_onc
     for line in ledger.lines() {
         let row: serde_json::Value = serde_json::from_str(line).unwrap();
         *rows.entry((row["epoch"].as_u64().unwrap(), row["row"].as_u64().unwrap())).or_insert(0) += 1;
-        assert_eq!(row["fate"], "trained", "{row}");
+        assert_eq!(row["fate"], "trained", "{row}\nledger:\n{ledger}\n{}", logs());
     }
     assert_eq!(rows.len(), STEPS * BATCH, "{rows:?}");
     assert!(rows.values().all(|&n| n == 1), "a row was decided twice: {rows:?}");

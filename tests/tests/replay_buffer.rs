@@ -548,6 +548,33 @@ async fn a_missed_reward_or_finishing_record_stalls_a_request_until_a_re_read_fi
     }
 }
 
+/// Marking a batch sampled can stop part-way: in the three-node cluster test a clustered leader refused one
+/// group's write, the buffer gave up on it and answered the retried request with the three groups it had marked,
+/// and the sync step trained three groups of four. `JETRL_MISS_AT=buffer.mark_sampled@2` refuses the second
+/// group's write: the request is still answered with a whole batch, every group in it marked sampled for it in
+/// GROUPS, and a retried request gets the same groups.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_whose_marking_stops_part_way_is_completed_not_answered_short() {
+    let (server, dir) = (NatsServer::start().unwrap(), tempfile::tempdir().unwrap());
+    let env = [("JETRL_MISS_AT", "buffer.mark_sampled@2")];
+    let _buffer = KillOnDrop(spawn_buffer_process_env(&server, dir.path(), "", &env));
+    let (bus, groups) = connect(&server.url()).await;
+    for uid in ["a", "b", "c", "d"] {
+        make_group(&bus, &groups, &GroupSpec::finished(uid, 1, &[1.0, 0.0])).await;
+    }
+    let answer = sample(&bus, &request("train-1", 1, 3)).await;
+    let uids: HashSet<&str> = answer.groups.iter().map(|g| g.uid.as_str()).collect();
+    assert_eq!((answer.groups.len(), uids.len()), (3, 3), "a whole batch of distinct groups: {uids:?}");
+    for uid in &uids {
+        let (record, _) = groups.get("train", uid).await.unwrap().expect("record");
+        assert_eq!(record.state(), GroupState::Sampled, "{uid}");
+        assert_eq!(record.sample_request_id, "train-1", "{uid}");
+    }
+    let again = sample(&bus, &request("train-1", 1, 3)).await;
+    let again: HashSet<&str> = again.groups.iter().map(|g| g.uid.as_str()).collect();
+    assert_eq!(again, uids, "a retried request gets the same groups");
+}
+
 /// At the default re-read wait (30 s: 10 s of quiet inputs are needed, longer than the buffer's stall checks, every
 /// 5 s), a waiting request is re-read for: the checks' bookkeeping does not count as input. Found by trying the
 /// default as a user (a reward service stopped for 45 s, and no re-read); at 18 s this test passed without the

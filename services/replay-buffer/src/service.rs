@@ -687,19 +687,38 @@ impl Buffer {
         }
         let prior: Vec<String> =
             self.state.sampled_by(&request.request_id).iter().map(|g| g.status.uid.clone()).collect();
-        if !prior.is_empty() {
+        if !prior.is_empty() && prior.len() >= request.batch_size as usize {
             return Some(self.respond(request, &prior, Default::default()));
         }
+        if !prior.is_empty() {
+            // Marking the batch sampled stopped part-way (a write refused, or a restart between the writes): the
+            // groups marked stay this request's, and the rest of the batch is sampled beside them. Answered with
+            // only these, a sync step trained three groups of four in the three-node cluster test.
+            tracing::warn!(
+                request_id = %request.request_id,
+                marked = prior.len(),
+                batch = request.batch_size,
+                "part of this request's batch is marked sampled; sampling the rest"
+            );
+        }
         let mut progress = self.progress.remove(&request.request_id).unwrap_or_default();
-        let response = self.run_policy(request, &mut progress).await;
+        let response = self.run_policy(request, &prior, &mut progress).await;
         if response.as_ref().is_none_or(|r| r.not_ready) {
             self.progress.insert(request.request_id.clone(), progress);
         }
         response
     }
 
-    /// Runs the sampling policy for one request until it answers, asks for refills, fails or must wait.
-    async fn run_policy(&mut self, request: &SampleRequest, progress: &mut Progress) -> Option<SampleResponse> {
+    /// Runs the sampling policy for one request until it answers, asks for refills, fails or must wait. `prior`:
+    /// groups already marked sampled for it; the policy picks the rest of the batch.
+    async fn run_policy(
+        &mut self,
+        request: &SampleRequest,
+        prior: &[String],
+        progress: &mut Progress,
+    ) -> Option<SampleResponse> {
+        let rest =
+            SampleRequest { batch_size: request.batch_size.saturating_sub(prior.len() as u32), ..request.clone() };
         let mut iterations = 0;
         loop {
             iterations += 1;
@@ -707,7 +726,7 @@ impl Buffer {
                 // every eviction shrinks the candidate set, so this never loops; stay safe anyway
                 return None;
             }
-            match next_action(&self.state, &self.sampler, request, progress) {
+            match next_action(&self.state, &self.sampler, &rest, progress) {
                 Action::Evict(evicted) => {
                     let done = self.evict(&request.partition, request.step, &evicted).await;
                     progress.record_eviction(&done);
@@ -731,6 +750,7 @@ impl Buffer {
                     match self.consume(request, &selected).await {
                         Some(uids) => {
                             let prefix = if request.partition == "val" { "validation" } else { "training" };
+                            let uids: Vec<String> = prior.iter().cloned().chain(uids).collect();
                             let response = self.respond(request, &uids, progress.metrics(prefix));
                             self.remember(response.clone());
                             return Some(response);
@@ -797,6 +817,11 @@ impl Buffer {
             // the record and revision the watch delivered: one round trip instead of a read and a write
             let known = self.state.group(&request.partition, uid).and_then(|g| g.known_record());
             async move {
+                if jetrl_telemetry::crash::missed_input("buffer.mark_sampled") {
+                    let (bucket, key) = (groups.kv().name.clone(), subjects::group_key(&request.partition, uid));
+                    let cause = Cause::permanent("write refused (JETRL_MISS_AT)");
+                    return (uid, Err(BusError::Kv { bucket, key, cause }.into()));
+                }
                 let result = groups
                     .update_from(&request.partition, uid, known, |s| {
                         s.sampled_step = request.step;

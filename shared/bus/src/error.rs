@@ -80,12 +80,10 @@ impl Cause {
         self.recovery
     }
 
-    /// Whether this is a KV create refused because the key exists.
+    /// Whether this is a KV create refused because the key exists (or, in a cluster, because a write to it is
+    /// still being proposed: see [`lost_compare_and_set`]).
     pub fn is_create_conflict(&self) -> bool {
-        self.source
-            .as_deref()
-            .and_then(|e| e.downcast_ref::<async_nats::jetstream::kv::CreateError>())
-            .is_some_and(|e| e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists)
+        self.source.as_deref().is_some_and(|e| lost_compare_and_set(e))
     }
 
     /// The same cause with more said about it (the source is kept).
@@ -249,6 +247,36 @@ fn from_chain(err: &(dyn StdError + 'static)) -> Recovery {
         next = source.source();
     }
     Recovery::Transient
+}
+
+/// Whether `err` (or one of its sources) says a write that expected a key at some revision found it elsewhere: a
+/// compare-and-set that lost, or a create of a key that exists. A single server answers JetStream error 10071
+/// (`wrong last sequence: <n>`), which async-nats reports as `WrongLastRevision` (an update) or `AlreadyExists` (a
+/// create). A clustered stream's leader answers 10164 (`wrong last sequence`, no number) when another write to
+/// the same key is still being proposed, and async-nats reports that as `Other`: taken for a permanent failure, it
+/// made the buffer give up marking a group sampled in the three-node cluster test (the step trained three groups
+/// of four). Either way the writer reads the key again and decides.
+pub fn lost_compare_and_set(err: &(dyn StdError + 'static)) -> bool {
+    use jetstream::context::{PublishError, PublishErrorKind};
+    use jetstream::kv::{CreateError, CreateErrorKind, UpdateError, UpdateErrorKind};
+    let mut next = Some(err);
+    while let Some(e) = next {
+        let lost = e.downcast_ref::<UpdateError>().is_some_and(|e| e.kind() == UpdateErrorKind::WrongLastRevision)
+            || e.downcast_ref::<CreateError>().is_some_and(|e| e.kind() == CreateErrorKind::AlreadyExists)
+            || e.downcast_ref::<PublishError>().is_some_and(|e| e.kind() == PublishErrorKind::WrongLastSequence)
+            || e.downcast_ref::<jetstream::Error>().is_some_and(|e| {
+                [
+                    jetstream::ErrorCode::STREAM_WRONG_LAST_SEQUENCE,
+                    jetstream::ErrorCode::STREAM_WRONG_LAST_SEQUENCE_CONSTANT,
+                ]
+                .contains(&e.error_code())
+            });
+        if lost {
+            return true;
+        }
+        next = e.source();
+    }
+    false
 }
 
 /// A JetStream API error: the codes a cluster answers while a node or a leader is missing are `Unavailable`;

@@ -192,7 +192,7 @@ impl GroupStore {
             let written = tokio::time::timeout(self.patience.attempt, self.kv.update(&key, value.clone(), revision));
             match written.await {
                 Ok(Ok(new_revision)) => return Ok(Some((status, new_revision))),
-                Ok(Err(err)) if err.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                Ok(Err(err)) if crate::error::lost_compare_and_set(&err) => {
                     tracing::debug!(%key, attempt, "group record changed concurrently; retrying");
                     if attempt > 0 {
                         tokio::time::sleep(Duration::from_millis(1 << attempt.min(6))).await;

@@ -100,7 +100,7 @@ impl Lease {
                 }
                 Err(err) => err,
             };
-            if error.kind() != kv::CreateErrorKind::AlreadyExists {
+            if !crate::error::lost_compare_and_set(&error) {
                 if Instant::now() >= deadline {
                     return Err(kv_err(Cause::of(error)));
                 }
@@ -228,7 +228,7 @@ async fn refresh(
             }
             Err(err) => err,
         };
-        if error.kind() != kv::UpdateErrorKind::WrongLastRevision {
+        if !crate::error::lost_compare_and_set(&error) {
             tracing::warn!(%key, error = %error, "lease not refreshed; retrying");
             continue;
         }

@@ -560,6 +560,40 @@ fn only_failures_that_can_pass_on_a_retry_are_retried() {
     }
 }
 
+/// A clustered stream's leader refuses a write whose expected revision another in-flight write to the key will
+/// change with JetStream error 10164, which async-nats reports as `Other` (a single server's 10071 comes as
+/// `WrongLastRevision` / `AlreadyExists`). Both are a lost compare-and-set: the writer reads the key again. Taken
+/// for a permanent failure it cost a step a group in the three-node cluster test.
+#[test]
+fn a_clustered_leaders_wrong_last_sequence_is_a_lost_compare_and_set_not_a_failure() {
+    use crate::error::lost_compare_and_set;
+    use async_nats::jetstream::context::{PublishError, PublishErrorKind};
+    use async_nats::jetstream::kv::{CreateError, CreateErrorKind, UpdateError, UpdateErrorKind};
+    let api = |code: u32, description: &str| -> async_nats::jetstream::Error {
+        serde_json::from_str(&format!(r#"{{"code":400,"err_code":{code},"description":"{description}"}}"#)).unwrap()
+    };
+    // as async-nats builds them from the server's answer
+    let clustered =
+        UpdateError::from(PublishError::with_source(PublishErrorKind::Other, api(10164, "wrong last sequence")));
+    assert_eq!(clustered.kind(), UpdateErrorKind::Other, "async-nats maps 10164 to Other");
+    assert!(lost_compare_and_set(&clustered), "{clustered}");
+    let single = UpdateError::from(PublishError::with_source(
+        PublishErrorKind::WrongLastSequence,
+        api(10071, "wrong last sequence: 7"),
+    ));
+    assert_eq!(single.kind(), UpdateErrorKind::WrongLastRevision);
+    assert!(lost_compare_and_set(&single));
+    // a create that meets the same answer is a create conflict (the caller reads the key and compares)
+    assert!(Cause::of(CreateError::with_source(CreateErrorKind::Other, clustered)).is_create_conflict());
+    assert!(Cause::of(CreateError::new(CreateErrorKind::AlreadyExists)).is_create_conflict());
+    // anything else is not
+    let full =
+        UpdateError::from(PublishError::with_source(PublishErrorKind::Other, api(10077, "maximum messages exceeded")));
+    assert!(!lost_compare_and_set(&full));
+    assert!(!lost_compare_and_set(&UpdateError::from(PublishError::new(PublishErrorKind::TimedOut))));
+    assert!(!Cause::of(CreateError::new(CreateErrorKind::Other)).is_create_conflict());
+}
+
 #[tokio::test]
 async fn a_publish_no_stream_takes_is_retried_with_backoff_then_fails_naming_the_attempts() {
     let server = NatsServer::start().unwrap();

@@ -11,10 +11,11 @@
 //! `checkpoint.mid_announce`.
 //!
 //! A second kind, [`missed_input`], makes a process miss one input as a consumer lost with a cluster node can
-//! (the replay buffer's stall in the three-node cluster test): inert unless `JETRL_MISS_AT=<point>[@<n>]` is set;
-//! the `<n>`-th time (1 when not given) the process reaches `<point>` it is told to ignore what it just read,
-//! once. Points: `buffer.reward` (a REWARDS message), `buffer.terminal_record` (a group record that ends the
-//! group).
+//! (the replay buffer's stall in the three-node cluster test), or have one write refused: inert unless
+//! `JETRL_MISS_AT=<point>[@<n>]` is set; the `<n>`-th time (1 when not given) the process reaches `<point>` it is
+//! told to ignore what it just read, or to take the write as refused, once. Points: `buffer.reward` (a REWARDS
+//! message), `buffer.terminal_record` (a group record that ends the group), `buffer.mark_sampled` (marking one
+//! group of a batch sampled).
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
