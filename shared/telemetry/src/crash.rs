@@ -19,6 +19,7 @@
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 
 /// Kills this process if `JETRL_CRASH_AT` names `point` (and `step` reached its step) and it has not crashed
 /// there before.
@@ -53,12 +54,17 @@ static MISS_COUNT: AtomicU64 = AtomicU64::new(0);
 /// Whether the input just read at `point` is to be ignored: true once, the `<n>`-th time `point` is reached, when
 /// `JETRL_MISS_AT` names it (see the module's note); false otherwise, always when the variable is not set.
 pub fn missed_input(point: &str) -> bool {
-    let Ok(spec) = std::env::var("JETRL_MISS_AT") else { return false };
-    let (name, nth) = match spec.split_once('@') {
-        Some((name, n)) => (name, n.parse::<u64>().unwrap_or(1).max(1)),
-        None => (spec.as_str(), 1),
-    };
-    if name != point || MISS_COUNT.fetch_add(1, Ordering::Relaxed) + 1 != nth {
+    // read once: this is asked for every message of a busy input
+    static SPEC: OnceLock<Option<(String, u64)>> = OnceLock::new();
+    let spec = SPEC.get_or_init(|| {
+        let spec = std::env::var("JETRL_MISS_AT").ok()?;
+        Some(match spec.split_once('@') {
+            Some((name, n)) => (name.to_string(), n.parse::<u64>().unwrap_or(1).max(1)),
+            None => (spec, 1),
+        })
+    });
+    let Some((name, nth)) = spec else { return false };
+    if name != point || MISS_COUNT.fetch_add(1, Ordering::Relaxed) + 1 != *nth {
         return false;
     }
     tracing::warn!(point, nth, "ignoring this input as if it had not been delivered (JETRL_MISS_AT)");
