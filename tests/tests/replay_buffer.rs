@@ -66,6 +66,11 @@ async fn sample(bus: &Bus, request: &SampleRequest) -> SampleResponse {
     }
 }
 
+/// One sample request, answered within `timeout` (a "not ready" answer included), or the test fails.
+async fn ask_once(bus: &Bus, request: &SampleRequest, timeout: Duration) -> SampleResponse {
+    bus.request::<_, SampleResponse>(bus.names().buffer_sample(), request, timeout).await.unwrap()
+}
+
 fn request(id: &str, step: u64, batch: u32) -> SampleRequest {
     SampleRequest {
         request_id: id.into(),
@@ -274,8 +279,7 @@ async fn the_ledger_says_for_every_group_trained_at_which_step_evicted_why_or_in
     sim::submit(&groups, &GroupSpec::finished("inflight", 5, &[0.0])).await.unwrap();
     // step 5, threshold 2: "stale" (span 5) is dropped and refilled; "fresh" (span 2) is trained
     let mut req = request("train-5", 5, 1);
-    let refill =
-        bus.request::<_, SampleResponse>(bus.names().buffer_sample(), &req, Duration::from_secs(10)).await.unwrap();
+    let refill = ask_once(&bus, &req, Duration::from_secs(10)).await;
     assert_eq!(refill.refill, 1, "one eviction -> one refill: {refill:?}");
     req.refilled = 1;
     let answer = sample(&bus, &req).await;
@@ -341,14 +345,7 @@ async fn a_waiting_request_is_answered_as_soon_as_its_last_group_completes_not_o
     let waiter = {
         let bus = bus.clone();
         tokio::spawn(async move {
-            let r = bus
-                .request::<_, SampleResponse>(
-                    bus.names().buffer_sample(),
-                    &request("train-1", 1, 2),
-                    Duration::from_secs(30),
-                )
-                .await
-                .unwrap();
+            let r = ask_once(&bus, &request("train-1", 1, 2), Duration::from_secs(30)).await;
             (Instant::now(), r)
         })
     };
@@ -475,10 +472,7 @@ async fn reading_the_inputs_again_while_a_request_waits_repeats_and_loses_nothin
     assert_eq!(again.groups.len(), 3, "a retried request gets the same groups");
     assert!(again.groups.iter().zip(&first.groups).all(|(x, y)| x.uid == y.uid));
     // a second request: nothing left to give until new groups come
-    let second = bus
-        .request::<_, SampleResponse>(bus.names().buffer_sample(), &request("train-2", 2, 1), Duration::from_secs(15))
-        .await
-        .unwrap();
+    let second = ask_once(&bus, &request("train-2", 2, 1), Duration::from_secs(15)).await;
     assert!(second.not_ready && second.groups.is_empty(), "{second:?}");
     assert_eq!(metric_sum(metrics, "jetrl_buffer_reread_found_total").await, 0.0, "nothing was missed");
     buffer.kill().unwrap();
@@ -513,14 +507,7 @@ async fn a_missed_reward_or_finishing_record_stalls_a_request_until_a_re_read_fi
             if reread_after_s == "0" {
                 // asked for 8 s (four waits of 2 s): each answer says not ready
                 for _ in 0..4 {
-                    let answer = bus
-                        .request::<_, SampleResponse>(
-                            bus.names().buffer_sample(),
-                            &request("train-1", 1, 1),
-                            Duration::from_secs(15),
-                        )
-                        .await
-                        .unwrap();
+                    let answer = ask_once(&bus, &request("train-1", 1, 1), Duration::from_secs(15)).await;
                     assert!(
                         answer.not_ready && answer.groups.is_empty(),
                         "{point}: answered without a re-read: {answer:?}"
