@@ -82,9 +82,7 @@ struct Buffer {
     traj: async_nats::jetstream::stream::Stream,
     /// REWARDS: release markers go in; everything below the floor of the rewards still indexed is purged
     rewards: async_nats::jetstream::stream::Stream,
-    /// stream sequence of the last REWARDS message read
-    last_reward_seq: u64,
-    /// `(when, last_reward_seq)` at each tick of the last ORPHAN_TTL, oldest first
+    /// `(when, the newest REWARDS sequence read)` at each tick of the last ORPHAN_TTL, oldest first
     reward_seq_history: VecDeque<(Instant, u64)>,
     /// `(when, the GROUPS bucket's last revision then)`, oldest first, not yet delivered by the watch
     groups_marks: VecDeque<(Instant, u64)>,
@@ -137,7 +135,6 @@ impl Buffer {
             groups,
             traj,
             rewards,
-            last_reward_seq: 0,
             reward_seq_history: VecDeque::new(),
             groups_marks: VecDeque::new(),
             groups_seen_through: None,
@@ -229,7 +226,6 @@ impl Buffer {
                             let (seq, pending) = msg.info().map(|i| (i.stream_sequence, i.pending)).unwrap_or((0, 1));
                             if pending == 0 { self.rewards_current = true; }
                             let replay = self.reread.replays_reward(seq);
-                            self.last_reward_seq = self.last_reward_seq.max(seq);
                             self.state.rewards_read_through(seq);
                             if replay || !jetrl_telemetry::crash::missed_input("buffer.reward") {
                                 may_answer = self.on_rewards_message(&msg, seq, replay);
@@ -268,7 +264,7 @@ impl Buffer {
                     }
                     if self.rewards_current && last_reward.elapsed() >= jetrl_bus::watch::WATCH_CHECK {
                         if self.rewards_behind().await {
-                            let next = self.last_reward_seq + 1;
+                            let next = self.state.rewards_read() + 1;
                             tracing::warn!(next, "rewards consumer stalled behind its stream; reading again from the next sequence");
                             metrics::counter!("jetrl_buffer_watch_restarts_total", "reason" => "rewards_stalled").increment(1);
                             rewards = self.follow_rewards(DeliverPolicy::ByStartSequence { start_sequence: next }).await?;
@@ -301,7 +297,7 @@ impl Buffer {
                         // every record's newest value, then every change; every message REWARDS still holds
                         watch = self.groups.watch().await?;
                         rewards = self.follow_rewards(DeliverPolicy::All).await?;
-                        self.reread.begin(now, groups_revision, self.last_reward_seq);
+                        self.reread.begin(now, groups_revision, self.state.rewards_read());
                         last_entry = now;
                         last_reward = now;
                     }
@@ -468,7 +464,7 @@ impl Buffer {
             let mut stream = self.bus.stream(self.bus.names().rewards_stream()).await.ok()?;
             stream.info().await.ok().map(|i| i.state.last_sequence)
         };
-        matches!(tokio::time::timeout(Duration::from_secs(2), ask).await, Ok(Some(last)) if last > self.last_reward_seq)
+        matches!(tokio::time::timeout(Duration::from_secs(2), ask).await, Ok(Some(last)) if last > self.state.rewards_read())
     }
 
     /// A message of the REWARDS stream: a reward batch (indexed), or a release marker. Returns whether it could
@@ -542,7 +538,7 @@ impl Buffer {
             return;
         }
         let now = Instant::now();
-        self.reward_seq_history.push_back((now, self.last_reward_seq));
+        self.reward_seq_history.push_back((now, self.state.rewards_read()));
         let mut horizon = 0;
         while let Some(&(at, seq)) = self.reward_seq_history.front() {
             // older than the TTL, and the watch has delivered every record the bucket held since
@@ -560,7 +556,7 @@ impl Buffer {
         if self.rewards_purge.as_ref().is_some_and(|task| !task.is_finished()) {
             return;
         }
-        let floor = self.state.reward_floor().unwrap_or(self.last_reward_seq + 1);
+        let floor = self.state.reward_floor().unwrap_or(self.state.rewards_read() + 1);
         if floor <= self.rewards_purged_below.load(Ordering::Relaxed) {
             return;
         }

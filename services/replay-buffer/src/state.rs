@@ -380,6 +380,11 @@ impl BufferState {
         self.rewards_read = self.rewards_read.max(seq);
     }
 
+    /// The newest REWARDS sequence read (0: none yet).
+    pub fn rewards_read(&self) -> u64 {
+        self.rewards_read
+    }
+
     /// Forgets orphan rewards (of groups whose record never came) that are all older than REWARDS sequence
     /// `seq`; returns how many were dropped. They would otherwise hold [`Self::reward_floor`] down for ever.
     pub fn drop_orphans_below(&mut self, seq: u64) -> usize {

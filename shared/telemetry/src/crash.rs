@@ -24,12 +24,8 @@ use std::sync::OnceLock;
 /// Kills this process if `JETRL_CRASH_AT` names `point` (and `step` reached its step) and it has not crashed
 /// there before.
 pub fn crash_point(point: &str, step: u64) {
-    let Ok(spec) = std::env::var("JETRL_CRASH_AT") else { return };
-    let (name, at) = match spec.split_once('@') {
-        Some((name, at)) => (name, at.parse::<u64>().unwrap_or(0)),
-        None => (spec.as_str(), 0),
-    };
-    if name != point || step < at {
+    let Some((name, at)) = spec("JETRL_CRASH_AT") else { return };
+    if name != point || step < at.unwrap_or(0) {
         return;
     }
     let Ok(marker) = std::env::var("JETRL_CRASH_MARKER") else { return };
@@ -56,17 +52,20 @@ static MISS_COUNT: AtomicU64 = AtomicU64::new(0);
 pub fn missed_input(point: &str) -> bool {
     // read once: this is asked for every message of a busy input
     static SPEC: OnceLock<Option<(String, u64)>> = OnceLock::new();
-    let spec = SPEC.get_or_init(|| {
-        let spec = std::env::var("JETRL_MISS_AT").ok()?;
-        Some(match spec.split_once('@') {
-            Some((name, n)) => (name.to_string(), n.parse::<u64>().unwrap_or(1).max(1)),
-            None => (spec, 1),
-        })
-    });
+    let spec = SPEC.get_or_init(|| spec("JETRL_MISS_AT").map(|(name, n)| (name, n.unwrap_or(1).max(1))));
     let Some((name, nth)) = spec else { return false };
     if name != point || MISS_COUNT.fetch_add(1, Ordering::Relaxed) + 1 != *nth {
         return false;
     }
     tracing::warn!(point, nth, "ignoring this input as if it had not been delivered (JETRL_MISS_AT)");
     true
+}
+
+/// `<point>[@<number>]` from the environment variable `var`: the point, and the number when one is given and reads.
+fn spec(var: &str) -> Option<(String, Option<u64>)> {
+    let spec = std::env::var(var).ok()?;
+    Some(match spec.split_once('@') {
+        Some((name, n)) => (name.to_string(), n.parse().ok()),
+        None => (spec, None),
+    })
 }
