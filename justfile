@@ -13,12 +13,16 @@ build:
 demo config="configs/demo.yaml" *overrides="": build
     ./target/debug/jetrl run {{config}} {{overrides}}
 
-# the whole test suite: unit, integration (real nats-server, real libtorch), end-to-end, golden vectors; the
-# tests that need python with transformers are #[ignore]d for a plain `cargo test` and run here
-# (`./dev.sh test` installs transformers first)
-test: build
-    cargo test --workspace --no-fail-fast -- --include-ignored
-    ./target/debug/jetrl-golden tests/golden/algos_sample.json tests/golden/rewards_sample.json
+# the whole test suite, both tiers: the fast tier (`cargo test`: unit tests, state machines, decoders, golden
+# checks, short fuzz counts) and the slow tier (`#[ignore = "slow tier: ..."]`: end to end, crash matrix, broker
+# cluster, soak and bench smoke runs, full fuzz counts, the tests that need python with transformers), then the
+# golden vectors; prints the ten slowest test binaries at the end (`./dev.sh test` installs transformers first)
+test *args="": build
+    scripts/test-suite.sh {{args}}
+
+# the fast tier alone (minutes): what to run after every change
+test-fast *args="": build
+    cargo test --workspace {{args}}
 
 # the three-node cluster failover test alone (it is part of `test` too)
 test-cluster: build

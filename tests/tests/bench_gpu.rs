@@ -14,7 +14,7 @@ fn repo_root() -> PathBuf {
 }
 
 #[test]
-#[ignore = "needs python with transformers: `./dev.sh test` installs it and runs this (--include-ignored)"]
+#[ignore = "slow tier: against transformers (python with transformers: `./dev.sh test` installs it)"]
 fn gpu_bench_runs_at_tiny_shapes_on_the_cpu_and_prints_one_json_line() {
     let root = repo_root();
     let mut command = Command::new(root.join("benches/gpu/run.sh"));

@@ -9,6 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 #[test]
+#[ignore = "slow tier: the soak benchmark's smoke run"]
 fn a_short_soak_loses_and_duplicates_nothing_and_reports_every_interval() {
     let mut command = Command::new(env!("CARGO_BIN_EXE_bench-soak"));
     command.env("SOAK_SECONDS", "20").env("SOAK_REPORT_S", "5").env("SOAK_WORKERS", "8");

@@ -183,11 +183,13 @@ macro_rules! matrix {
     ($($module:ident => $mode:literal),+ $(,)?) => {$(
         mod $module {
             #[test]
+            #[ignore = "slow tier: kills a service mid-run in every mode and checks the ledger"]
             fn trainer_killed_before_submitting_a_step() {
                 super::crash_at($mode, "trainer.before_submit@3");
             }
 
             #[test]
+            #[ignore = "slow tier: kills a service mid-run in every mode and checks the ledger"]
             fn trainer_killed_after_submitting_a_step() {
                 super::crash_at($mode, "trainer.after_submit@3");
             }
@@ -195,41 +197,49 @@ macro_rules! matrix {
             /// No checkpoint to resume from: the restarted trainer starts again from step 0, the rows the dead
             /// one trained are rolled back, and each is trained once in the new timeline.
             #[test]
+            #[ignore = "slow tier: kills a service mid-run in every mode and checks the ledger"]
             fn trainer_killed_before_any_checkpoint() {
                 super::crash_with_checkpoints_every($mode, "trainer.after_submit@3", -1);
             }
 
             #[test]
+            #[ignore = "slow tier: kills a service mid-run in every mode and checks the ledger"]
             fn trainer_killed_mid_update() {
                 super::crash_at($mode, "trainer.mid_update@3");
             }
 
             #[test]
+            #[ignore = "slow tier: kills a service mid-run in every mode and checks the ledger"]
             fn trainer_killed_between_checkpoint_and_weight_publish() {
                 super::crash_at($mode, "trainer.between_checkpoint_and_publish@3");
             }
 
             #[test]
+            #[ignore = "slow tier: kills a service mid-run in every mode and checks the ledger"]
             fn rollout_worker_killed_mid_group() {
                 super::crash_at($mode, "rollout.mid_group@3");
             }
 
             #[test]
+            #[ignore = "slow tier: kills a service mid-run in every mode and checks the ledger"]
             fn reward_service_killed_mid_batch() {
                 super::crash_at($mode, "reward.mid_batch");
             }
 
             #[test]
+            #[ignore = "slow tier: kills a service mid-run in every mode and checks the ledger"]
             fn replay_buffer_killed_mid_sample() {
                 super::crash_at($mode, "buffer.mid_sample@3");
             }
 
             #[test]
+            #[ignore = "slow tier: kills a service mid-run in every mode and checks the ledger"]
             fn checkpoint_sync_killed_mid_announce() {
                 super::crash_at($mode, "checkpoint.mid_announce@3");
             }
 
             #[test]
+            #[ignore = "slow tier: kills a service mid-run in every mode and checks the ledger"]
             fn nats_server_killed_and_restarted_on_its_file_store() {
                 super::nats_restart($mode);
             }

@@ -48,6 +48,7 @@ fn wait_until(what: &str, timeout: Duration, context: impl Fn() -> String, mut d
 }
 
 #[test]
+#[ignore = "slow tier: a three-node NATS cluster losing a node mid-run"]
 fn a_job_on_a_three_node_cluster_survives_a_killed_node_and_trains_every_row_once() {
     let mut cluster = SecureCluster::start();
     let dir = jetrl_tests::test_dir("cluster-job");

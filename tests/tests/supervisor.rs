@@ -164,6 +164,7 @@ fn connect_anonymously(url: &str) -> Option<async_nats::ConnectError> {
 /// read-only identity serves `jetrl status`, and no password reaches a command line, the console, job.yaml or a
 /// log.
 #[test]
+#[ignore = "slow tier: jetrl run supervising real processes and a broker that dies"]
 fn the_embedded_nats_server_lets_in_only_the_runs_own_users() {
     let mut run = JetrlRun::start("");
     run.wait_until("the jetrl status line on the console", Duration::from_secs(60), |r| {
@@ -238,6 +239,7 @@ fn the_embedded_nats_server_lets_in_only_the_runs_own_users() {
 
 /// With two rollout workers, killing one used to end the whole job; now it is restarted and the run completes.
 #[test]
+#[ignore = "slow tier: jetrl run supervising real processes and a broker that dies"]
 fn a_killed_rollout_worker_is_restarted_and_the_run_completes() {
     let steps = 30;
     let mut run = JetrlRun::start(&format!(
@@ -278,6 +280,7 @@ fn a_killed_rollout_worker_is_restarted_and_the_run_completes() {
 /// A service that is alive but does nothing (SIGSTOP: no exit for the supervisor to see) is found by its missing
 /// heartbeats, killed and restarted; the run completes.
 #[test]
+#[ignore = "slow tier: jetrl run supervising real processes and a broker that dies"]
 fn a_stopped_reward_service_is_found_hung_killed_and_restarted_and_the_run_completes() {
     let steps = 30;
     let mut run = JetrlRun::start(&format!(
@@ -312,6 +315,7 @@ fn a_stopped_reward_service_is_found_hung_killed_and_restarted_and_the_run_compl
 /// A service that fails at every start (here: an address it cannot bind) is restarted with backoff until it
 /// passes the crash-loop limit; then the job ends non-zero, naming it and showing its last log lines.
 #[test]
+#[ignore = "slow tier: jetrl run supervising real processes and a broker that dies"]
 fn a_service_that_always_fails_crash_loops_and_ends_the_job_naming_it() {
     let mut run = JetrlRun::start(
         "reward: {metrics_addr: \"256.0.0.1:1\"}\n\
@@ -338,6 +342,7 @@ fn a_service_that_always_fails_crash_loops_and_ends_the_job_naming_it() {
 /// The broker dies: the console says so within seconds, jetrl run restarts its nats-server on the same port with
 /// the same JetStream store, and the run completes.
 #[test]
+#[ignore = "slow tier: jetrl run supervising real processes and a broker that dies"]
 fn a_killed_embedded_nats_server_is_reported_at_once_and_restarted_with_its_store() {
     let steps = 20;
     let mut run = JetrlRun::start(&format!("trainer: {{total_training_steps: {steps}}}"));
@@ -373,6 +378,7 @@ fn a_killed_embedded_nats_server_is_reported_at_once_and_restarted_with_its_stor
 /// service's batches, the trainer's ledger and lease), none is killed for outliving the stop's grace, and each
 /// says what it left.
 #[test]
+#[ignore = "slow tier: jetrl run supervising real processes and a broker that dies"]
 fn a_job_stopped_while_its_broker_is_gone_stops_without_waiting_for_it() {
     let mut nats = jetrl_bus::NatsServer::start().unwrap();
     let url = nats.url();

@@ -68,7 +68,12 @@ pub async fn run(
                 let Some(msg) = msg else { break };
                 let started = Instant::now();
                 let response = match WeightAnnounce::decode(msg.payload.as_ref()) {
-                    Ok(announce) => match registry.accept(announce).await {
+                    // storing retries a lost broker for up to its deadline; a stop does not wait for it (the
+                    // trainer announces again to the next checkpoint-sync)
+                    Ok(announce) => match tokio::select! {
+                        accepted = registry.accept(announce) => accepted,
+                        () = shutdown.wait() => break,
+                    } {
                         Ok(version) => WeightAnnounceResponse { version, ..Default::default() },
                         Err(err) if err.code() == ErrorCode::Unavailable => {
                             tracing::warn!(error = %err, "weight announcement not stored yet; the trainer announces again");

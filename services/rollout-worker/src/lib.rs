@@ -327,7 +327,15 @@ pub async fn run(
     };
     if !drained {
         let _ = hard_tx.send(());
-        while tasks.join_next().await.is_some() {}
+        // a task that finished before the hard stop still waits for its ack's confirmation, which a lost broker
+        // never sends: it is left (its task is redelivered after the ack wait and its trajectories de-duplicated)
+        let settled =
+            tokio::time::timeout(jetrl_bus::SETTLE_RECONNECT, async { while tasks.join_next().await.is_some() {} })
+                .await;
+        if settled.is_err() {
+            tracing::warn!(left = tasks.len(), "NATS unreachable: acks of finished groups not confirmed; left");
+            tasks.abort_all();
+        }
     }
     weights_task.abort();
     heartbeat_task.abort();

@@ -152,10 +152,14 @@ impl WeightSync {
         // an attempt sent to a checkpoint-sync that dies with it must not use up the whole deadline
         let attempt_timeout = (self.deadline / 4).clamp(Duration::from_secs(1), Duration::from_secs(30));
         loop {
-            let reply = self
-                .bus
-                .request::<_, WeightAnnounceResponse>(self.bus.names().weights_announce(), &announce, attempt_timeout)
-                .await;
+            let reply = tokio::select! {
+                _ = self.shutdown.wait() => return Err(TrainerError::Shutdown),
+                reply = self.bus.request::<_, WeightAnnounceResponse>(
+                    self.bus.names().weights_announce(),
+                    &announce,
+                    attempt_timeout,
+                ) => reply,
+            };
             let last = match reply {
                 Ok(resp) if resp.error.is_empty() => return Ok(manifest),
                 // checkpoint-sync could not do it now (its store failed): worth another attempt

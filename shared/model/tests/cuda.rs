@@ -1,4 +1,5 @@
-//! The model on a CUDA device agrees with the CPU. Skipped (with the reason printed) where libtorch sees no GPU.
+//! The model on a CUDA device agrees with the CPU. Compiled only with the `cuda-tests` feature (a GPU host); a
+//! test here fails when libtorch sees no CUDA device.
 
 #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
 
@@ -8,17 +9,14 @@ use common::*;
 use jetrl_model::{log_probs_of, parse_device, CausalLm, DType, Engine, EngineConfig, Request, Sampling};
 use tch::Device;
 
-fn cuda() -> Option<Device> {
-    if !tch::Cuda::is_available() {
-        eprintln!("SKIP: libtorch sees no CUDA device");
-        return None;
-    }
-    Some(parse_device("cuda:0").expect("cuda:0 parses when CUDA is available"))
+fn cuda() -> Device {
+    assert!(tch::Cuda::is_available(), "the cuda-tests feature is on, but libtorch sees no CUDA device");
+    parse_device("cuda:0").expect("cuda:0 parses when CUDA is available")
 }
 
 #[test]
 fn cuda_f32_log_probs_match_the_hf_reference() {
-    let Some(device) = cuda() else { return };
+    let device = cuda();
     let dir = hf_sample_llama();
     let reference = read_reference(&dir);
     let model = CausalLm::load(&dir, device, DType::F32).unwrap();
@@ -31,7 +29,7 @@ fn cuda_f32_log_probs_match_the_hf_reference() {
 
 #[test]
 fn cuda_bf16_engine_log_probs_match_cuda_bf16_forward() {
-    let Some(device) = cuda() else { return };
+    let device = cuda();
     let load = || CausalLm::load(&hf_sample_llama(), device, DType::BF16).unwrap();
     let prompts = [vec![1u32, 87, 85, 266], vec![5, 9], vec![223, 231, 35, 47, 260, 71, 92]];
     let config = EngineConfig { max_num_seqs: 4, max_model_len: 64, seed: 5, ..EngineConfig::default() };

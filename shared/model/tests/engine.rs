@@ -451,7 +451,7 @@ fn engine_matches_the_training_forward_on_the_tiny_qwen2_preset() {
 }
 
 #[test]
-#[ignore = "needs python with transformers: `./dev.sh test` installs it and runs this (--include-ignored)"]
+#[ignore = "slow tier: against transformers (python with transformers: `./dev.sh test` installs it)"]
 fn engine_matches_the_training_forward_on_every_transformers_layout() {
     let root = hf_checkpoints();
     for name in ["qwen2_tied", "qwen2_untied", "llama", "qwen3"] {

@@ -104,7 +104,7 @@ struct ScoredText {
 }
 
 #[test]
-#[ignore = "needs python with transformers: `./dev.sh test` installs it and runs this (--include-ignored)"]
+#[ignore = "slow tier: against transformers (python with transformers: `./dev.sh test` installs it)"]
 fn tiny_preset_loads_in_transformers_with_matching_tokens_and_logprobs() {
     let python = python_with_transformers();
     let tmp = tempfile::tempdir().unwrap();

@@ -199,13 +199,19 @@ async fn no_network_cuts_the_function_off_where_namespaces_are_available() {
 
     let isolated = scripted(SCRIPTED_FUNCTION, |config| config.custom_reward_function.no_network = true);
     let namespaces = std::process::Command::new("unshare").args(["-rn", "true"]).status().is_ok_and(|s| s.success());
-    if !namespaces {
-        eprintln!("skipping the isolation check: `unshare -rn` is not permitted here");
-        return;
-    }
+    assert!(
+        namespaces || std::env::var("CI").as_deref() != Ok("true"),
+        "`unshare -rn` is not permitted on this CI host: the isolation of no_network cannot be checked"
+    );
     let engine = RewardEngine::new(&isolated.config).await.unwrap();
     let outcome = &engine.score_batch(vec![input("b", &probe, "")]).await[0];
-    assert_eq!(outcome.score, 0.0, "the function reached the host network: {outcome:?}");
+    if namespaces {
+        assert_eq!(outcome.score, 0.0, "the function reached the host network: {outcome:?}");
+    } else {
+        // the documented fallback where user namespaces are refused: a warning, and the function runs with network
+        eprintln!("`unshare -rn` is not permitted here: checked the fallback (network kept), not the isolation");
+        assert_eq!(outcome.score, 1.0, "without namespaces the function keeps its network: {outcome:?}");
+    }
 }
 
 #[tokio::test]
