@@ -1,0 +1,66 @@
+// jetrl-torch-ext: the C ABI of the project's one C++ shim of libtorch extensions.
+//
+// Every function catches every C++ exception and reports it through a status code plus a message
+// (`*err`, allocated with malloc; free it with jetrl_free_string). Nothing here aborts the process.
+// Tensor handles are the `torch::Tensor*` (at::Tensor*) that tch hands out (`Tensor::as_ptr`).
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+namespace at {
+class Tensor;
+}
+typedef at::Tensor jetrl_tensor;
+extern "C" {
+#else
+typedef struct jetrl_tensor jetrl_tensor;
+#endif
+
+// Status codes (mirrored in src/ffi.rs).
+enum {
+  JETRL_OK = 0,
+  JETRL_ERR = 1,                // any other failure (peer gone, backend error, ...)
+  JETRL_ERR_TIMEOUT = 2,        // the operation ran past its deadline
+  JETRL_ERR_STORE_UNREACHABLE = 3,  // TCPStore client could not connect to the store
+  JETRL_ERR_DUPLICATE_RANK = 4, // another process already registered this rank
+  JETRL_ERR_INVALID_ARGUMENT = 5,
+  JETRL_ERR_NOT_BUILT = 6,      // backend not compiled into this shim
+};
+
+// Backends and reduce ops (mirrored in src/ffi.rs).
+enum { JETRL_BACKEND_GLOO = 0, JETRL_BACKEND_NCCL = 1 };
+enum { JETRL_REDUCE_SUM = 0, JETRL_REDUCE_AVG = 1, JETRL_REDUCE_MAX = 2 };
+
+typedef struct jetrl_pg jetrl_pg;
+
+void jetrl_free_string(char* s);
+
+// 1 when the NCCL process group was compiled into this shim.
+int jetrl_nccl_built(void);
+
+// Creates a process group: connects to (rank 0: hosts) the TCPStore at host:port, optionally wraps it in a
+// PrefixStore, registers the rank (refusing a rank claimed twice) and rendezvouses the backend.
+// `timeout_ms` bounds the store connection, the rendezvous and every later collective.
+// `prefix`, `gloo_hostname` may be NULL; `cuda_device` < 0 means rank % device count (NCCL only).
+int jetrl_pg_new(int backend, int rank, int world_size, const char* host, uint16_t port, int64_t timeout_ms,
+                 const char* prefix, const char* gloo_hostname, int64_t cuda_device, jetrl_pg** out, char** err);
+void jetrl_pg_free(jetrl_pg* pg);
+
+int jetrl_pg_all_reduce(jetrl_pg* pg, jetrl_tensor* tensor, int op, char** err);
+int jetrl_pg_reduce_scatter(jetrl_pg* pg, jetrl_tensor* out, const jetrl_tensor* input, int op, char** err);
+int jetrl_pg_all_gather_into(jetrl_pg* pg, jetrl_tensor* out, const jetrl_tensor* input, char** err);
+int jetrl_pg_broadcast(jetrl_pg* pg, jetrl_tensor* tensor, int root, char** err);
+int jetrl_pg_barrier(jetrl_pg* pg, char** err);
+
+// The group's store (with its prefix) as a key-value channel between the ranks. `set` writes `len` bytes under
+// `key`. `get` waits up to `timeout_ms` for `key` to exist (JETRL_ERR_TIMEOUT when it does not), then returns its
+// value in `*out` (malloc'd, `*out_len` bytes; free it with jetrl_free_bytes).
+int jetrl_pg_store_set(jetrl_pg* pg, const char* key, const uint8_t* data, uint64_t len, char** err);
+int jetrl_pg_store_get(jetrl_pg* pg, const char* key, int64_t timeout_ms, uint8_t** out, uint64_t* out_len,
+                       char** err);
+void jetrl_free_bytes(uint8_t* p);
+
+#ifdef __cplusplus
+}
+#endif
