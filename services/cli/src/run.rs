@@ -66,6 +66,16 @@ pub async fn run(
         }
     };
     overrides.push(format!("nats.url={url}"));
+    // the trainer's ranks meet at a free port of this host unless the job names one
+    if cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes > 1 && cfg.trainer.dist.master_port == 0 {
+        let port = std::net::TcpListener::bind((cfg.trainer.dist.master_addr.as_str(), 0))
+            .and_then(|l| l.local_addr())
+            .with_context(|| {
+                format!("finding a free port on trainer.dist.master_addr {}", cfg.trainer.dist.master_addr)
+            })?
+            .port();
+        overrides.push(format!("trainer.dist.master_port={port}"));
+    }
     let omp_num_threads_set = std::env::var_os("OMP_NUM_THREADS").is_some_and(|v| !v.is_empty());
     overrides.extend(threads::job_thread_overrides(&cfg, jetrl_telemetry::available_cores(), omp_num_threads_set));
     let mut cfg = JobConfig::load(Some(config), &overrides)?;
@@ -95,7 +105,8 @@ pub async fn run(
     let service = |name: String, binary: &str, extra: Vec<String>| {
         let mut args: Vec<OsString> = vec!["--config".into(), job_file.clone().into()];
         args.extend(extra.into_iter().map(OsString::from));
-        ServiceSpec { binary: bin_dir.join(binary), args, log: run_dir.join("logs").join(format!("{name}.log")), name }
+        let log = run_dir.join("logs").join(format!("{name}.log"));
+        ServiceSpec { binary: bin_dir.join(binary), args, log, name, group: None }
     };
     let mut specs = vec![
         service("checkpoint-sync".into(), "jetrl-checkpoint-sync", identity("checkpoint-sync")?),
@@ -109,7 +120,19 @@ pub async fn run(
         let extra = [vec![format!("rollout.instance_id=rollout-{i}")], identity("rollout-worker")?].concat();
         specs.push(service(format!("rollout-{i}"), "jetrl-rollout-worker", extra));
     }
-    specs.push(service("trainer".into(), "jetrl-trainer", identity("trainer")?));
+    // the trainer's ranks on this host, as one group: rank 0 is `trainer`, the others `trainer-<rank>` (the ranks of
+    // other nodes are started there: `jetrl-trainer --config job.yaml trainer.dist.rank=<r>`)
+    for rank in 0..cfg.trainer.n_gpus_per_node.max(1) {
+        let (name, mut extra) = if rank == 0 {
+            ("trainer".to_string(), Vec::new())
+        } else {
+            (format!("trainer-{rank}"), vec![format!("trainer.dist.rank={rank}")])
+        };
+        extra.extend(identity("trainer")?);
+        let mut spec = service(name, "jetrl-trainer", extra);
+        spec.group = (cfg.trainer.n_gpus_per_node > 1 || cfg.trainer.nnodes > 1).then(|| "trainer".to_string());
+        specs.push(spec);
+    }
     for spec in specs {
         anyhow::ensure!(
             spec.binary.exists(),
@@ -270,6 +293,10 @@ fn handle_events(
                     json!({"service": service, "status": status, "action": "restart", "delay_s": delay.as_secs_f64(),
                            "restarts_in_window": restarts}),
                 );
+            }
+            Event::StoppedWithGroup { service, failed } => {
+                console.say(&format!("{service} stopped: {failed} of its group failed; they restart together"));
+                journal.record("stopped_with_group", json!({"service": service, "failed": failed}));
             }
             Event::Restarted { service, pid } => {
                 console.say(&format!("{service} restarted (pid {})", pid.map_or("?".into(), |p| p.to_string())));

@@ -87,6 +87,9 @@ pub struct ServiceSpec {
     pub binary: PathBuf,
     pub args: Vec<OsString>,
     pub log: PathBuf,
+    /// services that live and die together (the trainer's ranks, DESIGN §6): when one fails, the others are
+    /// stopped and all restart together
+    pub group: Option<String>,
 }
 
 /// Something the supervisor did or saw, for the console and `supervisor.jsonl`.
@@ -100,6 +103,8 @@ pub enum Event {
     Restarting { service: String, status: String, delay: Duration, restarts: u32 },
     /// a scheduled restart happened
     Restarted { service: String, pid: Option<u32> },
+    /// stopped because `failed`, of the same group, failed: it restarts with it
+    StoppedWithGroup { service: String, failed: String },
     /// a service failed more often than the policy allows: the job ends
     CrashLoop { service: String, status: String, restarts: u32, log: PathBuf, log_tail: String },
 }
@@ -114,6 +119,8 @@ struct Supervised {
     history: RestartHistory,
     /// restarts so far, for the end-of-job count
     restarts: u32,
+    /// killed because another member of its group failed: its exit is not a failure of its own
+    stopped_with_group: bool,
 }
 
 pub struct Supervisor {
@@ -147,6 +154,7 @@ impl Supervisor {
             restart_at: None,
             history: RestartHistory::default(),
             restarts: 0,
+            stopped_with_group: false,
         });
         Ok(pid)
     }
@@ -154,6 +162,8 @@ impl Supervisor {
     /// Reaps exited services, decides what to do about each, and starts the restarts that are due.
     pub fn poll(&mut self, now: Instant) -> Vec<Event> {
         let mut events = Vec::new();
+        // (group, the member that failed, when the group restarts)
+        let mut failed_groups: Vec<(String, String, Option<Instant>)> = Vec::new();
         for s in &mut self.services {
             if let Some(child) = s.child.as_mut() {
                 let status = match child.try_wait() {
@@ -165,6 +175,9 @@ impl Supervisor {
                     }
                 };
                 s.child = None;
+                if std::mem::take(&mut s.stopped_with_group) {
+                    continue;
+                }
                 if status.success() {
                     events.push(if s.spec.name == self.trainer {
                         Event::TrainerFinished
@@ -173,9 +186,27 @@ impl Supervisor {
                     });
                     continue;
                 }
-                events.push(decide(s, &self.policy, describe(status), now));
+                let event = decide(s, &self.policy, describe(status), now);
+                if let (Event::Restarting { .. }, Some(group)) = (&event, &s.spec.group) {
+                    failed_groups.push((group.clone(), s.spec.name.clone(), s.restart_at));
+                }
+                events.push(event);
             }
-            if s.restart_at.is_some_and(|at| at <= now) {
+        }
+        for (group, failed, at) in failed_groups {
+            for s in self.services.iter_mut().filter(|s| s.spec.group.as_ref() == Some(&group) && s.spec.name != failed)
+            {
+                if let Some(pid) = s.child.as_ref().and_then(Child::id) {
+                    signal(pid, libc::SIGKILL);
+                    s.stopped_with_group = true;
+                    events.push(Event::StoppedWithGroup { service: s.spec.name.clone(), failed: failed.clone() });
+                }
+                s.restart_at = at;
+            }
+        }
+        for s in &mut self.services {
+            // a member stopped with its group restarts once its old process is reaped
+            if s.child.is_none() && s.restart_at.is_some_and(|at| at <= now) {
                 s.restart_at = None;
                 s.restarts += 1;
                 match respawn(&s.spec, s.restarts) {

@@ -10,10 +10,11 @@ use jetrl_config::JobConfig;
 const TOKIO_THREADS_PER_SERVICE: usize = 2;
 
 /// `section.key=value` overrides for every `*_threads` key the job leaves null: the host's `cores` shared evenly
-/// between the torch processes (the trainer and `rollout.workers` workers), unless `OMP_NUM_THREADS` is set
-/// (then torch reads it in each process), and [`TOKIO_THREADS_PER_SERVICE`] tokio workers per service.
+/// between the torch processes (the trainer's ranks on this host and `rollout.workers` workers), unless
+/// `OMP_NUM_THREADS` is set (then torch reads it in each process), and [`TOKIO_THREADS_PER_SERVICE`] tokio workers
+/// per service.
 pub fn job_thread_overrides(cfg: &JobConfig, cores: usize, omp_num_threads_set: bool) -> Vec<String> {
-    let torch_processes = 1 + cfg.rollout.workers.max(1) as usize;
+    let torch_processes = cfg.trainer.n_gpus_per_node.max(1) as usize + cfg.rollout.workers.max(1) as usize;
     let torch_share = (cores / torch_processes).max(1);
     let tokio = TOKIO_THREADS_PER_SERVICE.min(cores).max(1);
     let mut overrides = Vec::new();

@@ -38,11 +38,13 @@ use jetrl_model::{CausalLm, DType};
 use tch::{Device, Kind, Tensor};
 use tokio::sync::oneshot;
 
-pub use crate::batch::Sample;
-use crate::batch::{gather_rows, groups_of, mini_batches, split_by_token_budget, to_host, MicroBatch};
+use crate::batch::{gather_rows, mini_batches, to_host, MicroBatch};
+pub use crate::batch::{RankBatch, RowInfo, Sample};
 use crate::checkpoint;
 use crate::critic::{Critic, ValueTargets};
+use crate::dist::Comm;
 use crate::optim::{AdamW, LrSchedule};
+use crate::ranks::{Command, Leader};
 
 pub use crate::checkpoint::ActorState;
 pub use crate::error::ActorError;
@@ -123,6 +125,11 @@ pub struct Actor {
     /// the dtype weights are shipped to rollout workers in (`model.dtype`)
     ship_dtype: DType,
     pad_id: i64,
+    /// the trainer's ranks: each holds the whole model, its shard of the optimizer state, and a share of every
+    /// batch's rows
+    comm: Comm,
+    /// rank 0's commands to the other ranks (unused on the others)
+    leader: Leader,
 }
 
 /// The torch seed of a training step: a pure function of the run seed and the step.
@@ -141,8 +148,14 @@ pub fn compute_dtype(cfg: &JobConfig) -> Result<(Device, DType), ActorError> {
 
 impl Actor {
     /// Loads the models. `total_steps` is the LR schedules' horizon; `resume` a checkpoint directory
-    /// (`global_step_<n>`) and the actor state saved with it.
-    pub fn new(cfg: &JobConfig, total_steps: u64, resume: Option<(&Path, &ActorState)>) -> Result<Self, ActorError> {
+    /// (`global_step_<n>`) and the actor state saved with it; `comm` this rank's place among the trainer's ranks
+    /// (every rank builds its actor at the same time: loading the optimizer state is a collective).
+    pub fn new(
+        cfg: &JobConfig,
+        total_steps: u64,
+        resume: Option<(&Path, &ActorState)>,
+        comm: Comm,
+    ) -> Result<Self, ActorError> {
         let (device, dtype) = compute_dtype(cfg)?;
         if device == Device::Cpu && cfg.model.dtype != ModelDtype::F32 {
             tracing::info!(dtype = %cfg.model.dtype, "training in f32 on the CPU; weights are shipped as {}", cfg.model.dtype);
@@ -152,7 +165,7 @@ impl Actor {
         let source = resume.map(|(dir, _)| dir.join("actor")).unwrap_or_else(|| model_dir.clone());
         let model = CausalLm::load(&source, device, dtype)?;
         let params: Vec<(String, Tensor)> = model.parameters().into_iter().collect();
-        let mut optim = AdamW::new(params, &cfg.actor.optim)?;
+        let mut optim = AdamW::sharded(params, &cfg.actor.optim, comm.clone())?;
         if let Some((dir, _)) = resume {
             checkpoint::load_optimizer(&dir.join("actor"), &mut optim)?;
         }
@@ -165,7 +178,7 @@ impl Actor {
             None
         };
         let critic = if cfg.critic.is_enabled(&cfg.algorithm) {
-            Some(Critic::new(cfg, total_steps, device, dtype, resume.map(|(dir, _)| dir))?)
+            Some(Critic::new(cfg, total_steps, device, dtype, resume.map(|(dir, _)| dir), comm.clone())?)
         } else {
             None
         };
@@ -210,6 +223,8 @@ impl Actor {
             model_dir,
             ship_dtype: DType::from(cfg.model.dtype),
             pad_id: 0,
+            leader: Leader::new(comm.clone()),
+            comm,
         };
         if let Some((_, state)) = resume {
             actor.actor_updates = state.actor_updates;
@@ -259,15 +274,34 @@ impl Actor {
     }
 
     /// Writes `actor/` (and `critic/`) of a checkpoint into `dir` and returns the state to save with them.
+    /// Every rank writes its optimizer shards; rank 0 also the models (every rank holds the same weights).
     pub fn save_checkpoint(&self, dir: &Path) -> Result<ActorState, ActorError> {
         let actor_dir = dir.join("actor");
-        self.model.save(&actor_dir)?;
-        checkpoint::copy_model_side_files(&self.model_dir, &actor_dir)?;
-        checkpoint::save_optimizer(&actor_dir, &self.optim)?;
+        let (rank, world) = (self.comm.rank(), self.comm.world());
+        if rank == 0 {
+            self.model.save(&actor_dir)?;
+            checkpoint::copy_model_side_files(&self.model_dir, &actor_dir)?;
+        }
+        checkpoint::save_optimizer(&actor_dir, &self.optim, rank, world)?;
         if let Some(critic) = &self.critic {
             critic.save(&dir.join(checkpoint::CRITIC_DIR), &self.model_dir)?;
         }
         Ok(self.state())
+    }
+
+    /// This rank's place among the trainer's ranks.
+    pub fn comm(&self) -> &Comm {
+        &self.comm
+    }
+
+    /// Rank 0: tells every other rank to do what this rank is about to do (nothing with one rank).
+    pub fn lead(&mut self, command: &Command) -> Result<(), ActorError> {
+        self.leader.send(command)
+    }
+
+    /// Bytes of optimizer state this rank holds (the actor's and the critic's).
+    pub fn optimizer_state_bytes(&self) -> u64 {
+        self.optim.state_bytes() + self.critic.as_ref().map_or(0, |c| c.optimizer_state_bytes())
     }
 
     /// Response-position logits `[n, r, V]`, f32, divided by the rollout temperature.
@@ -278,30 +312,30 @@ impl Actor {
         Ok(if temperature != 1.0 { logits.f_div_scalar(temperature)? } else { logits })
     }
 
-    /// Log-probs of every row's response under `model` without autograd, as a `[rows, width]` host matrix,
-    /// with the per-token entropy and Σπ² when asked.
+    /// Log-probs of every row's response under `model` without autograd, as `[rows, width]` host matrices of the
+    /// whole batch, with the per-token entropy and Σπ² when asked: each rank scores the rows it holds, and the
+    /// matrices are summed over the ranks (each row is held by one).
     fn score_rows(
         &self,
         model: &CausalLm,
-        samples: &[Sample],
+        batch: &RankBatch,
         width: usize,
         entropy: bool,
         sum_pi_squared: bool,
     ) -> Result<ScoredRows, ActorError> {
-        let rows: Vec<usize> = (0..samples.len()).collect();
-        let mut lp = vec![0f32; samples.len() * width];
-        let mut ent = entropy.then(|| vec![0f32; samples.len() * width]);
-        let mut spsq = sum_pi_squared.then(|| vec![0f32; samples.len() * width]);
+        let n = batch.len();
+        let mut lp = vec![0f32; n * width];
+        let mut ent = entropy.then(|| vec![0f32; n * width]);
+        let mut spsq = sum_pi_squared.then(|| vec![0f32; n * width]);
         let copy = |dst: &mut [f32], src: &[f32], chunk: &[usize], r: usize| {
             for (k, &row) in chunk.iter().enumerate() {
-                let len = samples[row].response.len();
+                let len = batch.rows[row].response_len;
                 dst[row * width..row * width + len].copy_from_slice(&src[k * r..k * r + len]);
             }
         };
         tch::no_grad(|| -> Result<(), ActorError> {
-            for chunk in split_by_token_budget(&rows, samples, self.settings.max_token_len) {
-                let refs: Vec<&Sample> = chunk.iter().map(|&i| &samples[i]).collect();
-                let mb = MicroBatch::build(&refs, self.pad_id, model.device())?;
+            for chunk in batch.local_micro_batches(&batch.local_rows(), self.settings.max_token_len) {
+                let mb = MicroBatch::build(&batch.samples(&chunk), self.pad_id, model.device())?;
                 let logits = Self::response_logits(model, &mb, self.settings.temperature)?;
                 let r = mb.r as usize;
                 copy(&mut lp, &to_host(&logprobs_from_logits(&logits, &mb.response_ids))?, &chunk, r);
@@ -314,7 +348,33 @@ impl Actor {
             }
             Ok(())
         })?;
+        let device = model.device();
+        self.comm.all_reduce_f32(&mut lp, device)?;
+        if let Some(ent) = ent.as_mut() {
+            self.comm.all_reduce_f32(ent, device)?;
+        }
+        if let Some(spsq) = spsq.as_mut() {
+            self.comm.all_reduce_f32(spsq, device)?;
+        }
         Ok((lp, ent, spsq))
+    }
+
+    /// A `[rows, width]` host matrix of the whole batch from a per-token column of the rows this rank holds
+    /// (summed over the ranks).
+    fn held_matrix(
+        &self,
+        batch: &RankBatch,
+        width: usize,
+        column: impl Fn(&Sample, usize) -> f32,
+    ) -> Result<Vec<f32>, ActorError> {
+        let mut m = vec![0f32; batch.len() * width];
+        for (&i, s) in &batch.local {
+            for j in 0..s.response.len() {
+                m[i * width + j] = column(s, j);
+            }
+        }
+        self.comm.all_reduce_f32(&mut m, self.model.device())?;
+        Ok(m)
     }
 
     /// Copies the current weights as π_old for the local updates that follow (separate_async, at the start of
@@ -330,28 +390,30 @@ impl Actor {
         Ok(())
     }
 
-    /// One training step on `samples` (the global step `step`) with π_old from `old`: old, reference and value
-    /// passes, advantages, critic and actor updates. Returns verl-named metrics and timings.
-    pub fn train(&mut self, samples: &[Sample], step: u64, pi_old: OldPolicy) -> Result<TrainOutput, ActorError> {
-        if samples.is_empty() {
+    /// One training step on `batch` (the global step `step`) with π_old from `old`: old, reference and value
+    /// passes, advantages, critic and actor updates. Returns verl-named metrics and timings. With several ranks,
+    /// every rank calls it at once with the same rows (each holding its share of the payloads); the metrics are
+    /// those of the whole batch on every rank.
+    pub fn train(&mut self, batch: &RankBatch, step: u64, pi_old: OldPolicy) -> Result<TrainOutput, ActorError> {
+        if batch.is_empty() {
             return Err(ActorError::Batch("no trajectories to train on".into()));
         }
         tch::manual_seed(step_seed(self.settings.run_seed, step));
         let mut out = TrainOutput::default();
-        let mut samples: Vec<Sample> = samples.to_vec();
-        let n = samples.len();
-        let width = samples.iter().map(|s| s.response.len()).max().unwrap_or(1).max(1);
-        let matrix = |f: &dyn Fn(&Sample, usize) -> f32, samples: &[Sample]| -> Vec<f32> {
-            let mut m = vec![0f32; samples.len() * width];
-            for (i, s) in samples.iter().enumerate() {
-                for j in 0..s.response.len() {
-                    m[i * width + j] = f(s, j);
+        let mut batch = std::borrow::Cow::Borrowed(batch);
+        let n = batch.len();
+        let width = batch.width();
+        let matrix = |f: &dyn Fn(&RowInfo, usize) -> f32, rows: &[RowInfo]| -> Vec<f32> {
+            let mut m = vec![0f32; rows.len() * width];
+            for (i, row) in rows.iter().enumerate() {
+                for j in 0..row.response_len {
+                    m[i * width + j] = f(row, j);
                 }
             }
             m
         };
-        let mask = matrix(&|s, j| f32::from(s.response_mask.get(j).copied().unwrap_or(1)), &samples);
-        let rollout = matrix(&|s, j| s.rollout_logprobs.get(j).copied().unwrap_or(0.0), &samples);
+        let mask = self.held_matrix(&batch, width, |s, j| f32::from(s.response_mask.get(j).copied().unwrap_or(1)))?;
+        let rollout = self.held_matrix(&batch, width, |s, j| s.rollout_logprobs.get(j).copied().unwrap_or(0.0))?;
         let host_tensor = |m: &[f32], rows: usize| -> Result<Tensor, tch::TchError> {
             Tensor::f_from_slice(m)?.f_view([rows as i64, width as i64])
         };
@@ -376,19 +438,19 @@ impl Actor {
                 })?,
             };
             let (old, entropy, spsq) =
-                self.score_rows(policy, &samples, width, true, self.settings.calculate_sum_pi_squared)?;
+                self.score_rows(policy, &batch, width, true, self.settings.calculate_sum_pi_squared)?;
             if let Some(entropy) = entropy {
                 let value = agg_loss(&host_tensor(&entropy, n)?, &mask_t, agg, &full_batch)?;
                 out.metrics.insert("actor/entropy".into(), f64::try_from(value)?);
             }
-            rollout_probs_diff(&samples, &old, width, &mut out.metrics);
+            rollout_probs_diff(&batch.rows, &rollout, &old, &mask, width, &mut out.metrics);
             (old, spsq)
         };
         out.timings.insert("old_log_prob".into(), t.elapsed().as_secs_f64());
 
         let t = Instant::now();
         let reference = match &self.reference {
-            Some(model) => Some(self.score_rows(model, &samples, width, false, false)?.0),
+            Some(model) => Some(self.score_rows(model, &batch, width, false, false)?.0),
             None => None,
         };
         if reference.is_some() {
@@ -396,7 +458,11 @@ impl Actor {
         }
         let t = Instant::now();
         let mut values = match &self.critic {
-            Some(critic) => Some(critic.values(&samples, width)?),
+            Some(critic) => {
+                let mut values = critic.values(&batch, width)?;
+                self.comm.all_reduce_f32(&mut values, self.model.device())?;
+                Some(values)
+            }
             None => None,
         };
         if values.is_some() {
@@ -405,7 +471,7 @@ impl Actor {
 
         // token rewards: the score on the last response token, minus β·KL(π_old‖π_ref) when in the reward
         let t = Instant::now();
-        let scores = matrix(&|s, j| if j + 1 == s.response.len() { s.score as f32 } else { 0.0 }, &samples);
+        let scores = matrix(&|r, j| if j + 1 == r.response_len { r.score as f32 } else { 0.0 }, &batch.rows);
         let scores_t = host_tensor(&scores, n)?;
         let old_t = host_tensor(&old, n)?;
         let rewards_t = match (self.kl_ctrl.as_mut(), &reference) {
@@ -426,11 +492,11 @@ impl Actor {
             }
             None => (mask_t, None),
         };
-        let uids: Vec<String> = samples.iter().map(|s| s.uid.clone()).collect();
-        let keys: Vec<String> = samples.iter().map(|s| s.key.clone()).collect();
+        let uids: Vec<String> = batch.rows.iter().map(|r| r.uid.clone()).collect();
+        let keys: Vec<String> = batch.rows.iter().map(|r| r.key.clone()).collect();
         let values_t = values.as_ref().map(|v| host_tensor(v, n)).transpose()?;
         let spsq_t = spsq.as_ref().map(|v| host_tensor(v, n)).transpose()?;
-        let extra_scores = gdpo_components(&samples, &self.advantage.gdpo_reward_keys)?;
+        let extra_scores = gdpo_components(&batch.rows, &self.advantage.gdpo_reward_keys)?;
         let inputs = AdvantageInputs {
             index: Some(&uids),
             keys: Some(&keys),
@@ -456,9 +522,9 @@ impl Actor {
 
         // PF-PPO: resample the batch by score (GAE only)
         if let Some(method) = self.pf_ppo {
-            let seq_scores: Vec<f64> = samples.iter().map(|s| s.score).collect();
+            let seq_scores: Vec<f64> = batch.rows.iter().map(|r| r.score).collect();
             let picked = pf_ppo_resample(&seq_scores, method, step_seed(self.settings.run_seed, step) as u64)?;
-            samples = picked.iter().map(|&i| samples[i].clone()).collect();
+            batch = std::borrow::Cow::Owned(batch.resampled(&picked));
             let take = |m: &[f32]| -> Vec<f32> {
                 picked.iter().flat_map(|&i| m[i * width..(i + 1) * width].iter().copied()).collect()
             };
@@ -478,12 +544,12 @@ impl Actor {
         if let (Some(critic), Some(values)) = (self.critic.as_mut(), values.as_ref()) {
             let t = Instant::now();
             let targets = ValueTargets { width, mask: &cols.mask, values, returns: &returns };
-            out.metrics.extend(critic.update(&samples, &targets, step)?);
+            out.metrics.extend(critic.update(&batch, &targets, step)?);
             out.timings.insert("update_critic".into(), t.elapsed().as_secs_f64());
         }
         if self.settings.critic_warmup <= step {
             let t = Instant::now();
-            out.metrics.extend(self.update_policy(&samples, &cols, step)?);
+            out.metrics.extend(self.update_policy(&batch, &cols, step)?);
             out.timings.insert("update_actor".into(), t.elapsed().as_secs_f64());
         }
         Ok(out)
@@ -492,11 +558,11 @@ impl Actor {
     /// The actor update (verl `update_actor`): ppo_epochs × mini-batches of whole prompt groups.
     fn update_policy(
         &mut self,
-        samples: &[Sample],
+        batch: &RankBatch,
         cols: &Columns,
         step: u64,
     ) -> Result<BTreeMap<String, f64>, ActorError> {
-        let groups = groups_of(samples);
+        let groups = batch.groups();
         let lr = self.schedule.lr(self.actor_updates);
         let mut sums: BTreeMap<String, f64> = BTreeMap::new();
         let mut updates = 0.0f64;
@@ -510,7 +576,7 @@ impl Actor {
                 epoch,
             );
             for rows in batches {
-                for (k, v) in self.update_mini_batch(samples, cols, &rows, lr)? {
+                for (k, v) in self.update_mini_batch(batch, cols, &rows, lr)? {
                     *sums.entry(k).or_insert(0.0) += v;
                 }
                 updates += 1.0;
@@ -527,10 +593,13 @@ impl Actor {
         Ok(out)
     }
 
-    /// One optimizer update over the rows of a mini-batch, gradients accumulated over micro-batches.
+    /// One optimizer update over the rows `rows` of a mini-batch (every rank the same rows; each computes the
+    /// loss of those it holds), gradients accumulated over micro-batches. Each micro-batch's loss is its share of
+    /// the whole mini-batch's (token counts of the whole mini-batch), so the gradients summed over the ranks are
+    /// the gradient of one rank holding everything.
     fn update_mini_batch(
         &mut self,
-        samples: &[Sample],
+        batch: &RankBatch,
         cols: &Columns,
         rows: &[usize],
         lr: f64,
@@ -549,9 +618,8 @@ impl Actor {
         let device = self.model.device();
         self.optim.zero_grad();
         let mut metrics: BTreeMap<String, f64> = BTreeMap::new();
-        for chunk in split_by_token_budget(rows, samples, self.settings.max_token_len) {
-            let refs: Vec<&Sample> = chunk.iter().map(|&i| &samples[i]).collect();
-            let mb = MicroBatch::build(&refs, self.pad_id, device)?;
+        for chunk in batch.local_micro_batches(rows, self.settings.max_token_len) {
+            let mb = MicroBatch::build(&batch.samples(&chunk), self.pad_id, device)?;
             let r = mb.r as usize;
             let mask = gather_rows(&cols.mask, width, &chunk, r, device)?;
             let old = gather_rows(&cols.old_log_probs, width, &chunk, r, device)?;
@@ -592,6 +660,7 @@ impl Actor {
                 *metrics.entry(k).or_insert(0.0) += contribution;
             }
         }
+        let mut metrics = sum_metrics_over_ranks(&self.comm, metrics, device)?;
         if let Some(&entropy) = metrics.get("actor/entropy_loss") {
             metrics.insert("actor/entropy".into(), entropy);
         }
@@ -615,7 +684,8 @@ impl Actor {
         advantages: &[Vec<f32>],
         lr: f64,
     ) -> Result<BTreeMap<String, f64>, ActorError> {
-        let width = samples.iter().map(|s| s.response.len()).max().unwrap_or(1).max(1);
+        let batch = RankBatch::whole(samples.to_vec());
+        let width = batch.width();
         let flat = |rows: &[Vec<f32>]| -> Vec<f32> {
             let mut m = vec![0f32; samples.len() * width];
             for (i, row) in rows.iter().enumerate() {
@@ -635,18 +705,47 @@ impl Actor {
             is_weights: None,
         };
         let rows: Vec<usize> = (0..samples.len()).collect();
-        self.update_mini_batch(samples, &cols, &rows, lr)
+        self.update_mini_batch(&batch, &cols, &rows, lr)
     }
 }
 
+/// Sums metric maps over the ranks (a rank that held no row of a mini-batch has none): the union of the keys, each
+/// the sum of the ranks' values.
+pub(crate) fn sum_metrics_over_ranks(
+    comm: &Comm,
+    metrics: BTreeMap<String, f64>,
+    device: Device,
+) -> Result<BTreeMap<String, f64>, ActorError> {
+    if comm.world() == 1 {
+        return Ok(metrics);
+    }
+    let mine = serde_json::to_vec(&metrics).map_err(|e| ActorError::Batch(format!("metrics: {e}")))?;
+    let mut sum: BTreeMap<String, f64> = BTreeMap::new();
+    for bytes in comm.all_gather_bytes(&mine, device)? {
+        let theirs: BTreeMap<String, f64> =
+            serde_json::from_slice(&bytes).map_err(|e| ActorError::Batch(format!("a rank's metrics: {e}")))?;
+        for (k, v) in theirs {
+            *sum.entry(k).or_insert(0.0) += v;
+        }
+    }
+    Ok(sum)
+}
+
 /// verl's `training/rollout_probs_diff_*`: how far the rollout's probabilities are from the trainer's on the
-/// same weights (a sanity check of the inference engine).
-fn rollout_probs_diff(samples: &[Sample], old: &[f32], width: usize, metrics: &mut BTreeMap<String, f64>) {
+/// same weights (a sanity check of the inference engine), over the trained tokens of the whole batch.
+fn rollout_probs_diff(
+    rows: &[RowInfo],
+    rollout: &[f32],
+    old: &[f32],
+    mask: &[f32],
+    width: usize,
+    metrics: &mut BTreeMap<String, f64>,
+) {
     let (mut sum, mut max, mut count) = (0.0f64, 0.0f64, 0.0f64);
-    for (i, s) in samples.iter().enumerate() {
-        for (j, &a) in s.rollout_logprobs.iter().enumerate().take(s.response.len()) {
-            if s.response_mask.get(j).copied().unwrap_or(1) == 1 {
-                let d = (f64::from(a).exp() - f64::from(old[i * width + j]).exp()).abs();
+    for (i, row) in rows.iter().enumerate() {
+        for j in i * width..i * width + row.response_len {
+            if mask[j] == 1.0 {
+                let d = (f64::from(rollout[j]).exp() - f64::from(old[j]).exp()).abs();
                 sum += d;
                 max = max.max(d);
                 count += 1.0;
@@ -659,14 +758,14 @@ fn rollout_probs_diff(samples: &[Sample], old: &[f32], width: usize, metrics: &m
     }
 }
 
-/// The reward components GDPO normalises, `[rows]` each, from the samples' reward extras.
-fn gdpo_components(samples: &[Sample], keys: &[String]) -> Result<Option<BTreeMap<String, Tensor>>, ActorError> {
+/// The reward components GDPO normalises, `[rows]` each, from the rows' reward extras.
+fn gdpo_components(rows: &[RowInfo], keys: &[String]) -> Result<Option<BTreeMap<String, Tensor>>, ActorError> {
     if keys.is_empty() {
         return Ok(None);
     }
     let mut out = BTreeMap::new();
     for key in keys {
-        let column: Vec<f32> = samples.iter().map(|s| s.extra.get(key).copied().unwrap_or(0.0) as f32).collect();
+        let column: Vec<f32> = rows.iter().map(|r| r.extra.get(key).copied().unwrap_or(0.0) as f32).collect();
         out.insert(key.clone(), Tensor::f_from_slice(&column)?);
     }
     Ok(Some(out))
@@ -728,14 +827,33 @@ pub struct ActorHandle {
 
 impl ActorHandle {
     /// Builds the actor on a new thread; returns once the models are loaded (or failed to load).
-    pub fn spawn(cfg: JobConfig, total_steps: u64, resume: Option<(PathBuf, ActorState)>) -> Result<Self, ActorError> {
+    /// With several ranks this is rank 0: it tells the others to build theirs (the same horizon, checkpoint and pad
+    /// id) before it builds its own, as loading the optimizer state is a collective.
+    pub fn spawn(
+        cfg: JobConfig,
+        total_steps: u64,
+        resume: Option<(PathBuf, ActorState)>,
+        comm: Comm,
+        pad_id: u32,
+    ) -> Result<Self, ActorError> {
         let (tx, mut rx) = tokio::sync::mpsc::channel::<Job>(16);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         std::thread::Builder::new()
             .name("trainer-actor".into())
             .spawn(move || {
+                let mut leader = Leader::new(comm.clone());
+                let init = Command::Init { horizon: total_steps, resume: resume.clone(), pad_id };
+                if let Err(e) = leader.send(&init) {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
                 let resume_ref = resume.as_ref().map(|(dir, state)| (dir.as_path(), state));
-                let mut actor = match Actor::new(&cfg, total_steps, resume_ref) {
+                let built = Actor::new(&cfg, total_steps, resume_ref, comm).map(|mut a| {
+                    a.leader = leader;
+                    a.set_pad_id(pad_id);
+                    a
+                });
+                let mut actor = match built {
                     Ok(a) => {
                         let _ = ready_tx.send(Ok(()));
                         a

@@ -170,17 +170,22 @@ impl MicroBatch {
 /// Splits `rows` (kept in order) into runs whose padded size `rows × (max prompt + max response)` stays within
 /// `max_tokens`; a row larger than the budget gets a micro-batch of its own.
 pub fn split_by_token_budget(rows: &[usize], samples: &[Sample], max_tokens: usize) -> Vec<Vec<usize>> {
+    split_by_lengths(rows, |row| (samples[row].prompt.len(), samples[row].response.len()), max_tokens)
+}
+
+/// [`split_by_token_budget`] over rows known by their (prompt, response) lengths.
+pub fn split_by_lengths(rows: &[usize], lens: impl Fn(usize) -> (usize, usize), max_tokens: usize) -> Vec<Vec<usize>> {
     let mut out: Vec<Vec<usize>> = Vec::new();
     let mut current: Vec<usize> = Vec::new();
     let (mut p, mut r) = (0usize, 0usize);
     for &row in rows {
-        let s = &samples[row];
-        let np = p.max(s.prompt.len());
-        let nr = r.max(s.response.len());
+        let (prompt, response) = lens(row);
+        let np = p.max(prompt);
+        let nr = r.max(response);
         if !current.is_empty() && (current.len() + 1) * (np + nr) > max_tokens {
             out.push(std::mem::take(&mut current));
-            p = s.prompt.len();
-            r = s.response.len();
+            p = prompt;
+            r = response;
         } else {
             p = np;
             r = nr;
@@ -195,16 +200,104 @@ pub fn split_by_token_budget(rows: &[usize], samples: &[Sample], max_tokens: usi
 
 /// Rows grouped by prompt (uid), groups in order of first appearance.
 pub fn groups_of(samples: &[Sample]) -> Vec<Vec<usize>> {
+    groups_of_uids(samples.iter().map(|s| s.uid.as_str()))
+}
+
+/// Row indices grouped by uid, groups in order of first appearance.
+pub fn groups_of_uids<'a>(uids: impl Iterator<Item = &'a str>) -> Vec<Vec<usize>> {
     let mut groups: Vec<Vec<usize>> = Vec::new();
     let mut index: HashMap<&str, usize> = HashMap::new();
-    for (i, s) in samples.iter().enumerate() {
-        let slot = *index.entry(s.uid.as_str()).or_insert_with(|| {
+    for (i, uid) in uids.enumerate() {
+        let slot = *index.entry(uid).or_insert_with(|| {
             groups.push(Vec::new());
             groups.len() - 1
         });
         groups[slot].push(i);
     }
     groups
+}
+
+/// What the whole-batch math needs of a row that another rank holds: its ids, score and lengths.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RowInfo {
+    pub key: String,
+    pub uid: String,
+    pub score: f64,
+    pub extra: BTreeMap<String, f64>,
+    pub prompt_len: usize,
+    pub response_len: usize,
+}
+
+impl RowInfo {
+    pub fn of(s: &Sample) -> Self {
+        Self {
+            key: s.key.clone(),
+            uid: s.uid.clone(),
+            score: s.score,
+            extra: s.extra.clone(),
+            prompt_len: s.prompt.len(),
+            response_len: s.response.len(),
+        }
+    }
+}
+
+/// A step's batch as one trainer rank holds it: every row of the batch in the order all ranks agree on (what the
+/// whole-batch math needs: group ids, scores, lengths), and the payloads of the rows this rank trains on. With one
+/// rank it holds every row.
+#[derive(Debug, Clone, Default)]
+pub struct RankBatch {
+    pub rows: Vec<RowInfo>,
+    /// payloads of this rank's rows, by row index
+    pub local: BTreeMap<usize, Sample>,
+}
+
+impl RankBatch {
+    /// Every row, held here (one rank).
+    pub fn whole(samples: Vec<Sample>) -> Self {
+        Self { rows: samples.iter().map(RowInfo::of).collect(), local: samples.into_iter().enumerate().collect() }
+    }
+
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// The longest response of the batch: the width of its per-token matrices.
+    pub fn width(&self) -> usize {
+        self.rows.iter().map(|r| r.response_len).max().unwrap_or(1).max(1)
+    }
+
+    /// Rows grouped by prompt (uid), groups in order of first appearance.
+    pub fn groups(&self) -> Vec<Vec<usize>> {
+        groups_of_uids(self.rows.iter().map(|r| r.uid.as_str()))
+    }
+
+    /// This rank's rows among `rows` (kept in order), split into micro-batches within `max_tokens`.
+    pub fn local_micro_batches(&self, rows: &[usize], max_tokens: usize) -> Vec<Vec<usize>> {
+        let mine: Vec<usize> = rows.iter().copied().filter(|r| self.local.contains_key(r)).collect();
+        split_by_lengths(&mine, |r| (self.rows[r].prompt_len, self.rows[r].response_len), max_tokens)
+    }
+
+    /// Every row this rank holds, in order.
+    pub fn local_rows(&self) -> Vec<usize> {
+        self.local.keys().copied().collect()
+    }
+
+    /// The payloads of `rows` (all held here).
+    pub fn samples(&self, rows: &[usize]) -> Vec<&Sample> {
+        rows.iter().filter_map(|r| self.local.get(r)).collect()
+    }
+
+    /// The batch resampled (PF-PPO): row `k` of the result is row `picked[k]` of this one, held where it was.
+    pub fn resampled(&self, picked: &[usize]) -> Self {
+        Self {
+            rows: picked.iter().map(|&i| self.rows[i].clone()).collect(),
+            local: picked.iter().enumerate().filter_map(|(k, i)| self.local.get(i).map(|s| (k, s.clone()))).collect(),
+        }
+    }
 }
 
 /// The mini-batches of one PPO epoch: `groups_per_mini_batch` whole prompt groups each (0 = all), the group
@@ -284,6 +377,21 @@ mod tests {
         let samples = vec![sample("a", 4, 4), sample("a", 4, 4), sample("b", 8, 8), sample("b", 2, 2)];
         let mbs = split_by_token_budget(&[0, 1, 2, 3], &samples, 16);
         assert_eq!(mbs, vec![vec![0, 1], vec![2], vec![3]]);
+    }
+
+    #[test]
+    fn a_rank_batch_splits_only_the_rows_it_holds_and_resamples_with_them() {
+        let samples = vec![sample("a", 4, 4), sample("a", 4, 4), sample("b", 8, 8), sample("b", 2, 2)];
+        let whole = RankBatch::whole(samples.clone());
+        assert_eq!(whole.width(), 8);
+        assert_eq!(whole.groups(), vec![vec![0, 1], vec![2, 3]]);
+        assert_eq!(whole.local_micro_batches(&[0, 1, 2, 3], 16), split_by_token_budget(&[0, 1, 2, 3], &samples, 16));
+        let mut part = whole.clone();
+        part.local.retain(|&r, _| r >= 2);
+        assert_eq!(part.local_micro_batches(&[0, 1, 2, 3], 100), vec![vec![2, 3]]);
+        let resampled = part.resampled(&[2, 0, 2]);
+        assert_eq!(resampled.rows.iter().map(|r| r.uid.as_str()).collect::<Vec<_>>(), vec!["b", "a", "b"]);
+        assert_eq!(resampled.local_rows(), vec![0, 2]);
     }
 
     #[test]

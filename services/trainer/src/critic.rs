@@ -11,8 +11,9 @@ use jetrl_model::{CausalLm, DType};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
-use crate::batch::{gather_rows, groups_of, mini_batches, split_by_token_budget, to_host, MicroBatch, Sample};
+use crate::batch::{gather_rows, mini_batches, to_host, MicroBatch, RankBatch};
 use crate::checkpoint::{self, CheckpointError};
+use crate::dist::Comm;
 use crate::error::ActorError;
 use crate::optim::{AdamW, LrSchedule};
 
@@ -43,6 +44,8 @@ pub struct Critic {
     pub updates: u64,
     settings: CriticSettings,
     pad_id: i64,
+    /// the trainer's ranks (the critic's optimizer state is sharded over them as the actor's)
+    comm: Comm,
 }
 
 /// What the critic update needs per row, as `[rows, width]` host matrices.
@@ -79,6 +82,7 @@ impl Critic {
         device: Device,
         dtype: DType,
         resume: Option<&Path>,
+        comm: Comm,
     ) -> Result<Self, ActorError> {
         let model = CausalLm::load(Path::new(&cfg.model.path), device, dtype)?;
         let hidden = model.config().hidden_size;
@@ -109,11 +113,12 @@ impl Critic {
             _head_store: head_store,
             head_weight,
             head_bias,
-            optim: AdamW::new(params, &critic.optim)?,
+            optim: AdamW::sharded(params, &critic.optim, comm.clone())?,
             schedule: LrSchedule::new(&critic.optim, total_steps),
             updates: 0,
             settings,
             pad_id: 0,
+            comm,
         };
         if let Some(dir) = resume {
             out.load(&dir.join(checkpoint::CRITIC_DIR))?;
@@ -125,6 +130,11 @@ impl Critic {
         self.pad_id = pad_id;
     }
 
+    /// Bytes of optimizer state this rank holds.
+    pub fn optimizer_state_bytes(&self) -> u64 {
+        self.optim.state_bytes()
+    }
+
     /// Values `[n, r]` (f32) at the response positions of a micro-batch: V_t is read at the state that
     /// generates response token t, as verl's `values[:, -response_length - 1 : -1]`.
     fn forward_values(&self, mb: &MicroBatch) -> Result<Tensor, ActorError> {
@@ -132,17 +142,16 @@ impl Critic {
         Ok(hidden.f_linear(&self.head_weight, Some(&self.head_bias))?.f_squeeze_dim(-1)?.f_to_kind(Kind::Float)?)
     }
 
-    /// The current values of every row, as a `[rows, width]` host matrix (zero past each response).
-    pub fn values(&self, samples: &[Sample], width: usize) -> Result<Vec<f32>, ActorError> {
-        let rows: Vec<usize> = (0..samples.len()).collect();
-        let mut out = vec![0f32; samples.len() * width];
+    /// The current values of the rows this rank holds, in a `[rows, width]` host matrix of the whole batch (zero
+    /// past each response and in the rows of other ranks).
+    pub fn values(&self, batch: &RankBatch, width: usize) -> Result<Vec<f32>, ActorError> {
+        let mut out = vec![0f32; batch.len() * width];
         tch::no_grad(|| -> Result<(), ActorError> {
-            for chunk in split_by_token_budget(&rows, samples, self.settings.max_token_len) {
-                let refs: Vec<&Sample> = chunk.iter().map(|&i| &samples[i]).collect();
-                let mb = MicroBatch::build(&refs, self.pad_id, self.model.device())?;
+            for chunk in batch.local_micro_batches(&batch.local_rows(), self.settings.max_token_len) {
+                let mb = MicroBatch::build(&batch.samples(&chunk), self.pad_id, self.model.device())?;
                 let values = to_host(&self.forward_values(&mb)?)?;
                 for (k, &row) in chunk.iter().enumerate() {
-                    let len = samples[row].response.len();
+                    let len = batch.rows[row].response_len;
                     out[row * width..row * width + len].copy_from_slice(&values[k * mb.r as usize..][..len]);
                 }
             }
@@ -155,11 +164,11 @@ impl Critic {
     /// groups, gradients accumulated over token-budget micro-batches, global-norm clipping, AdamW.
     pub fn update(
         &mut self,
-        samples: &[Sample],
+        batch: &RankBatch,
         targets: &ValueTargets,
         step: u64,
     ) -> Result<BTreeMap<String, f64>, ActorError> {
-        let groups = groups_of(samples);
+        let groups = batch.groups();
         let lr = self.schedule.lr(self.updates);
         let device = self.model.device();
         let mut sums: BTreeMap<String, f64> = BTreeMap::new();
@@ -191,9 +200,8 @@ impl Critic {
                 };
                 self.optim.zero_grad();
                 let (mut vf_loss, mut clipfrac, mut vpred) = (0.0, 0.0, 0.0);
-                for chunk in split_by_token_budget(&rows, samples, self.settings.max_token_len) {
-                    let refs: Vec<&Sample> = chunk.iter().map(|&i| &samples[i]).collect();
-                    let mb = MicroBatch::build(&refs, self.pad_id, device)?;
+                for chunk in batch.local_micro_batches(&rows, self.settings.max_token_len) {
+                    let mb = MicroBatch::build(&batch.samples(&chunk), self.pad_id, device)?;
                     let r = mb.r as usize;
                     let mask = gather_rows(targets.mask, targets.width, &chunk, r, device)?;
                     let old = gather_rows(targets.values, targets.width, &chunk, r, device)?;
@@ -214,6 +222,9 @@ impl Critic {
                     clipfrac += m.vf_clipfrac * share;
                     vpred += m.vpred_mean * share;
                 }
+                let mut summed = [vf_loss, clipfrac, vpred];
+                self.comm.all_reduce_f64(&mut summed, device)?;
+                let [vf_loss, clipfrac, vpred] = summed;
                 let grad_norm = self.optim.clip_grad_norm(self.settings.grad_clip)?;
                 if grad_norm.is_finite() {
                     self.optim.step(lr)?;
@@ -238,9 +249,14 @@ impl Critic {
         Ok(out)
     }
 
-    /// Writes `dir` as an HF token-classification model directory plus the optimizer state.
+    /// Writes `dir` as an HF token-classification model directory (rank 0) plus this rank's optimizer shard.
     pub fn save(&self, dir: &Path, model_dir: &Path) -> Result<(), ActorError> {
         std::fs::create_dir_all(dir).map_err(|e| CheckpointError::io(dir, e))?;
+        let (rank, world) = (self.comm.rank(), self.comm.world());
+        checkpoint::save_optimizer(dir, &self.optim, rank, world)?;
+        if rank != 0 {
+            return Ok(());
+        }
         let mut tensors: Vec<(String, Tensor)> =
             self.model.parameters().into_iter().filter(|(name, _)| !name.starts_with("lm_head")).collect();
         tensors.push(("score.weight".into(), self.head_weight.shallow_clone()));
@@ -261,7 +277,6 @@ impl Critic {
         }
         checkpoint::copy_model_side_files(model_dir, dir)?;
         checkpoint::write_json(&dir.join("config.json"), &config)?;
-        checkpoint::save_optimizer(dir, &self.optim)?;
         Ok(())
     }
 

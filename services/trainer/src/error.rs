@@ -95,6 +95,9 @@ pub enum ActorError {
     Torch(#[from] tch::TchError),
     #[error(transparent)]
     Optim(#[from] OptimError),
+    /// a collective among the trainer's ranks failed (a rank died, timed out, or the group could not form)
+    #[error("trainer ranks: {0}")]
+    Dist(#[from] jetrl_torch_ext::DistError),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
     /// a batch the actor cannot train on (it names why)

@@ -26,11 +26,14 @@ pub mod actor;
 pub mod batch;
 pub mod checkpoint;
 pub mod critic;
+pub mod dist;
 pub mod dump;
 pub mod error;
 pub mod fleet;
+pub mod learner;
 pub mod metrics_sink;
 pub mod optim;
+pub mod ranks;
 pub mod rollout_client;
 pub mod schedule;
 pub mod step_metrics;
@@ -53,7 +56,9 @@ use crate::actor::ActorHandle;
 use crate::batch::SampleLimits;
 use crate::checkpoint::TrainerState;
 use crate::fleet::Fleet;
+use crate::learner::{Learner, Ranks};
 use crate::metrics_sink::MetricsSink;
+use crate::ranks::RankPlan;
 use crate::rollout_client::{ModelPrompts, RolloutClient};
 use crate::weight_sync::WeightSync;
 
@@ -75,11 +80,25 @@ pub fn keep_freed_memory_in_heap() {
     }
 }
 
-/// Runs the trainer until training completes or `shutdown` resolves.
+/// Runs the trainer until training completes or `shutdown` resolves: rank 0 (the trainer of one rank) leads the
+/// job; ranks 1..N ([`ranks::run_follower`]) follow it.
 pub async fn run(
-    cfg: JobConfig,
+    mut cfg: JobConfig,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), TrainerError> {
+    ranks::place_on_device(&mut cfg);
+    if !RankPlan::of(&cfg).is_leader() {
+        let shutdown = Shutdown::new(shutdown);
+        let stop = shutdown.clone();
+        jetrl_telemetry::serve_metrics(&cfg.trainer.metrics_addr, async move { stop.wait().await }).await?;
+        return match ranks::run_follower(cfg, shutdown).await {
+            Err(TrainerError::Shutdown) => {
+                tracing::info!("trainer rank stopped by shutdown");
+                Ok(())
+            }
+            other => other,
+        };
+    }
     let bus = Bus::connect_job(&cfg, "jetrl-trainer").await?;
     bus.declare_topology().await?;
     jetrl_bus::consume::route_dead_letters(&bus);
@@ -120,6 +139,10 @@ async fn train(
     let mut trainer = Trainer::new(cfg, bus.clone(), shutdown.clone()).await?;
     trainer.sink.report_to(heartbeat);
     let result = trainer.train().await;
+    // the other ranks leave however training ended (a failed group leaves them anyway: their store goes with us)
+    if let Err(err) = trainer.learner.finish().await {
+        tracing::warn!(error = %err, "the other trainer ranks were not told to stop");
+    }
     trainer.sink.write_curve();
     // With the broker gone for longer than a stop waits ([`jetrl_bus::SETTLE_RECONNECT`]) or a finished run
     // waits (`nats.connect_timeout_s`: its ledger is worth a cluster failover), the broker work is left.
@@ -144,7 +167,7 @@ async fn train(
 /// What every schedule shares.
 pub(crate) struct Trainer {
     cfg: JobConfig,
-    actor: ActorHandle,
+    learner: Ranks,
     client: RolloutClient,
     weights: WeightSync,
     val: Vec<Example>,
@@ -203,11 +226,17 @@ impl Trainer {
         let actor_cfg = cfg.clone();
         let actor_resume = resume.as_ref().map(|(dir, state)| (dir.clone(), state.actor.clone()));
         let horizon = total_steps * updates_per_step;
-        let actor = tokio::task::spawn_blocking(move || ActorHandle::spawn(actor_cfg, horizon, actor_resume))
-            .await
-            .map_err(|_| ActorError::Stopped)??;
         let pad_id = tokenizer.pad_token_id().or_else(|| tokenizer.eos_token_ids().first().copied()).unwrap_or(0);
-        actor.call(move |a| a.set_pad_id(pad_id)).await?;
+        let plan = RankPlan::of(&cfg);
+        let world = plan.world;
+        // joining the group waits for every rank (up to trainer.dist.timeout_s): off the reactor
+        let actor = tokio::task::spawn_blocking(move || {
+            let comm = ranks::join(&actor_cfg, &plan).map_err(ActorError::from)?;
+            ActorHandle::spawn(actor_cfg, horizon, actor_resume, comm, pad_id)
+        })
+        .await
+        .map_err(|_| ActorError::Stopped)??;
+        let learner = Ranks::new(actor, world);
         let run_dir = PathBuf::from(&cfg.run.dir);
         let mut sink = MetricsSink::open(&bus, &run_dir, &cfg.trainer, resume.as_ref().map(|_| start_step))
             .map_err(|source| TrainerError::RunDir { path: run_dir.clone(), source })?;
@@ -238,7 +267,7 @@ impl Trainer {
             "trainer ready"
         );
         let incarnation = format!("{:x}", client.incarnation());
-        Ok(Self { cfg, actor, client, weights, val, sink, shutdown, total_steps, start_step, ckpt_root, incarnation })
+        Ok(Self { cfg, learner, client, weights, val, sink, shutdown, total_steps, start_step, ckpt_root, incarnation })
     }
 
     async fn train(&mut self) -> Result<(), TrainerError> {

@@ -225,15 +225,28 @@ impl RolloutClient {
                 s
             })
             .collect();
-        // the record first: a worker must never see a task without one
-        self.groups.create_many(&records).await?;
-        let mut publisher = Publisher::new(&self.bus, 512);
-        for task in &tasks {
-            publisher
-                .publish(Outgoing::protobuf(self.bus.names().prompt_subject(partition), Some(task.uid.clone()), task))
-                .await?;
+        // The record first: a worker must never see a task without one. Both writes retry a lost broker for up
+        // to `nats.connect_timeout_s` (and each publish ack for its own timeout): a stop does not wait for that.
+        // A submit cut short leaves pending records without tasks, which the next trainer's resume retires.
+        let write = async {
+            self.groups.create_many(&records).await?;
+            let mut publisher = Publisher::new(&self.bus, 512);
+            for task in &tasks {
+                publisher
+                    .publish(Outgoing::protobuf(
+                        self.bus.names().prompt_subject(partition),
+                        Some(task.uid.clone()),
+                        task,
+                    ))
+                    .await?;
+            }
+            publisher.drain().await?;
+            Ok::<(), TrainerError>(())
+        };
+        tokio::select! {
+            written = write => written?,
+            () = self.shutdown.wait() => return Err(TrainerError::Shutdown),
         }
-        publisher.drain().await?;
         metrics::counter!("jetrl_trainer_submitted_groups_total", "partition" => partition.to_string())
             .increment(tasks.len() as u64);
         Ok(tasks.len())
@@ -331,45 +344,7 @@ impl RolloutClient {
     pub async fn fetch(&self, response: &SampleResponse) -> Result<Fetched, TrainerError> {
         let started = Instant::now();
         let rewards: Vec<&v1::Reward> = response.groups.iter().flat_map(|g| g.trajectories.iter()).collect();
-        let wanted: Vec<(String, u64)> =
-            rewards.iter().map(|r| (self.bus.names().traj_subject(&r.partition, &r.uid), r.traj_seq)).collect();
-        let mut payloads = self.bus.fetch_by_sequence(self.bus.names().traj_stream(), &wanted).await?;
-        let mut out = Fetched::default();
-        for reward in rewards {
-            if out.rejected.contains_key(&reward.uid) {
-                continue;
-            }
-            let checked = match payloads.remove(&reward.traj_seq) {
-                Some(payload) => Trajectory::decode(payload.as_ref())
-                    .map_err(|e| format!("trajectory {} does not decode: {e}", reward.key))
-                    .and_then(|traj| {
-                        if traj.key != reward.key {
-                            return Err(format!(
-                                "TRAJ sequence {} holds {}, not {}",
-                                reward.traj_seq, traj.key, reward.key
-                            ));
-                        }
-                        Sample::from_wire(&traj, reward, self.sample_limits)
-                            .map_err(|e| format!("trajectory {}: {e}", reward.key))
-                    }),
-                None => Err(format!(
-                    "trajectory {} (TRAJ sequence {}) is missing from the stream",
-                    reward.key, reward.traj_seq
-                )),
-            };
-            match checked {
-                Ok(sample) => out.samples.push(sample),
-                Err(reason) => {
-                    tracing::error!(uid = %reward.uid, %reason, "group rejected: not trained on");
-                    metrics::counter!("jetrl_trainer_rejected_groups_total").increment(1);
-                    out.rejected.insert(reward.uid.clone(), reason);
-                }
-            }
-        }
-        out.samples.retain(|s| !out.rejected.contains_key(&s.uid));
-        out.samples.sort_by(|a, b| {
-            (a.epoch, a.dataset_row, a.session_id, &a.key).cmp(&(b.epoch, b.dataset_row, b.session_id, &b.key))
-        });
+        let out = fetch_payloads(&self.bus, &rewards, self.sample_limits).await?;
         metrics::histogram!("jetrl_trainer_fetch_seconds").record(started.elapsed().as_secs_f64());
         Ok(out)
     }
@@ -513,13 +488,61 @@ impl RolloutClient {
     /// Records that the sampled group `uid` could not be trained on (fate `failed`, with the reason).
     pub async fn reject(&self, uid: &str, reason: &str, step: u64) -> Result<(), TrainerError> {
         let reason = format!("rejected: {reason}");
-        self.groups.retract(subjects::TRAIN_PARTITION, uid, &reason, step).await.map_err(TrainerError::GroupRecord)
+        tokio::select! {
+            retracted = self.groups.retract(subjects::TRAIN_PARTITION, uid, &reason, step) => {
+                retracted.map_err(TrainerError::GroupRecord)
+            }
+            () = self.shutdown.wait() => Err(TrainerError::Shutdown),
+        }
     }
 
     /// Every train group record (live and archived), for the ledger.
     pub async fn train_records(&self) -> Result<Vec<GroupStatus>, TrainerError> {
         Ok(self.groups.records(subjects::TRAIN_PARTITION).await?)
     }
+}
+
+/// The payloads of `rewards`' trajectories from the TRAJ stream, checked at the boundary ([`Sample::from_wire`]),
+/// ordered by (epoch, dataset row, session, key); a group with a payload missing or invalid is rejected whole.
+pub async fn fetch_payloads(bus: &Bus, rewards: &[&v1::Reward], limits: SampleLimits) -> Result<Fetched, TrainerError> {
+    let wanted: Vec<(String, u64)> =
+        rewards.iter().map(|r| (bus.names().traj_subject(&r.partition, &r.uid), r.traj_seq)).collect();
+    let mut payloads = bus.fetch_by_sequence(bus.names().traj_stream(), &wanted).await?;
+    let mut out = Fetched::default();
+    for &reward in rewards {
+        if out.rejected.contains_key(&reward.uid) {
+            continue;
+        }
+        let checked = match payloads.remove(&reward.traj_seq) {
+            Some(payload) => Trajectory::decode(payload.as_ref())
+                .map_err(|e| format!("trajectory {} does not decode: {e}", reward.key))
+                .and_then(|traj| {
+                    if traj.key != reward.key {
+                        return Err(format!(
+                            "TRAJ sequence {} holds {}, not {}",
+                            reward.traj_seq, traj.key, reward.key
+                        ));
+                    }
+                    Sample::from_wire(&traj, reward, limits).map_err(|e| format!("trajectory {}: {e}", reward.key))
+                }),
+            None => {
+                Err(format!("trajectory {} (TRAJ sequence {}) is missing from the stream", reward.key, reward.traj_seq))
+            }
+        };
+        match checked {
+            Ok(sample) => out.samples.push(sample),
+            Err(reason) => {
+                tracing::error!(uid = %reward.uid, %reason, "group rejected: not trained on");
+                metrics::counter!("jetrl_trainer_rejected_groups_total").increment(1);
+                out.rejected.insert(reward.uid.clone(), reason);
+            }
+        }
+    }
+    out.samples.retain(|s| !out.rejected.contains_key(&s.uid));
+    out.samples.sort_by(|a, b| {
+        (a.epoch, a.dataset_row, a.session_id, &a.key).cmp(&(b.epoch, b.dataset_row, b.session_id, &b.key))
+    });
+    Ok(out)
 }
 
 /// The sampling seed of a dataset row: a pure function of the run seed, the partition and (epoch, row).

@@ -5,7 +5,8 @@
 use std::collections::BTreeMap;
 
 use jetrl_config::JobConfig;
-use jetrl_trainer::actor::{Actor, OldPolicy, Sample};
+use jetrl_trainer::actor::{Actor, OldPolicy, RankBatch, Sample};
+use jetrl_trainer::dist::Comm;
 use tch::Tensor;
 
 /// Two prompt groups of two trajectories with different scores (non-zero advantages).
@@ -37,8 +38,8 @@ fn train(model: &std::path::Path, calculate_entropy: bool) -> (BTreeMap<String, 
     cfg.actor.ppo_mini_batch_size = Some(1);
     cfg.actor.entropy_coeff = 0.0;
     cfg.actor.calculate_entropy = calculate_entropy;
-    let mut actor = Actor::new(&cfg, 1, None).unwrap();
-    let metrics = actor.train(&batch(), 1, OldPolicy::Current).unwrap().metrics;
+    let mut actor = Actor::new(&cfg, 1, None, Comm::Solo).unwrap();
+    let metrics = actor.train(&RankBatch::whole(batch()), 1, OldPolicy::Current).unwrap().metrics;
     let weights = actor.model().parameters().into_iter().map(|(k, v)| (k, v.detach().copy())).collect();
     (metrics, weights)
 }

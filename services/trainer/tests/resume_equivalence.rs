@@ -9,8 +9,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use jetrl_config::JobConfig;
-use jetrl_trainer::actor::{Actor, ActorState, OldPolicy, Sample};
+use jetrl_trainer::actor::{Actor, ActorState, OldPolicy, RankBatch, Sample};
 use jetrl_trainer::checkpoint;
+use jetrl_trainer::dist::Comm;
 use rand::{Rng, SeedableRng};
 use tch::Tensor;
 
@@ -98,29 +99,30 @@ fn tiny_job(critic: bool) -> (tempfile::TempDir, JobConfig) {
 fn run_and_compare(critic: bool) {
     let (dir, cfg) = tiny_job(critic);
 
-    let mut straight = Actor::new(&cfg, STEPS, None).unwrap();
+    let mut straight = Actor::new(&cfg, STEPS, None, Comm::Solo).unwrap();
     let mut straight_metrics = Vec::new();
     for step in 1..=STEPS {
-        straight_metrics.push(straight.train(&batch(step), step, OldPolicy::Current).unwrap().metrics);
+        straight_metrics
+            .push(straight.train(&RankBatch::whole(batch(step)), step, OldPolicy::Current).unwrap().metrics);
     }
 
-    let mut first = Actor::new(&cfg, STEPS, None).unwrap();
+    let mut first = Actor::new(&cfg, STEPS, None, Comm::Solo).unwrap();
     for step in 1..=STEPS / 2 {
-        first.train(&batch(step), step, OldPolicy::Current).unwrap();
+        first.train(&RankBatch::whole(batch(step)), step, OldPolicy::Current).unwrap();
     }
     let ckpt = dir.path().join("global_step_2");
     let state: ActorState = first.save_checkpoint(&ckpt).unwrap();
     drop(first);
-    let mut resumed = Actor::new(&cfg, STEPS, Some((&ckpt, &state))).unwrap();
+    let mut resumed = Actor::new(&cfg, STEPS, Some((&ckpt, &state)), Comm::Solo).unwrap();
     let mut resumed_metrics = Vec::new();
     for step in STEPS / 2 + 1..=STEPS {
-        resumed_metrics.push(resumed.train(&batch(step), step, OldPolicy::Current).unwrap().metrics);
+        resumed_metrics.push(resumed.train(&RankBatch::whole(batch(step)), step, OldPolicy::Current).unwrap().metrics);
     }
 
     let a = final_weights(&straight, &dir.path().join("scratch_a"));
     let b = final_weights(&resumed, &dir.path().join("scratch_b"));
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    let initial = Actor::new(&cfg, STEPS, None).unwrap();
+    let initial = Actor::new(&cfg, STEPS, None, Comm::Solo).unwrap();
     let initial: BTreeMap<String, Tensor> = initial.model().parameters().into_iter().collect();
     let mut worst = (0.0f64, String::new());
     let mut moved = 0.0f64;
@@ -165,9 +167,9 @@ fn gae_run_with_critic_resumed_at_half_way_ends_with_the_same_actor_and_critic_w
 #[test]
 fn checkpoint_holds_hf_model_directories_and_optimizer_state() {
     let (dir, cfg) = tiny_job(true);
-    let mut actor = Actor::new(&cfg, STEPS, None).unwrap();
+    let mut actor = Actor::new(&cfg, STEPS, None, Comm::Solo).unwrap();
     for step in 1..=2 {
-        actor.train(&batch(step), step, OldPolicy::Current).unwrap();
+        actor.train(&RankBatch::whole(batch(step)), step, OldPolicy::Current).unwrap();
     }
     let ckpt = dir.path().join("global_step_2");
     actor.save_checkpoint(&ckpt).unwrap();
@@ -185,8 +187,16 @@ fn checkpoint_holds_hf_model_directories_and_optimizer_state() {
     assert_eq!(critic_tensors["score.weight"].size(), vec![1, 128]);
     let optim: BTreeMap<String, Tensor> =
         checkpoint::read_tensors(&ckpt.join("actor/optimizer.safetensors")).unwrap().into_iter().collect();
-    assert!(optim.contains_key("exp_avg.model.embed_tokens.weight"));
-    assert!(optim.contains_key("exp_avg_sq.model.norm.weight"));
+    // the flat state of the one rank: moments and fp32 master weights of every parameter, end to end
+    let numel: i64 = jetrl_model::CausalLm::load(&ckpt.join("actor"), tch::Device::Cpu, jetrl_model::DType::F32)
+        .unwrap()
+        .parameters()
+        .values()
+        .map(|t| t.numel() as i64)
+        .sum();
+    for name in ["exp_avg", "exp_avg_sq", "master"] {
+        assert_eq!(optim[name].size(), vec![numel], "{name}");
+    }
     // the actor directory is a model the trainer (and transformers) can load as is
     jetrl_model::CausalLm::load(&ckpt.join("actor"), tch::Device::Cpu, jetrl_model::DType::F32).unwrap();
 }
@@ -196,19 +206,20 @@ fn checkpoint_holds_hf_model_directories_and_optimizer_state() {
 #[test]
 fn resume_with_a_malformed_optimizer_json_fails_naming_the_file() {
     let (dir, cfg) = tiny_job(true);
-    let mut actor = Actor::new(&cfg, STEPS, None).unwrap();
-    actor.train(&batch(1), 1, OldPolicy::Current).unwrap();
+    let mut actor = Actor::new(&cfg, STEPS, None, Comm::Solo).unwrap();
+    actor.train(&RankBatch::whole(batch(1)), 1, OldPolicy::Current).unwrap();
     let ckpt = dir.path().join("global_step_1");
     let state = actor.save_checkpoint(&ckpt).unwrap();
     drop(actor);
-    Actor::new(&cfg, STEPS, Some((&ckpt, &state))).expect("the checkpoint as written resumes");
+    Actor::new(&cfg, STEPS, Some((&ckpt, &state)), Comm::Solo).expect("the checkpoint as written resumes");
     for role in ["actor", "critic"] {
         let file = ckpt.join(role).join(checkpoint::OPTIMIZER_META_FILE);
         let written = std::fs::read_to_string(&file).unwrap();
         for bad in [r#"{"steps": 1}"#, r#"{"step": "1"}"#, r#"{"step": -1}"#, "step: 1"] {
             std::fs::write(&file, bad).unwrap();
-            let err =
-                Actor::new(&cfg, STEPS, Some((&ckpt, &state))).err().unwrap_or_else(|| panic!("{role}: {bad} resumed"));
+            let err = Actor::new(&cfg, STEPS, Some((&ckpt, &state)), Comm::Solo)
+                .err()
+                .unwrap_or_else(|| panic!("{role}: {bad} resumed"));
             assert!(err.to_string().contains(&file.display().to_string()), "{role}: {bad}: {err}");
         }
         std::fs::write(&file, written).unwrap();

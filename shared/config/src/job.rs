@@ -80,6 +80,7 @@ impl JobConfig {
         )?;
         ensure(self.data.max_prompt_length > 0, "data.max_prompt_length", "must be > 0")?;
         self.validate_mode()?;
+        self.validate_ranks()?;
         self.validate_liveness()?;
         self.validate_threads()?;
         self.run.supervisor.validate()?;
@@ -126,6 +127,32 @@ impl JobConfig {
                 )
             }
         }
+    }
+
+    /// The trainer's ranks and their rendezvous.
+    fn validate_ranks(&self) -> Result<(), ConfigError> {
+        let t = &self.trainer;
+        ensure(t.n_gpus_per_node > 0, "trainer.n_gpus_per_node", "must be > 0")?;
+        ensure(t.nnodes > 0, "trainer.nnodes", "must be > 0")?;
+        let world = u64::from(t.n_gpus_per_node) * u64::from(t.nnodes);
+        ensure(
+            u64::from(t.dist.rank) < world,
+            "trainer.dist.rank",
+            format!(
+                "{} is not a rank of trainer.n_gpus_per_node ({}) × trainer.nnodes ({}) = {world} ranks",
+                t.dist.rank, t.n_gpus_per_node, t.nnodes
+            ),
+        )?;
+        ensure(!t.dist.master_addr.trim().is_empty(), "trainer.dist.master_addr", "must not be empty")?;
+        ensure(t.dist.timeout_s > 0.0 && t.dist.timeout_s.is_finite(), "trainer.dist.timeout_s", "must be > 0")?;
+        ensure(
+            world == 1 || u64::from(self.data.train_batch_size) >= world,
+            "trainer.n_gpus_per_node",
+            format!(
+                "{world} trainer ranks, but data.train_batch_size is {}: every rank needs at least one prompt group",
+                self.data.train_batch_size
+            ),
+        )
     }
 
     /// Every `*_threads` key.
@@ -806,6 +833,35 @@ pub struct TrainerConfig {
     pub torch_interop_threads: Option<u32>,
     /// tokio worker threads; null = one per core (`jetrl run` passes 2)
     pub tokio_threads: Option<u32>,
+    /// trainer ranks on each node (verl `trainer.n_gpus_per_node`): one process per GPU (per share of the cores
+    /// without one); the rollout workers' devices are counted apart (`rollout.workers`)
+    pub n_gpus_per_node: u32,
+    /// nodes the trainer's ranks span (verl `trainer.nnodes`): `n_gpus_per_node × nnodes` ranks in all
+    pub nnodes: u32,
+    /// where and how the trainer's ranks meet (the c10d process group)
+    pub dist: DistConfig,
+}
+
+/// The trainer's process group: rank 0 hosts a c10d TCPStore at `master_addr:master_port`, every rank joins it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DistConfig {
+    /// this process's rank, `0 .. n_gpus_per_node × nnodes` (`jetrl run` and the systemd unit set it per process);
+    /// rank 0 leads
+    pub rank: u32,
+    /// the address rank 0's store listens on and the others connect to (torchrun's `MASTER_ADDR`)
+    pub master_addr: String,
+    /// the store's port (torchrun's `MASTER_PORT`); 0 = `jetrl run` picks a free one (set it when ranks are started
+    /// otherwise: systemd, compose, several nodes)
+    pub master_port: u16,
+    /// how long the rendezvous and each collective may take before the rank fails (naming the store and the rank)
+    pub timeout_s: f64,
+}
+
+impl Default for DistConfig {
+    fn default() -> Self {
+        Self { rank: 0, master_addr: "127.0.0.1".into(), master_port: 0, timeout_s: 300.0 }
+    }
 }
 
 impl Default for TrainerConfig {
@@ -838,6 +894,9 @@ impl Default for TrainerConfig {
             torch_threads: None,
             torch_interop_threads: None,
             tokio_threads: None,
+            n_gpus_per_node: 1,
+            nnodes: 1,
+            dist: DistConfig::default(),
         }
     }
 }

@@ -21,6 +21,7 @@ use clap::Parser;
 use jetrl_config::JobConfig;
 use jetrl_model::{CausalLm, DType, ModelConfig};
 use jetrl_trainer::actor::{Actor, Sample};
+use jetrl_trainer::dist::Comm;
 use rand::{Rng, SeedableRng};
 
 #[derive(Parser)]
@@ -165,7 +166,7 @@ fn main() -> anyhow::Result<()> {
     cfg.actor.grad_clip = 1.0;
     // one micro-batch: the whole batch is one padded tensor on both sides
     cfg.actor.ppo_max_token_len = 1 << 30;
-    let mut actor = Actor::new(&cfg, 1, None)?;
+    let mut actor = Actor::new(&cfg, 1, None, Comm::Solo)?;
     let mut reference = Command::new(&args.python)
         .arg(&args.reference)
         .arg("--model")

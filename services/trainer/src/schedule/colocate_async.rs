@@ -43,7 +43,7 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     timings.insert("pause".to_string(), t0.elapsed().as_secs_f64());
 
     let samples = batch.samples.clone();
-    let out = t.train_on(batch.samples, step, OldPolicy::Current).await?;
+    let out = t.train_on(&batch, step, OldPolicy::Current).await?;
     metrics.extend(out.metrics);
     timings.extend(out.timings);
     t.checkpoint_and_release(step, &metrics, &mut timings, vec![request_id]).await?;

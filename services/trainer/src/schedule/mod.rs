@@ -34,6 +34,7 @@ use crate::actor::{OldPolicy, TrainOutput};
 use crate::batch::Sample;
 use crate::checkpoint::{self, CheckpointError, TrainerState};
 use crate::error::TrainerError;
+use crate::learner::Learner;
 use crate::step_metrics::Metrics;
 use crate::weight_sync::SyncReport;
 use crate::Trainer;
@@ -103,25 +104,26 @@ impl Trainer {
         Ok(SampledBatch { response, samples: fetched.samples, rejected: fetched.rejected, refilled, wait_s, fetch_s })
     }
 
-    /// One update on `samples` on the actor thread (nothing to train on: no update, said in the metrics).
+    /// One update on `batch`'s samples by the learner (nothing to train on: no update, said in the metrics).
     pub(crate) async fn train_on(
         &self,
-        samples: Vec<Sample>,
+        batch: &SampledBatch,
         step: u64,
         pi_old: OldPolicy,
     ) -> Result<TrainOutput, TrainerError> {
+        let samples = batch.samples.clone();
         if samples.is_empty() {
             tracing::warn!(step, "no trajectory left to train on (every sampled group was rejected); update skipped");
             let mut out = TrainOutput::default();
             out.metrics.insert("training/skipped_updates".into(), 1.0);
             return Ok(out);
         }
-        Ok(self.actor.call(move |actor| actor.train(&samples, step, pi_old)).await??)
+        self.learner.train(samples, &batch.response, step, pi_old).await
     }
 
     /// The current weights as a safetensors blob in `model.dtype`.
     pub(crate) async fn weights_blob(&self) -> Result<Bytes, TrainerError> {
-        Ok(Bytes::from(self.actor.call(|actor| actor.weights_blob()).await??))
+        self.learner.weights_blob().await
     }
 
     /// Every `trainer.save_freq` steps (and at the last): `global_step_<step>/` (models and optimizers on the
@@ -145,7 +147,7 @@ impl Trainer {
         }
         std::fs::create_dir_all(&staging).map_err(|e| CheckpointError::io(&staging, e))?;
         let dir = staging.clone();
-        let actor_state = self.actor.call(move |a| a.save_checkpoint(&dir)).await??;
+        let actor_state = self.learner.save_checkpoint(dir).await?;
         let state = TrainerState {
             global_step: step,
             total_training_steps: self.total_steps,

@@ -11,6 +11,7 @@ use std::time::Instant;
 
 use crate::actor::OldPolicy;
 use crate::error::TrainerError;
+use crate::learner::Learner;
 use crate::schedule::batch_record;
 use crate::step_metrics::{timing_metrics, Aggregator, IdleClock, Metrics};
 use crate::Trainer;
@@ -23,7 +24,7 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     let mini = t.cfg.actor.ppo_mini_batch_size.unwrap_or(batch_size / local_updates).max(1);
     t.client.min_policy_version = 0;
     t.submit_step(step, batch_size as usize).await?;
-    t.actor.call(|actor| actor.snapshot()).await??;
+    t.learner.snapshot().await?;
 
     let mut local = Aggregator::default();
     let mut request_ids = Vec::with_capacity(local_updates as usize);
@@ -40,7 +41,7 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
         trained.extend(batch.samples.iter().cloned());
         // the first local update's π_old is the current policy itself; later ones read the snapshot
         let pi_old = if i == 0 { OldPolicy::Current } else { OldPolicy::CycleStart };
-        let out = t.train_on(batch.samples, step, pi_old).await?;
+        let out = t.train_on(&batch, step, pi_old).await?;
         metrics.extend(out.metrics);
         for (phase, seconds) in out.timings {
             metrics.insert(format!("timing_s/{phase}"), seconds);

@@ -26,8 +26,7 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     timings.insert("fetch".to_string(), batch.fetch_s);
     let mut metrics = batch_record(&batch, step, t.cfg.data.max_prompt_length as usize);
 
-    let samples = batch.samples.clone();
-    let out = t.train_on(batch.samples, step, OldPolicy::Current).await?;
+    let out = t.train_on(&batch, step, OldPolicy::Current).await?;
     tracing::debug!(step, "actor updated");
     metrics.extend(out.metrics);
     timings.extend(out.timings);
@@ -41,7 +40,7 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     timings.insert("update_weights".to_string(), t0.elapsed().as_secs_f64());
     sync_metrics(&report, &mut metrics);
 
-    timing_metrics(&timings, &samples, started.elapsed().as_secs_f64(), &mut metrics);
+    timing_metrics(&timings, &batch.samples, started.elapsed().as_secs_f64(), &mut metrics);
     clock.finish(t.weights.fleet(), batch.wait_s, &mut metrics);
     Ok(metrics)
 }
