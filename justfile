@@ -38,7 +38,7 @@ golden *files="tests/golden/algos_sample.json tests/golden/rewards_sample.json":
     ./target/debug/jetrl-golden {{files}}
 
 # a benchmark (benches/<name>/run.sh): dataplane, trainer_step, rollout_engine, reward, async_speedup,
-# weight_sync, gpu, soak (10 minutes, stand-in rollout workers); the last line printed is one JSON object with the
-# figures
+# weight_sync, gpu, dp (the trainer's ranks), soak (10 minutes, stand-in rollout workers); the last line printed is
+# one JSON object with the figures
 bench name: build
     benches/{{name}}/run.sh

@@ -1,7 +1,7 @@
 //! The crash matrix: a training job under `jetrl run` (real processes, a real nats-server, the real tiny model), in
 //! each of the three modes, with one process killed by SIGKILL at a named point of its work — reached
 //! deterministically through the `JETRL_CRASH_AT` hook (`jetrl_telemetry::crash`), once — or the nats-server
-//! itself killed and restarted on its file store. In every case the run completes and `ledger.jsonl` accounts for
+//! itself killed and restarted on its file store, or (with two trainer ranks) the second rank killed. In every case the run completes and `ledger.jsonl` accounts for
 //! every dataset row drawn exactly once: the 24 rows of 6 steps each trained once, none twice, every other row
 //! drawn (the async modes' backlog) with one fate; sync trains on-policy at every step (staleness 0).
 
@@ -44,7 +44,8 @@ impl Drop for Slot {
 const STEPS: u64 = 6;
 const BATCH: u64 = 4;
 
-fn job(dir: &Path, nats_url: &str, mode: &str, save_freq: i64) -> std::path::PathBuf {
+/// The crash job; `ranks` trainer ranks.
+fn job(dir: &Path, nats_url: &str, mode: &str, save_freq: i64, ranks: u32) -> std::path::PathBuf {
     jetrl_model::init_model("tiny", &dir.join("model"), 1).unwrap();
     let yaml = job_yaml(
         dir,
@@ -56,7 +57,8 @@ fn job(dir: &Path, nats_url: &str, mode: &str, save_freq: i64) -> std::path::Pat
              reward: {{ack_wait_s: 3}}\n\
              actor: {{ppo_mini_batch_size: 2}}\n\
              trainer: {{mode: {mode}, total_training_steps: {STEPS}, save_freq: {save_freq}, weight_sync_timeout_s: 10, \
-             sample_wait_s: 2, separate_async: {{parameter_sync_step: 2}}, colocate_async: {{handshake_timeout_s: 5}}}}"
+             sample_wait_s: 2, separate_async: {{parameter_sync_step: 2}}, colocate_async: {{handshake_timeout_s: 5}}, \
+             n_gpus_per_node: {ranks}, dist: {{timeout_s: 30}}}}"
         ),
     );
     let path = dir.join("job.yaml");
@@ -80,9 +82,10 @@ fn run_job(
     save_freq: i64,
     crash_at: Option<&str>,
     nats_url: Option<&str>,
+    ranks: u32,
     mut during: impl FnMut(&Path),
 ) -> String {
-    let config = job(dir, nats_url.unwrap_or("nats://127.0.0.1:4222"), mode, save_freq);
+    let config = job(dir, nats_url.unwrap_or("nats://127.0.0.1:4222"), mode, save_freq, ranks);
     let out = dir.join("console.txt");
     let mut command = Command::new(bin("jetrl"));
     command.arg("run").arg(&config).arg("--quiet");
@@ -148,10 +151,15 @@ fn crash_at(mode: &str, point: &str) {
 
 /// The job with `trainer.save_freq` = `save_freq` (-1: no checkpoint) and a process killed at `point`.
 fn crash_with_checkpoints_every(mode: &str, point: &str, save_freq: i64) {
+    crash_job(mode, point, save_freq, 1);
+}
+
+/// The job with `ranks` trainer ranks, a checkpoint every step, and a process killed at `point`.
+fn crash_job(mode: &str, point: &str, save_freq: i64, ranks: u32) {
     let _slot = slot();
     let dir = tempfile::tempdir().unwrap();
-    let what = format!("{mode}, {point}, save_freq {save_freq}");
-    let console = run_job(dir.path(), mode, save_freq, Some(point), None, |_| {});
+    let what = format!("{mode}, {point}, save_freq {save_freq}, {ranks} trainer ranks");
+    let console = run_job(dir.path(), mode, save_freq, Some(point), None, ranks, |_| {});
     assert!(dir.path().join("crashed").exists(), "{what}: the crash point was never reached");
     assert!(console.contains("restarting in"), "{what}: no restart on the console:\n{console}");
     check_exactly_once(dir.path(), mode, &what);
@@ -165,7 +173,7 @@ fn nats_restart(mode: &str) {
     let mut nats = Some(NatsServer::start().unwrap());
     let url = nats.as_ref().unwrap().url();
     let mut restarted = false;
-    run_job(dir.path(), mode, 1, None, Some(&url), |run_dir| {
+    run_job(dir.path(), mode, 1, None, Some(&url), 1, |run_dir| {
         if !restarted && metrics(run_dir).len() >= 3 {
             let server = nats.as_mut().unwrap();
             server.kill();
@@ -242,6 +250,14 @@ macro_rules! matrix {
             #[ignore = "slow tier: kills a service mid-run in every mode and checks the ledger"]
             fn nats_server_killed_and_restarted_on_its_file_store() {
                 super::nats_restart($mode);
+            }
+
+            /// Two trainer ranks; rank 1 is killed in the middle of a step: the group stops and restarts
+            /// together from the last checkpoint.
+            #[test]
+            #[ignore = "slow tier: kills a service mid-run in every mode and checks the ledger"]
+            fn trainer_rank_1_killed_mid_step() {
+                super::crash_job($mode, "trainer.follower_train@3", 1, 2);
             }
         }
     )+};

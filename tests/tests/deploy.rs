@@ -532,7 +532,13 @@ fn systemd_units_start_jetrl_binaries_with_configs_that_load() {
             assert_eq!(argv[0], format!("/usr/local/bin/{binary}"), "{name}");
             assert!(bin(&binary).exists(), "{name}: {binary}");
             assert_eq!(argv[1..3], ["--config".to_string(), "/etc/jetrl/job.yaml".to_string()], "{name}");
-            let overrides: Vec<String> = argv.iter().skip(3).cloned().collect();
+            let mut overrides: Vec<String> = argv.iter().skip(3).cloned().collect();
+            if name.starts_with("jetrl-trainer@") {
+                // rank 63 is a rank of a job of 8 nodes of 8 GPUs (a batch of at least one group per rank)
+                overrides.extend(
+                    ["trainer.n_gpus_per_node=8", "trainer.nnodes=8", "data.train_batch_size=64"].map(String::from),
+                );
+            }
             let cfg =
                 jetrl_config::JobConfig::load(Some(&job_file()), &overrides).unwrap_or_else(|e| panic!("{name}: {e}"));
             // every credential the unit passes is one it loads
@@ -549,7 +555,8 @@ fn systemd_units_start_jetrl_binaries_with_configs_that_load() {
             let expected = match name.as_str() {
                 "jetrl-rollout-worker@.service" => 9500 + index,
                 "jetrl-reward-service@.service" => 9420 + index,
-                "jetrl-trainer.service" => 9401,
+                "jetrl-trainer@.service" if index == 0 => 9401,
+                "jetrl-trainer@.service" => 9600 + index,
                 "jetrl-replay-buffer.service" => 9404,
                 _ => 9405,
             };
@@ -586,7 +593,8 @@ fn systemd_units_pass_systemd_analyze_verify() {
     }
     let to_verify = [
         "jetrl.target",
-        "jetrl-trainer.service",
+        "jetrl-trainer@0.service",
+        "jetrl-trainer@1.service",
         "jetrl-replay-buffer.service",
         "jetrl-checkpoint-sync.service",
         "jetrl-reward-service@0.service",

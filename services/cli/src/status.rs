@@ -127,7 +127,18 @@ async fn snapshot(bus: &Bus, target: &Target, options: &Options) -> anyhow::Resu
     }
     let now = jetrl_wire::now_unix_ms();
     let beats = heartbeats(bus).await?;
-    let trainer = beats.iter().filter(|b| b.service == "trainer").max_by_key(|b| b.unix_ms);
+    // with several trainer ranks each beats (instance `rank-<r>`); rank 0's carries the step
+    let trainer_beats: Vec<&Heartbeat> = beats.iter().filter(|b| b.service == "trainer").collect();
+    let trainer = trainer_beats
+        .iter()
+        .copied()
+        .filter(|b| !b.instance_id.starts_with("rank-") || b.instance_id == "rank-0")
+        .max_by_key(|b| b.unix_ms);
+    let ranks: Vec<String> = trainer_beats
+        .iter()
+        .filter(|b| b.state != WorkerState::Stopped as i32 && seen_s_ago(b, now) <= target.heartbeat_timeout_s)
+        .map(|b| b.instance_id.clone())
+        .collect();
     let weights = bus.latest_manifest().await?;
 
     let request = LedgerRequest { partition: String::new(), uids: options.uids.clone(), limit: LEDGER_LIMIT };
@@ -151,7 +162,11 @@ async fn snapshot(bus: &Bus, target: &Target, options: &Options) -> anyhow::Resu
         "job": names.namespace(),
         "server": target.nats.url,
         "unix_ms": now,
-        "trainer": trainer.map(|t| trainer_view(t, now)),
+        "trainer": trainer.map(|t| {
+            let mut view = trainer_view(t, now);
+            view["ranks"] = json!(ranks);
+            view
+        }),
         "weights": weights.map(|m| json!({
             "version": m.version, "step": m.step, "tensors": m.tensors.len(), "bytes": m.total_bytes,
             "location": m.location,
@@ -376,9 +391,11 @@ fn render(s: &Value) -> String {
         }
         t => {
             let reward = t["reward"].as_f64().map_or("-".to_string(), |r| format!("{r:.3}"));
+            let ranks = t["ranks"].as_array().map_or(0, Vec::len);
+            let ranks = if ranks > 1 { format!("  ranks {ranks}") } else { String::new() };
             let _ = writeln!(
                 out,
-                "trainer: step {}/{}  {:.2} steps/s ({:.1} s/step)  reward {reward}",
+                "trainer: step {}/{}  {:.2} steps/s ({:.1} s/step)  reward {reward}{ranks}",
                 t["step"],
                 t["total_steps"],
                 f(&t["steps_per_s"]),

@@ -105,7 +105,10 @@ pub async fn run(
     // One trainer per job: a second one is refused here; a trainer that loses the lease stops.
     let lease = Lease::acquire(&bus, subjects::TRAINER_LEASE_KEY).await?;
     let shutdown = Shutdown::new(lease.or_lost(shutdown));
-    let heartbeat = jetrl_bus::heartbeat::start(&bus, &cfg, jetrl_bus::heartbeat::TRAINER, None, shutdown.clone());
+    let plan = RankPlan::of(&cfg);
+    let instance = (plan.world > 1).then(|| format!("rank-{}", plan.rank));
+    let heartbeat =
+        jetrl_bus::heartbeat::start(&bus, &cfg, jetrl_bus::heartbeat::TRAINER, instance.as_deref(), shutdown.clone());
     let result = train(cfg, bus.clone(), shutdown.clone(), heartbeat.step_metrics()).await;
     heartbeat.stop().await;
     // released whatever happened, so a restarted trainer need not wait for the lease to expire; with the broker

@@ -248,6 +248,8 @@ pub fn follow(
                 let mine = shares.get(&rank).cloned().unwrap_or_default();
                 let local = runtime.block_on(fetch_share(bus, &mine, limits))?;
                 let batch = RankBatch { rows, local };
+                // fault injection (inert unless JETRL_CRASH_AT names it): a follower dies in the middle of a step
+                jetrl_telemetry::crash::crash_point("trainer.follower_train", step);
                 let started = Instant::now();
                 actor.train(&batch, step, pi_old.into())?;
                 tracing::debug!(
@@ -326,6 +328,10 @@ async fn fetch_share(
 pub async fn run_follower(cfg: JobConfig, shutdown: jetrl_telemetry::Shutdown) -> Result<(), TrainerError> {
     let plan = RankPlan::of(&cfg);
     let bus = Bus::connect_job(&cfg, &format!("jetrl-trainer-rank-{}", plan.rank)).await?;
+    // `jetrl status` lists the ranks; `jetrl run` judges a follower hung by its heartbeat as any service
+    let instance = format!("rank-{}", plan.rank);
+    let heartbeat =
+        jetrl_bus::heartbeat::start(&bus, &cfg, jetrl_bus::heartbeat::TRAINER, Some(&instance), shutdown.clone());
     let model_dir = PathBuf::from(&cfg.model.path);
     let model_config = jetrl_model::ModelConfig::from_file(&model_dir.join("config.json"))
         .map_err(|source| TrainerError::ModelConfig { path: model_dir.join("config.json"), source })?;
@@ -350,5 +356,6 @@ pub async fn run_follower(cfg: JobConfig, shutdown: jetrl_telemetry::Shutdown) -
     .await
     .map_err(|_| TrainerError::Actor(ActorError::Stopped))?;
     watcher.abort();
+    heartbeat.stop().await;
     result
 }
