@@ -276,6 +276,10 @@ fn handle_events(
                 journal.record("exit", json!({"service": "trainer", "status": "exit status: 0", "action": "end"}));
                 end = Some(Ok(()));
             }
+            // a trainer rank leaves when rank 0 says training is over
+            Event::ExitedCleanly { service } if service.starts_with("trainer-") => {
+                journal.record("exit", json!({"service": service, "status": "exit status: 0", "action": "none"}));
+            }
             Event::ExitedCleanly { service } => {
                 console.say(&format!("{service} exited with exit status: 0 on its own; not restarted"));
                 journal.record("exit", json!({"service": service, "status": "exit status: 0", "action": "none"}));
