@@ -34,7 +34,7 @@ use jetrl_algos::{
     PolicyLossInputs, RolloutCorrectionParams,
 };
 use jetrl_config::{JobConfig, ModelDtype};
-use jetrl_model::{CausalLm, DType};
+use jetrl_model::{CausalLm, Checkpoints, DType};
 use tch::{Device, Kind, Tensor};
 use tokio::sync::oneshot;
 
@@ -70,6 +70,8 @@ struct Settings {
     calculate_entropy: bool,
     /// reuse the rollout log-probs as π_old (`rollout_correction.bypass_mode`)
     bypass_old_log_prob: bool,
+    /// recompute the decoder layers' activations in the backward pass (`model.enable_gradient_checkpointing`)
+    gradient_checkpointing: bool,
 }
 
 /// The result of one [`Actor::train`]: verl-named metrics and the phase timings (`timing_s/<phase>`).
@@ -218,6 +220,7 @@ impl Actor {
                 calculate_sum_pi_squared: cfg.actor.calculate_sum_pi_squared || estimator.needs_sum_pi_squared(),
                 calculate_entropy: cfg.actor.calculate_entropy || cfg.actor.entropy_coeff != 0.0,
                 bypass_old_log_prob: bypass,
+                gradient_checkpointing: cfg.model.enable_gradient_checkpointing,
             },
             actor_updates: 0,
             model_dir,
@@ -310,6 +313,24 @@ impl Actor {
         // position p-1+j predicts response token j
         let logits = model.lm_head(&hidden.f_narrow(1, mb.p - 1, mb.r)?)?;
         Ok(if temperature != 1.0 { logits.f_div_scalar(temperature)? } else { logits })
+    }
+
+    /// [`Self::response_logits`] for an update: with gradient checkpointing the decoder layers keep no activations
+    /// and the returned checkpoints must be back-propagated ([`CausalLm::backward_checkpointed`]) right after the
+    /// loss's backward pass.
+    fn response_logits_for_update(
+        model: &CausalLm,
+        mb: &MicroBatch,
+        temperature: f64,
+        checkpointing: bool,
+    ) -> Result<(Tensor, Option<Checkpoints>), ActorError> {
+        if !checkpointing {
+            return Ok((Self::response_logits(model, mb, temperature)?, None));
+        }
+        let (hidden, checkpoints) = model.forward_hidden_checkpointed(&mb.input_ids, &mb.attention_mask)?;
+        let logits = model.lm_head(&hidden.f_narrow(1, mb.p - 1, mb.r)?)?;
+        let logits = if temperature != 1.0 { logits.f_div_scalar(temperature)? } else { logits };
+        Ok((logits, Some(checkpoints)))
     }
 
     /// Log-probs of every row's response under `model` without autograd, as `[rows, width]` host matrices of the
@@ -627,7 +648,12 @@ impl Actor {
             let reference =
                 cols.ref_log_probs.as_ref().map(|m| gather_rows(m, width, &chunk, r, device)).transpose()?;
             let weights = cols.is_weights.as_ref().map(|m| gather_rows(m, width, &chunk, r, device)).transpose()?;
-            let logits = Self::response_logits(&self.model, &mb, self.settings.temperature)?;
+            let (logits, checkpoints) = Self::response_logits_for_update(
+                &self.model,
+                &mb,
+                self.settings.temperature,
+                self.settings.gradient_checkpointing,
+            )?;
             let log_prob = logprobs_from_logits(&logits, &mb.response_ids);
             let entropy = match (self.settings.calculate_entropy, self.loss.entropy_coeff != 0.0) {
                 (false, _) => None,
@@ -648,6 +674,9 @@ impl Actor {
             };
             let (loss, m) = compute_actor_loss(&inputs, &self.loss, &info)?;
             loss.f_backward()?;
+            if let Some(checkpoints) = checkpoints {
+                self.model.backward_checkpointed(checkpoints)?;
+            }
             let weight = f64::try_from(mask.f_sum(Kind::Double)?)? / total_tokens.max(1.0);
             for (k, v) in m.to_map() {
                 // losses of a micro-batch are already its share of the mini-batch loss: sum them; ratios and

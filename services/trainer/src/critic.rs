@@ -7,7 +7,7 @@ use std::path::Path;
 
 use jetrl_algos::{compute_value_loss, AggMode, GlobalBatchInfo};
 use jetrl_config::JobConfig;
-use jetrl_model::{CausalLm, DType};
+use jetrl_model::{CausalLm, Checkpoints, DType};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
@@ -26,6 +26,8 @@ struct CriticSettings {
     shuffle: bool,
     seed: u64,
     grad_clip: f64,
+    /// `model.enable_gradient_checkpointing`: the trunk's layers recompute their activations in the backward pass
+    gradient_checkpointing: bool,
     cliprange_value: f64,
     agg: AggMode,
     loss_scale_factor: Option<f64>,
@@ -104,6 +106,7 @@ impl Critic {
             shuffle: critic.shuffle,
             seed: critic.data_loader_seed,
             grad_clip: critic.grad_clip,
+            gradient_checkpointing: cfg.model.enable_gradient_checkpointing,
             cliprange_value: critic.cliprange_value,
             agg: critic.loss_agg_mode.unwrap_or(cfg.actor.loss_agg_mode),
             loss_scale_factor: critic.loss_scale_factor.or(cfg.actor.loss_scale_factor),
@@ -140,6 +143,19 @@ impl Critic {
     fn forward_values(&self, mb: &MicroBatch) -> Result<Tensor, ActorError> {
         let hidden = self.model.forward_hidden(&mb.input_ids, &mb.attention_mask)?.f_narrow(1, mb.p - 1, mb.r)?;
         Ok(hidden.f_linear(&self.head_weight, Some(&self.head_bias))?.f_squeeze_dim(-1)?.f_to_kind(Kind::Float)?)
+    }
+
+    /// [`Self::forward_values`] for an update, with the trunk checkpointed when configured (the checkpoints are
+    /// back-propagated by the caller right after the loss's backward pass).
+    fn forward_values_for_update(&self, mb: &MicroBatch) -> Result<(Tensor, Option<Checkpoints>), ActorError> {
+        if !self.settings.gradient_checkpointing {
+            return Ok((self.forward_values(mb)?, None));
+        }
+        let (hidden, checkpoints) = self.model.forward_hidden_checkpointed(&mb.input_ids, &mb.attention_mask)?;
+        let hidden = hidden.f_narrow(1, mb.p - 1, mb.r)?;
+        let values =
+            hidden.f_linear(&self.head_weight, Some(&self.head_bias))?.f_squeeze_dim(-1)?.f_to_kind(Kind::Float)?;
+        Ok((values, Some(checkpoints)))
     }
 
     /// The current values of the rows this rank holds, in a `[rows, width]` host matrix of the whole batch (zero
@@ -206,7 +222,7 @@ impl Critic {
                     let mask = gather_rows(targets.mask, targets.width, &chunk, r, device)?;
                     let old = gather_rows(targets.values, targets.width, &chunk, r, device)?;
                     let returns = gather_rows(targets.returns, targets.width, &chunk, r, device)?;
-                    let vpreds = self.forward_values(&mb)?;
+                    let (vpreds, checkpoints) = self.forward_values_for_update(&mb)?;
                     let (loss, m) = compute_value_loss(
                         &vpreds,
                         &returns,
@@ -217,6 +233,9 @@ impl Critic {
                         &info,
                     )?;
                     loss.f_backward()?;
+                    if let Some(checkpoints) = checkpoints {
+                        self.model.backward_checkpointed(checkpoints)?;
+                    }
                     let share = f64::try_from(mask.f_sum(Kind::Double)?)? / tokens.max(1.0);
                     vf_loss += f64::try_from(loss.f_detach()?)?;
                     clipfrac += m.vf_clipfrac * share;

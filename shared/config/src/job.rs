@@ -467,11 +467,21 @@ pub struct ModelConfig {
     /// `cpu`, `cuda`, `cuda:N` or `auto`
     pub device: DeviceSpec,
     pub dtype: ModelDtype,
+    /// recompute each decoder layer's activations in the backward pass instead of keeping them (verl
+    /// `actor_rollout_ref.model.enable_gradient_checkpointing`; here for the actor and the critic): less memory
+    /// per micro-batch, about one more forward pass of compute per update
+    pub enable_gradient_checkpointing: bool,
 }
 
 impl Default for ModelConfig {
     fn default() -> Self {
-        Self { path: "runs/models/tiny".into(), init_preset: None, device: DeviceSpec::Cpu, dtype: ModelDtype::F32 }
+        Self {
+            path: "runs/models/tiny".into(),
+            init_preset: None,
+            device: DeviceSpec::Cpu,
+            dtype: ModelDtype::F32,
+            enable_gradient_checkpointing: false,
+        }
     }
 }
 

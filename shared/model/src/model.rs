@@ -186,6 +186,87 @@ impl CausalLm {
     }
 }
 
+/// What a forward pass with gradient checkpointing keeps for its backward: each decoder layer's input and
+/// nothing from inside the layers ([`CausalLm::forward_hidden_checkpointed`]).
+pub struct Checkpoints {
+    /// the embeddings, still in the autograd graph (the embedding weights' gradient flows from here)
+    embedded: Tensor,
+    /// each decoder layer's input, detached
+    inputs: Vec<Tensor>,
+    /// the last decoder layer's output as a leaf that requires grad: the final norm and everything after it
+    /// build on it, so their backward pass leaves its gradient here
+    last: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    mask: Tensor,
+}
+
+impl std::fmt::Debug for Checkpoints {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Checkpoints({} layers)", self.inputs.len())
+    }
+}
+
+impl CausalLm {
+    /// [`Self::forward_hidden`] with gradient checkpointing (verl's `enable_gradient_checkpointing`): the decoder
+    /// layers run without autograd and keep only their inputs; [`Self::backward_checkpointed`] runs each again,
+    /// one at a time, in the backward pass. Call that right after the backward pass of whatever was computed from
+    /// the returned hidden states: it carries their gradient on through the layers and the embeddings. The
+    /// gradients are those of the plain forward (the layers recompute the same values).
+    pub fn forward_hidden_checkpointed(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+    ) -> Result<(Tensor, Checkpoints)> {
+        let (_, t) = check_2d(input_ids, "input_ids")?;
+        check_same_shape(attention_mask, "attention_mask", input_ids)?;
+        let device = self.device();
+        let input_ids = input_ids.f_to_device(device)?;
+        let key_mask = attention_mask.f_to_device(device)?.f_ne(0)?;
+        let positions = key_mask.f_cumsum(1, Kind::Int64)?.f_sub_scalar(1)?.f_clamp_min(0)?;
+        let mask = attention_mask_4d(&key_mask, 0, t)?;
+        let (cos, sin) = self.rotary.cos_sin(&positions, self.dtype.kind())?;
+        let embedded = Tensor::f_embedding(&self.embed_tokens, &input_ids, -1, false, false)?;
+        let mut inputs = Vec::with_capacity(self.layers.len());
+        let mut x = embedded.f_detach()?;
+        tch::no_grad(|| -> Result<()> {
+            for layer in &self.layers {
+                let next = layer.forward(&x, &cos, &sin, &mask, None)?;
+                inputs.push(std::mem::replace(&mut x, next));
+            }
+            Ok(())
+        })?;
+        let last = x.f_detach()?.set_requires_grad(true);
+        let hidden = self.norm.forward(&last)?;
+        Ok((hidden, Checkpoints { embedded, inputs, last, cos, sin, mask }))
+    }
+
+    /// The rest of the backward pass of a [`Self::forward_hidden_checkpointed`]: from the gradient the caller's
+    /// backward left on the last layer's output, each layer (last first) is run again with autograd and
+    /// back-propagated (`Σ y·g` has gradient `g` in `y`), then the embeddings. Parameter gradients accumulate as
+    /// in a plain backward pass.
+    pub fn backward_checkpointed(&self, checkpoints: Checkpoints) -> Result<()> {
+        let Checkpoints { embedded, inputs, last, cos, sin, mask } = checkpoints;
+        let mut grad = last.grad();
+        if !grad.defined() {
+            return Ok(());
+        }
+        for (layer, input) in self.layers.iter().zip(inputs).rev() {
+            let x = input.set_requires_grad(true);
+            let y = layer.forward(&x, &cos, &sin, &mask, None)?;
+            y.f_mul(&grad)?.f_sum(Kind::Float)?.f_backward()?;
+            grad = x.grad();
+            if !grad.defined() {
+                return Ok(());
+            }
+        }
+        if embedded.requires_grad() {
+            embedded.f_mul(&grad)?.f_sum(Kind::Float)?.f_backward()?;
+        }
+        Ok(())
+    }
+}
+
 fn check_2d(t: &Tensor, what: &str) -> Result<(i64, i64)> {
     match t.size().as_slice() {
         &[b, l] if b > 0 && l > 0 => Ok((b, l)),

@@ -73,6 +73,14 @@ struct Args {
     /// machine pass the core count.
     #[arg(long, default_value_t = 1)]
     threads: i32,
+    /// responses of the long batch the peak-memory figures train on (16 rows, every response this long)
+    #[arg(long, default_value_t = 1024)]
+    long_response_len: usize,
+    /// internal: measure this process's peak RSS over one update of the long batch, `plain` or
+    /// `checkpointed` (gradient checkpointing), print it and exit. The bench runs itself once per figure: a
+    /// process's peak RSS only grows.
+    #[arg(long, hide = true)]
+    memory_probe: Option<String>,
 }
 
 fn model_config(a: &Args) -> serde_json::Value {
@@ -129,10 +137,62 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// This process's peak resident set size in MiB (`VmHWM`).
+fn peak_rss_mib() -> anyhow::Result<f64> {
+    let status = std::fs::read_to_string("/proc/self/status")?;
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("no VmHWM in /proc/self/status")?;
+    Ok(kb / 1024.0)
+}
+
+/// One update of the long batch (16 rows of `prompt_len` + `long_response_len` tokens, one micro-batch), with or
+/// without gradient checkpointing; prints `{"peak_mb": …}`.
+fn memory_probe(args: &Args, mode: &str) -> anyhow::Result<()> {
+    let work = tempfile::tempdir()?;
+    let model_dir = work.path().join("model");
+    tch::manual_seed(11);
+    CausalLm::random(ModelConfig::from_json(model_config(args))?, tch::Device::Cpu, DType::F32, 0.02)?
+        .save(&model_dir)?;
+    let long = Args { rows: 16, exact_lengths: true, response_len: args.long_response_len, ..Args::parse() };
+    let (samples, old, adv) = batch(&long);
+    let mut cfg = JobConfig::default();
+    cfg.model.path = model_dir.display().to_string();
+    cfg.model.enable_gradient_checkpointing = match mode {
+        "plain" => false,
+        "checkpointed" => true,
+        other => bail!("--memory-probe {other}: plain or checkpointed"),
+    };
+    cfg.actor.ppo_max_token_len = 1 << 30;
+    let mut actor = Actor::new(&cfg, 1, None, Comm::Solo)?;
+    let before = peak_rss_mib()?;
+    actor.ppo_update(&samples, &old, &adv, 1e-5)?;
+    println!("{}", serde_json::json!({"peak_mb": peak_rss_mib()?, "before_update_mb": before}));
+    Ok(())
+}
+
+/// Runs this binary once with `--memory-probe mode` and returns its peak RSS in MiB.
+fn probe_in_own_process(mode: &str) -> anyhow::Result<f64> {
+    let mut argv: Vec<String> = std::env::args().skip(1).collect();
+    argv.extend(["--memory-probe".to_string(), mode.to_string()]);
+    let out = Command::new(std::env::current_exe()?).args(&argv).stderr(Stdio::inherit()).output()?;
+    if !out.status.success() {
+        bail!("the {mode} memory probe failed ({})", out.status);
+    }
+    let line: serde_json::Value = serde_json::from_slice(&out.stdout).context("the memory probe's output")?;
+    line["peak_mb"].as_f64().context("peak_mb")
+}
+
 fn main() -> anyhow::Result<()> {
     // the trainer binary's allocator setting, so the bench measures the trainer as it runs
     jetrl_trainer::keep_freed_memory_in_heap();
     let args = Args::parse();
+    if let Some(mode) = &args.memory_probe {
+        tch::set_num_threads(args.threads.max(1));
+        return memory_probe(&args, mode);
+    }
     tch::set_num_threads(args.threads.max(1));
     let threads = tch::get_num_threads();
     let work = tempfile::tempdir()?;
@@ -233,6 +293,15 @@ fn main() -> anyhow::Result<()> {
     );
     let jetrl_tps = tokens as f64 / jetrl_s;
     let ref_tps = tokens as f64 / ref_s;
+    let (peak_plain, peak_checkpointed) = if device == tch::Device::Cpu {
+        (Some(probe_in_own_process("plain")?), Some(probe_in_own_process("checkpointed")?))
+    } else {
+        (None, None)
+    };
+    eprintln!(
+        "peak RSS over one update of 16 x ({} + {}) tokens: plain {peak_plain:?} MiB, checkpointed {peak_checkpointed:?} MiB",
+        args.prompt_len, args.long_response_len
+    );
     println!(
         "{}",
         serde_json::json!({
@@ -243,6 +312,8 @@ fn main() -> anyhow::Result<()> {
             "tokens_per_update": tokens,
             "device": device_name,
             "dtype": dtype_name,
+            "peak_mb_plain": peak_plain.map(|m| m.round()),
+            "peak_mb_checkpointed": peak_checkpointed.map(|m| m.round()),
         })
     );
     Ok(())
