@@ -220,6 +220,26 @@ impl Drop for TestJob {
     }
 }
 
+/// The demo job (`configs/demo.yaml`) through `jetrl run --quiet`, its run directory `<dir>/<name>` and
+/// `run.name` `<name>` (underscores as dashes), with `overrides` after those; returns the run directory. Panics
+/// with the console output when the run fails or outlasts `timeout`.
+pub fn demo_run(dir: &Path, name: &str, overrides: &[String], timeout: Duration) -> PathBuf {
+    let run_dir = dir.join(name);
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/demo.yaml");
+    let mut args = vec![
+        "run".to_string(),
+        config.display().to_string(),
+        format!("run.dir={}", run_dir.display()),
+        format!("run.name={}", name.replace('_', "-")),
+    ];
+    args.extend(overrides.iter().cloned());
+    args.push("--quiet".into());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (status, output) = run_binary("jetrl", &args, timeout);
+    assert!(status.success(), "jetrl run ({name}) failed:\n{output}");
+    run_dir
+}
+
 /// Runs a binary to completion with arguments; returns (status, stdout+stderr).
 pub fn run_binary(binary: &str, args: &[&str], timeout: Duration) -> (ExitStatus, String) {
     let out_file = tempfile::NamedTempFile::new().expect("tempfile");

@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use jetrl_tests::{run_binary, TestJob};
+use jetrl_tests::TestJob;
 use jetrl_wire::Message;
 
 fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
@@ -35,23 +35,13 @@ const FINAL_STEPS: usize = 30;
 /// The demo job (copy 4 digits, tiny-digits model, the demo's seed) in `mode` for `steps` steps through `jetrl run`;
 /// returns the mean reward of the last [`FINAL_STEPS`] steps and the run's metrics.
 fn demo_in(dir: &Path, mode: &str, steps: u32) -> (f64, Vec<serde_json::Value>) {
-    let run_dir = dir.join(mode);
-    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/demo.yaml");
-    let args = [
-        "run".to_string(),
-        config.display().to_string(),
-        format!("run.dir={}", run_dir.display()),
-        format!("run.name=modes-{}", mode.replace('_', "-")),
+    let overrides = [
         format!("model.path={}", dir.join("model").display()),
         format!("trainer.mode={mode}"),
         format!("trainer.total_training_steps={steps}"),
         "trainer.test_freq=-1".into(),
-        "--quiet".into(),
     ];
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (status, output) = run_binary("jetrl", &args, Duration::from_secs(600));
-    assert!(status.success(), "jetrl run in {mode} failed:\n{output}");
-    let rows = metrics(&run_dir);
+    let rows = metrics(&jetrl_tests::demo_run(dir, &format!("modes-{mode}"), &overrides, Duration::from_secs(600)));
     assert_eq!(rows.len(), steps as usize, "{mode}: one metrics line per step");
     let scores = series(&rows, "critic/score/mean");
     (mean(&scores[scores.len() - FINAL_STEPS..]), rows)

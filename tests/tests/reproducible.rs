@@ -11,8 +11,6 @@
 use std::path::Path;
 use std::time::Duration;
 
-use jetrl_tests::run_binary;
-
 /// Keys that measure time or rates: they differ between any two runs.
 const TIMED: [&str; 7] = [
     "timing_s/",
@@ -28,24 +26,15 @@ const TIMED: [&str; 7] = [
 const ROUNDING: [&str; 1] = ["training/rollout_probs_diff_"];
 
 fn run_demo(dir: &Path, name: &str, steps: u32) -> Vec<serde_json::Map<String, serde_json::Value>> {
-    let run_dir = dir.join(name);
-    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/demo.yaml");
-    let args = [
-        "run".to_string(),
-        config.display().to_string(),
-        format!("run.dir={}", run_dir.display()),
-        format!("run.name=repro-{name}"),
+    let overrides = [
         format!("model.path={}", dir.join(format!("model-{name}")).display()),
         "run.seed=11".into(),
         "trainer.mode=sync".into(),
         "rollout.workers=1".into(),
         format!("trainer.total_training_steps={steps}"),
         "trainer.test_freq=-1".into(),
-        "--quiet".into(),
     ];
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (status, output) = run_binary("jetrl", &args, Duration::from_secs(300));
-    assert!(status.success(), "jetrl run ({name}) failed:\n{output}");
+    let run_dir = jetrl_tests::demo_run(dir, &format!("repro-{name}"), &overrides, Duration::from_secs(300));
     std::fs::read_to_string(run_dir.join("metrics.jsonl"))
         .unwrap()
         .lines()

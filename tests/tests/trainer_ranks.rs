@@ -9,7 +9,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use jetrl_tests::{run_binary, TestJob};
+use jetrl_tests::{demo_run, TestJob};
 
 fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(run_dir.join("metrics.jsonl"))
@@ -23,27 +23,16 @@ fn series(rows: &[serde_json::Value], key: &str) -> Vec<f64> {
     rows.iter().map(|m| m[key].as_f64().unwrap_or(f64::NAN)).collect()
 }
 
-/// The demo job (`configs/demo.yaml`) through `jetrl run` with `ranks` trainer ranks in `mode` for `steps` steps;
-/// returns its metrics.
+/// The demo job through `jetrl run` with `ranks` trainer ranks in `mode` for `steps` steps; returns its metrics.
 fn demo(dir: &Path, name: &str, mode: &str, ranks: u32, steps: u32) -> Vec<serde_json::Value> {
-    let run_dir = dir.join(name);
-    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/demo.yaml");
-    let args = [
-        "run".to_string(),
-        config.display().to_string(),
-        format!("run.dir={}", run_dir.display()),
-        format!("run.name=ranks-{}", name.replace('_', "-")),
+    let overrides = [
         format!("model.path={}", dir.join("model").display()),
         format!("trainer.mode={mode}"),
         format!("trainer.n_gpus_per_node={ranks}"),
         format!("trainer.total_training_steps={steps}"),
         "trainer.test_freq=-1".into(),
-        "--quiet".into(),
     ];
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (status, output) = run_binary("jetrl", &args, Duration::from_secs(600));
-    assert!(status.success(), "jetrl run ({name}) failed:\n{output}");
-    let rows = metrics(&run_dir);
+    let rows = metrics(&demo_run(dir, &format!("ranks-{name}"), &overrides, Duration::from_secs(600)));
     assert_eq!(rows.len(), steps as usize, "{name}: one metrics line per step");
     rows
 }

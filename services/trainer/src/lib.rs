@@ -37,6 +37,7 @@ pub mod ranks;
 pub mod rollout_client;
 pub mod schedule;
 pub mod step_metrics;
+pub mod synthetic;
 pub mod tensorboard;
 pub mod validation;
 pub mod weight_sync;

@@ -80,18 +80,27 @@ fn max_diff(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> (f64,
     worst
 }
 
-/// Every metric of every step of `a` is in `b`, within 1e-5 (relative to its size when above 1).
+/// Every metric of every step of `a` is in `b`, within 1e-5 (relative to its size when above 1). A fraction of
+/// tokens past a threshold (`*clipfrac*`, `*_fraction_*`) counts tokens, and a token whose ratio sits at the
+/// threshold may fall on either side of it by the last bit of a sum taken in another order: those may differ by
+/// up to two tokens' share.
 fn same_metrics(a: &Value, b: &Value, what: &str) {
     let (sa, sb) = (a["steps"].as_array().unwrap(), b["steps"].as_array().unwrap());
     assert_eq!(sa.len(), sb.len(), "{what}");
+    let mut wrong = Vec::new();
     for (x, y) in sa.iter().zip(sb) {
         let (mx, my) = (x["metrics"].as_object().unwrap(), y["metrics"].as_object().unwrap());
         assert_eq!(mx.keys().collect::<Vec<_>>(), my.keys().collect::<Vec<_>>(), "{what}: step {}", x["step"]);
         for (key, vx) in mx {
             let (vx, vy) = (vx.as_f64().unwrap(), my[key].as_f64().unwrap());
-            assert!((vx - vy).abs() <= 1e-5 * vx.abs().max(1.0), "{what}: step {} {key}: {vx} vs {vy}", x["step"]);
+            let counts_tokens = key.contains("clipfrac") || key.contains("_fraction_");
+            let tolerance = if counts_tokens { 0.03 } else { 1e-5 * vx.abs().max(1.0) };
+            if (vx - vy).abs() > tolerance {
+                wrong.push(format!("step {} {key}: {vx} vs {vy}", x["step"]));
+            }
         }
     }
+    assert!(wrong.is_empty(), "{what}:\n{}", wrong.join("\n"));
 }
 
 fn compare_one_and_two_ranks(critic: bool) {

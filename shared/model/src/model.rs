@@ -165,6 +165,16 @@ impl CausalLm {
     /// padding side. Each query attends causally to real tokens; a padding query attends to itself only, which
     /// keeps its row finite (its output is meaningless and must be masked by the caller).
     pub fn forward_hidden(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
+        let (mut x, cos, sin, mask) = self.embed(input_ids, attention_mask)?;
+        for layer in &self.layers {
+            x = layer.forward(&x, &cos, &sin, &mask, None)?;
+        }
+        self.norm.forward(&x)
+    }
+
+    /// What every layer of a padded batch's forward pass shares: the embeddings, RoPE's cos and sin at each
+    /// token's position (`cumsum(mask) - 1`, clamped at 0) and the boolean attention mask.
+    fn embed(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
         let (_, t) = check_2d(input_ids, "input_ids")?;
         check_same_shape(attention_mask, "attention_mask", input_ids)?;
         let device = self.device();
@@ -173,11 +183,8 @@ impl CausalLm {
         let positions = key_mask.f_cumsum(1, Kind::Int64)?.f_sub_scalar(1)?.f_clamp_min(0)?;
         let mask = attention_mask_4d(&key_mask, 0, t)?;
         let (cos, sin) = self.rotary.cos_sin(&positions, self.dtype.kind())?;
-        let mut x = Tensor::f_embedding(&self.embed_tokens, &input_ids, -1, false, false)?;
-        for layer in &self.layers {
-            x = layer.forward(&x, &cos, &sin, &mask, None)?;
-        }
-        self.norm.forward(&x)
+        let embedded = Tensor::f_embedding(&self.embed_tokens, &input_ids, -1, false, false)?;
+        Ok((embedded, cos, sin, mask))
     }
 
     /// Projects hidden states `[..., H]` to f32 logits `[..., V]`.
@@ -218,15 +225,7 @@ impl CausalLm {
         input_ids: &Tensor,
         attention_mask: &Tensor,
     ) -> Result<(Tensor, Checkpoints)> {
-        let (_, t) = check_2d(input_ids, "input_ids")?;
-        check_same_shape(attention_mask, "attention_mask", input_ids)?;
-        let device = self.device();
-        let input_ids = input_ids.f_to_device(device)?;
-        let key_mask = attention_mask.f_to_device(device)?.f_ne(0)?;
-        let positions = key_mask.f_cumsum(1, Kind::Int64)?.f_sub_scalar(1)?.f_clamp_min(0)?;
-        let mask = attention_mask_4d(&key_mask, 0, t)?;
-        let (cos, sin) = self.rotary.cos_sin(&positions, self.dtype.kind())?;
-        let embedded = Tensor::f_embedding(&self.embed_tokens, &input_ids, -1, false, false)?;
+        let (embedded, cos, sin, mask) = self.embed(input_ids, attention_mask)?;
         let mut inputs = Vec::with_capacity(self.layers.len());
         let mut x = embedded.f_detach()?;
         tch::no_grad(|| -> Result<()> {

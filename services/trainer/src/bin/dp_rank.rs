@@ -2,7 +2,7 @@
 //! trainer's ranks (`Actor` over a c10d group, Gloo on the CPU) and nothing else. `tests/data_parallel.rs` starts
 //! one or two of these and compares what they end with; `just bench dp` times them.
 //!
-//! Every rank builds the same batches (4 prompt groups of 4 trajectories per step, from the step number), keeps
+//! Every rank builds the same batches (`jetrl_trainer::synthetic`: prompt groups of 4 trajectories per step), keeps
 //! the rows `ranks::balance` gives it, and trains. With `--out` rank 0 writes the final actor weights
 //! (`weights.safetensors`) and every rank its per-step metrics and optimizer state bytes (`rank<r>.json`).
 
@@ -12,10 +12,10 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Parser;
 use jetrl_config::JobConfig;
-use jetrl_trainer::actor::{Actor, ActorState, OldPolicy, RankBatch, RowInfo, Sample};
+use jetrl_trainer::actor::{Actor, ActorState, OldPolicy, RankBatch, RowInfo};
 use jetrl_trainer::checkpoint;
 use jetrl_trainer::ranks::{self, RankPlan};
-use rand::{Rng, SeedableRng};
+use jetrl_trainer::synthetic;
 use serde_json::json;
 
 #[derive(Parser)]
@@ -45,7 +45,7 @@ struct Args {
     /// rows per step: prompt groups of 4
     #[arg(long, default_value_t = 4)]
     groups: usize,
-    /// response tokens of the longest row
+    /// responses are shorter than this
     #[arg(long, default_value_t = 6)]
     max_response: usize,
     /// write a checkpoint into `<out>/ckpt` after this step
@@ -61,63 +61,8 @@ struct Args {
     threads: i32,
 }
 
-/// The fixed batch of a step: prompt groups of 4 trajectories, lengths varying, scores in [0, 1].
-fn batch(step: u64, groups: usize, max_response: usize) -> Vec<Sample> {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1000 + step);
-    let mut out = Vec::new();
-    for g in 0..groups {
-        let uid = format!("s{step}g{g}");
-        let prompt: Vec<u32> = (0..rng.gen_range(3..7)).map(|_| rng.gen_range(3..60)).collect();
-        for session in 0..4 {
-            let len = rng.gen_range(2..=max_response.max(2));
-            let response: Vec<u32> = (0..len).map(|_| rng.gen_range(3..60)).collect();
-            out.push(Sample {
-                key: format!("{uid}_{session}_0"),
-                uid: uid.clone(),
-                prompt: prompt.clone(),
-                response,
-                response_mask: vec![1; len],
-                rollout_logprobs: (0..len).map(|_| -rng.gen_range(3.5f32..4.5)).collect(),
-                score: f64::from(rng.gen_range(0..=4u8)) / 4.0,
-                ..Sample::default()
-            });
-        }
-    }
-    out
-}
-
-/// Every piece of state that must agree across ranks in play: shuffled mini-batches of 2 groups split into
-/// micro-batches, warmup + cosine LR, weight decay, an entropy bonus, KL loss and an adaptive in-reward KL against
-/// the reference; with `critic`, GAE, a critic with warm-up and token-level rollout correction.
 fn config(args: &Args) -> JobConfig {
-    let mut cfg = JobConfig::default();
-    cfg.model.path = args.model.display().to_string();
-    cfg.run.seed = 5;
-    cfg.rollout.temperature = 0.9;
-    cfg.actor.optim.lr = 1e-3;
-    cfg.actor.optim.weight_decay = 0.01;
-    cfg.actor.optim.lr_warmup_steps = Some(1);
-    cfg.actor.optim.lr_scheduler_type = jetrl_config::LrSchedulerType::Cosine;
-    cfg.actor.optim.min_lr_ratio = 0.1;
-    cfg.actor.ppo_mini_batch_size = Some(2);
-    cfg.actor.ppo_epochs = 2;
-    cfg.actor.shuffle = true;
-    cfg.actor.ppo_max_token_len = 30;
-    cfg.actor.entropy_coeff = 0.01;
-    cfg.actor.use_kl_loss = true;
-    cfg.algorithm.use_kl_in_reward = true;
-    cfg.algorithm.kl_ctrl.kind = jetrl_config::KlCtrlType::Adaptive;
-    cfg.algorithm.kl_ctrl.kl_coef = 0.05;
-    if args.critic {
-        cfg.algorithm.adv_estimator = jetrl_config::AdvantageEstimator::Gae;
-        cfg.algorithm.lam = 0.95;
-        cfg.critic.optim.lr = 1e-3;
-        cfg.trainer.critic_warmup = 2;
-        cfg.algorithm.rollout_correction = Some(jetrl_config::RolloutCorrectionConfig {
-            rollout_is: Some(jetrl_config::RolloutIsLevel::Token),
-            ..Default::default()
-        });
-    }
+    let mut cfg = synthetic::job_config(&args.model, args.critic);
     cfg.trainer.n_gpus_per_node = args.world;
     cfg.trainer.dist.rank = args.rank;
     cfg.trainer.dist.master_port = args.port;
@@ -139,7 +84,7 @@ fn main() -> anyhow::Result<()> {
     let mut actor = Actor::new(&cfg, args.horizon, resume, comm.clone())?;
     let mut steps = Vec::new();
     for step in args.start..=args.end {
-        let samples = batch(step, args.groups, args.max_response);
+        let samples = synthetic::batch(step, args.groups, args.max_response);
         let owner = ranks::balance(&samples, plan.world);
         let rows: Vec<RowInfo> = samples.iter().map(RowInfo::of).collect();
         let local = samples.into_iter().enumerate().filter(|(i, _)| owner[*i] == plan.rank).collect();
