@@ -13,8 +13,7 @@
 # "optim_bytes_per_param_1rank":…,"optim_bytes_per_param_2ranks":…}
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-cargo build --quiet -p jetrl-trainer --bin jetrl-trainer-dp
-cargo build --quiet -p jetrl-torch-ext --bin bench_collectives
+cargo build --quiet --bin jetrl-trainer-dp --bin bench_collectives
 steps=${DP_STEPS:-8}; warmup=${DP_WARMUP:-2}; groups=${DP_GROUPS:-8}; mib=${DP_MIB:-16}; rounds=${DP_ROUNDS:-3}
 py=.venv/bin/python
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT

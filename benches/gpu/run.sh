@@ -16,9 +16,10 @@ cd "$root"
 py="$root/.venv/bin/python"
 
 # (benches/rollout_engine/run.sh installs transformers through scripts/setup.sh, if missing)
-# `just bench` has built the workspace; this keeps the script usable on its own.
+# `just bench` has built the workspace; this keeps the script usable on its own. Targets are named without `-p`:
+# one package alone resolves its dependencies' features apart from the workspace's, and rebuilds them (minutes).
 cargo build -q --bins
-cargo build -q -p jetrl-model --example rollout_engine_bench
+cargo build -q --example rollout_engine_bench
 
 cuda="$("$py" -c 'import torch; print(int(torch.cuda.is_available()))')"
 if [ "${JETRL_BENCH_GPU_SHAPE:-}" = tiny ] || [ "$cuda" != 1 ]; then

@@ -6,5 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # `just bench` has built the workspace; this keeps the script usable on its own.
-cargo build --quiet -p jetrl-tests --bin jetrl-reward-bench
+cargo build --quiet --bin jetrl-reward-bench
 exec ./target/debug/jetrl-reward-bench "$@"

@@ -34,7 +34,7 @@ dtype="${JETRL_BENCH_DTYPE:-f32}"
 read -r -a shape <<<"${JETRL_BENCH_SHAPE:-}"
 
 scripts/setup.sh transformers >&2
-cargo build -q -p jetrl-model --example rollout_engine_bench
+cargo build -q --example rollout_engine_bench
 bin="$root/target/debug/examples/rollout_engine_bench"
 py="$root/.venv/bin/python"
 

@@ -15,6 +15,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # `just bench` has built the workspace; this keeps the script usable on its own.
-cargo build --quiet --bins -p jetrl-reward-service -p jetrl-replay-buffer
-cargo build --quiet -p jetrl-tests --bin bench-soak
+cargo build --quiet --bin jetrl-reward-service --bin jetrl-replay-buffer
+cargo build --quiet --bin bench-soak
 exec "${CARGO_TARGET_DIR:-target}/debug/bench-soak"

@@ -16,5 +16,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # `just bench` has built the workspace; this keeps the script usable on its own.
-cargo build --quiet -p jetrl-trainer --bin jetrl-trainer-bench
+cargo build --quiet --bin jetrl-trainer-bench
 exec ./target/debug/jetrl-trainer-bench --python .venv/bin/python --reference benches/trainer_step/reference.py "$@"

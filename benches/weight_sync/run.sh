@@ -13,5 +13,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # `just bench` has built the workspace; this keeps the script usable on its own.
-cargo build --quiet -p jetrl-tests --bin bench-weight-sync
+cargo build --quiet --bin bench-weight-sync
 exec ./target/debug/bench-weight-sync "$@"
