@@ -8,10 +8,12 @@
 # Arguments pass through to jetrl-trainer-bench (`--hidden`, `--layers`, `--vocab`, `--rows`, `--prompt-len`,
 # `--response-len`, `--warmup`, `--iters`, `--threads`). Default: Qwen2 shape, hidden 256, 4 layers, vocab 4096,
 # 16 sequences of ≤32 prompt + ≤96 response tokens.
-# It also measures jetrl's peak RSS over one update of a long batch (16 x (32 + `--long-response-len` 1024)
+# It also times a long-tail batch (16 responses of 16 to `--long-response-len` tokens, log-uniform) with padded
+# and with packed micro-batches (`model.use_remove_padding`), alternating, and measures jetrl's peak RSS over one
+# update of a long batch (16 x (32 + `--long-response-len` 1024)
 # tokens), without and with gradient checkpointing, each in a process of its own (peak RSS only grows).
-# Last line: {"bench":"trainer_step","jetrl_tok_per_s":…,"reference_tok_per_s":…,"ratio":…,"peak_mb_plain":…,
-# "peak_mb_checkpointed":…}
+# Last line: {"bench":"trainer_step","jetrl_tok_per_s":…,"reference_tok_per_s":…,"ratio":…,"packed_vs_padded":…,
+# "peak_mb_plain":…,"peak_mb_checkpointed":…}
 # (GPU variant: not yet; it needs a machine with a GPU.)
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -72,6 +72,8 @@ struct Settings {
     bypass_old_log_prob: bool,
     /// recompute the decoder layers' activations in the backward pass (`model.enable_gradient_checkpointing`)
     gradient_checkpointing: bool,
+    /// forward passes on micro-batches packed without padding (`model.use_remove_padding`)
+    remove_padding: bool,
 }
 
 /// The result of one [`Actor::train`]: verl-named metrics and the phase timings (`timing_s/<phase>`).
@@ -221,6 +223,7 @@ impl Actor {
                 calculate_entropy: cfg.actor.calculate_entropy || cfg.actor.entropy_coeff != 0.0,
                 bypass_old_log_prob: bypass,
                 gradient_checkpointing: cfg.model.enable_gradient_checkpointing,
+                remove_padding: cfg.model.use_remove_padding,
             },
             actor_updates: 0,
             model_dir,
@@ -307,30 +310,21 @@ impl Actor {
         self.optim.state_bytes() + self.critic.as_ref().map_or(0, |c| c.optimizer_state_bytes())
     }
 
-    /// Response-position logits `[n, r, V]`, f32, divided by the rollout temperature.
-    fn response_logits(model: &CausalLm, mb: &MicroBatch, temperature: f64) -> Result<Tensor, ActorError> {
-        let hidden = model.forward_hidden(&mb.input_ids, &mb.attention_mask)?;
-        // position p-1+j predicts response token j
-        let logits = model.lm_head(&hidden.f_narrow(1, mb.p - 1, mb.r)?)?;
-        Ok(if temperature != 1.0 { logits.f_div_scalar(temperature)? } else { logits })
-    }
-
-    /// [`Self::response_logits`] for an update: with gradient checkpointing the decoder layers keep no activations
-    /// and the returned checkpoints must be back-propagated ([`CausalLm::backward_checkpointed`]) right after the
-    /// loss's backward pass.
-    fn response_logits_for_update(
+    /// Response-position logits, f32, divided by the rollout temperature: `[n, r, V]` for a padded micro-batch,
+    /// `[T, V]` for a packed one (its response tokens end to end; [`MicroBatch::to_rows`] brings per-token values
+    /// back to `[n, r]`). With `checkpointing` (an update with `model.enable_gradient_checkpointing`) the decoder
+    /// layers keep no activations and the returned checkpoints must be back-propagated
+    /// ([`CausalLm::backward_checkpointed`]) right after the loss's backward pass.
+    fn response_logits(
         model: &CausalLm,
         mb: &MicroBatch,
         temperature: f64,
         checkpointing: bool,
     ) -> Result<(Tensor, Option<Checkpoints>), ActorError> {
-        if !checkpointing {
-            return Ok((Self::response_logits(model, mb, temperature)?, None));
-        }
-        let (hidden, checkpoints) = model.forward_hidden_checkpointed(&mb.input_ids, &mb.attention_mask)?;
-        let logits = model.lm_head(&hidden.f_narrow(1, mb.p - 1, mb.r)?)?;
+        let (hidden, checkpoints) = mb.response_hidden(model, checkpointing)?;
+        let logits = model.lm_head(&hidden)?;
         let logits = if temperature != 1.0 { logits.f_div_scalar(temperature)? } else { logits };
-        Ok((logits, Some(checkpoints)))
+        Ok((logits, checkpoints))
     }
 
     /// Log-probs of every row's response under `model` without autograd, as `[rows, width]` host matrices of the
@@ -356,15 +350,17 @@ impl Actor {
         };
         tch::no_grad(|| -> Result<(), ActorError> {
             for chunk in batch.local_micro_batches(&batch.local_rows(), self.settings.max_token_len) {
-                let mb = MicroBatch::build(&batch.samples(&chunk), self.pad_id, model.device())?;
-                let logits = Self::response_logits(model, &mb, self.settings.temperature)?;
+                let refs = batch.samples(&chunk);
+                let mb = MicroBatch::build_for(&refs, self.pad_id, model.device(), self.settings.remove_padding)?;
+                let (logits, _) = Self::response_logits(model, &mb, self.settings.temperature, false)?;
                 let r = mb.r as usize;
-                copy(&mut lp, &to_host(&logprobs_from_logits(&logits, &mb.response_ids))?, &chunk, r);
+                let rows = |values: Tensor| -> Result<Vec<f32>, tch::TchError> { to_host(&mb.to_rows(&values)?) };
+                copy(&mut lp, &rows(logprobs_from_logits(&logits, mb.scored_ids()))?, &chunk, r);
                 if let Some(ent) = ent.as_mut() {
-                    copy(ent, &to_host(&entropy_from_logits(&logits))?, &chunk, r);
+                    copy(ent, &rows(entropy_from_logits(&logits))?, &chunk, r);
                 }
                 if let Some(spsq) = spsq.as_mut() {
-                    copy(spsq, &to_host(&sum_pi_squared_from_logits(&logits))?, &chunk, r);
+                    copy(spsq, &rows(sum_pi_squared_from_logits(&logits))?, &chunk, r);
                 }
             }
             Ok(())
@@ -640,7 +636,7 @@ impl Actor {
         self.optim.zero_grad();
         let mut metrics: BTreeMap<String, f64> = BTreeMap::new();
         for chunk in batch.local_micro_batches(rows, self.settings.max_token_len) {
-            let mb = MicroBatch::build(&batch.samples(&chunk), self.pad_id, device)?;
+            let mb = MicroBatch::build_for(&batch.samples(&chunk), self.pad_id, device, self.settings.remove_padding)?;
             let r = mb.r as usize;
             let mask = gather_rows(&cols.mask, width, &chunk, r, device)?;
             let old = gather_rows(&cols.old_log_probs, width, &chunk, r, device)?;
@@ -648,18 +644,18 @@ impl Actor {
             let reference =
                 cols.ref_log_probs.as_ref().map(|m| gather_rows(m, width, &chunk, r, device)).transpose()?;
             let weights = cols.is_weights.as_ref().map(|m| gather_rows(m, width, &chunk, r, device)).transpose()?;
-            let (logits, checkpoints) = Self::response_logits_for_update(
+            let (logits, checkpoints) = Self::response_logits(
                 &self.model,
                 &mb,
                 self.settings.temperature,
                 self.settings.gradient_checkpointing,
             )?;
-            let log_prob = logprobs_from_logits(&logits, &mb.response_ids);
+            let log_prob = mb.to_rows(&logprobs_from_logits(&logits, mb.scored_ids()))?;
             let entropy = match (self.settings.calculate_entropy, self.loss.entropy_coeff != 0.0) {
                 (false, _) => None,
-                (true, true) => Some(entropy_from_logits(&logits)),
+                (true, true) => Some(mb.to_rows(&entropy_from_logits(&logits))?),
                 // only a metric: kept out of the backward pass
-                (true, false) => Some(entropy_from_logits(&logits.f_detach()?)),
+                (true, false) => Some(mb.to_rows(&entropy_from_logits(&logits.f_detach()?))?),
             };
             let inputs = ActorLossInputs {
                 policy: PolicyLossInputs {

@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use jetrl_model::{CausalLm, Checkpoints, ModelError, Packed};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use tch::{Device, Kind, Tensor};
@@ -122,7 +123,8 @@ impl Sample {
 }
 
 /// Per-row tensors of a micro-batch: prompts left-padded to `p`, responses right-padded to `r`, so position
-/// `p − 1 + j` of the sequence predicts response token `j` in every row.
+/// `p − 1 + j` of the sequence predicts response token `j` in every row; and, when packed, the same rows end to
+/// end without padding.
 pub struct MicroBatch {
     pub input_ids: Tensor,
     pub attention_mask: Tensor,
@@ -131,9 +133,84 @@ pub struct MicroBatch {
     pub response_mask: Tensor,
     pub p: i64,
     pub r: i64,
+    /// the rows packed into one (`model.use_remove_padding`): the forward passes run on this instead
+    pub packed: Option<PackedRows>,
+}
+
+/// A micro-batch's rows packed end to end in one row, and where each response token's prediction is in it.
+pub struct PackedRows {
+    /// `[1, N]`: each row's prompt then response, rows in order
+    pub input_ids: Tensor,
+    /// each row's prompt + response length
+    pub lens: Vec<i64>,
+    /// `[T]`: for each response token (rows in order), the position in the packed row that predicts it
+    pub predicting: Tensor,
+    /// `[T]`: each response token's place in the `[n, r]` matrices (`row · r + j`)
+    pub slots: Tensor,
+    /// `[T]`: the response tokens
+    pub response_ids: Tensor,
 }
 
 impl MicroBatch {
+    /// The rows padded, and packed too when `packed` (the forward passes then use the packed row).
+    pub fn build_for(rows: &[&Sample], pad_id: i64, device: Device, packed: bool) -> Result<Self, tch::TchError> {
+        let mut mb = Self::build(rows, pad_id, device)?;
+        if packed {
+            mb.packed = Some(PackedRows::build(rows, mb.r, device)?);
+        }
+        Ok(mb)
+    }
+
+    /// The ids the response logits score: `[n, r]` padded, `[T]` packed.
+    pub fn scored_ids(&self) -> &Tensor {
+        self.packed.as_ref().map_or(&self.response_ids, |p| &p.response_ids)
+    }
+
+    /// Per-token values of the response tokens as `[n, r]` (zero past each response): padded values are that
+    /// already; packed ones (`[T]`) are put in their slots (differentiably).
+    pub fn to_rows(&self, values: &Tensor) -> Result<Tensor, tch::TchError> {
+        match &self.packed {
+            None => Ok(values.shallow_clone()),
+            Some(p) => {
+                let n = self.response_ids.size()[0];
+                Tensor::f_zeros([n * self.r], (values.kind(), values.device()))?
+                    .f_index_copy(0, &p.slots, values)?
+                    .f_view([n, self.r])
+            }
+        }
+    }
+
+    /// The model's final hidden states at the positions that predict the response tokens: `[n, r, H]` padded,
+    /// `[T, H]` packed. With `checkpointing` the decoder layers keep no activations and the returned checkpoints
+    /// must be back-propagated ([`CausalLm::backward_checkpointed`]) right after the loss's backward pass.
+    pub fn response_hidden(
+        &self,
+        model: &CausalLm,
+        checkpointing: bool,
+    ) -> Result<(Tensor, Option<Checkpoints>), ModelError> {
+        let (hidden, checkpoints) = match (&self.packed, checkpointing) {
+            (None, false) => (model.forward_hidden(&self.input_ids, &self.attention_mask)?, None),
+            (None, true) => {
+                let (hidden, checkpoints) = model.forward_hidden_checkpointed(&self.input_ids, &self.attention_mask)?;
+                (hidden, Some(checkpoints))
+            }
+            (Some(p), false) => {
+                (model.forward_hidden_packed(&Packed { input_ids: &p.input_ids, lens: &p.lens })?, None)
+            }
+            (Some(p), true) => {
+                let packed = Packed { input_ids: &p.input_ids, lens: &p.lens };
+                let (hidden, checkpoints) = model.forward_hidden_packed_checkpointed(&packed)?;
+                (hidden, Some(checkpoints))
+            }
+        };
+        let at_responses = match &self.packed {
+            // position p-1+j predicts response token j
+            None => hidden.f_narrow(1, self.p - 1, self.r)?,
+            Some(p) => hidden.f_squeeze_dim(0)?.f_index_select(0, &p.predicting)?,
+        };
+        Ok((at_responses, checkpoints))
+    }
+
     pub fn build(rows: &[&Sample], pad_id: i64, device: Device) -> Result<Self, tch::TchError> {
         let p = rows.iter().map(|s| s.prompt.len()).max().unwrap_or(1).max(1);
         let r = rows.iter().map(|s| s.response.len()).max().unwrap_or(1).max(1);
@@ -163,6 +240,35 @@ impl MicroBatch {
             response_mask: Tensor::f_from_slice(&resp_mask)?.f_view([n, r])?.f_to_device(device)?,
             p,
             r,
+            packed: None,
+        })
+    }
+}
+
+impl PackedRows {
+    /// `rows` end to end; `r` is the padded response width of their `[n, r]` matrices.
+    fn build(rows: &[&Sample], r: i64, device: Device) -> Result<Self, tch::TchError> {
+        let (mut ids, mut lens, mut predicting, mut slots, mut response_ids) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (i, s) in rows.iter().enumerate() {
+            let start = ids.len() as i64;
+            let prompt = s.prompt.len() as i64;
+            ids.extend(s.prompt.iter().chain(&s.response).map(|&t| i64::from(t)));
+            lens.push((s.prompt.len() + s.response.len()) as i64);
+            for (j, &t) in s.response.iter().enumerate() {
+                // the prompt's last token predicts the first response token
+                predicting.push(start + prompt - 1 + j as i64);
+                slots.push(i as i64 * r + j as i64);
+                response_ids.push(i64::from(t));
+            }
+        }
+        let tensor = |v: &[i64]| Tensor::f_from_slice(v).and_then(|t| t.f_to_device(device));
+        Ok(PackedRows {
+            input_ids: tensor(&ids)?.f_view([1, ids.len() as i64])?,
+            lens,
+            predicting: tensor(&predicting)?,
+            slots: tensor(&slots)?,
+            response_ids: tensor(&response_ids)?,
         })
     }
 }

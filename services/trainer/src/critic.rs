@@ -28,6 +28,8 @@ struct CriticSettings {
     grad_clip: f64,
     /// `model.enable_gradient_checkpointing`: the trunk's layers recompute their activations in the backward pass
     gradient_checkpointing: bool,
+    /// `model.use_remove_padding`: forward passes on micro-batches packed without padding
+    remove_padding: bool,
     cliprange_value: f64,
     agg: AggMode,
     loss_scale_factor: Option<f64>,
@@ -107,6 +109,7 @@ impl Critic {
             seed: critic.data_loader_seed,
             grad_clip: critic.grad_clip,
             gradient_checkpointing: cfg.model.enable_gradient_checkpointing,
+            remove_padding: cfg.model.use_remove_padding,
             cliprange_value: critic.cliprange_value,
             agg: critic.loss_agg_mode.unwrap_or(cfg.actor.loss_agg_mode),
             loss_scale_factor: critic.loss_scale_factor.or(cfg.actor.loss_scale_factor),
@@ -139,23 +142,18 @@ impl Critic {
     }
 
     /// Values `[n, r]` (f32) at the response positions of a micro-batch: V_t is read at the state that
-    /// generates response token t, as verl's `values[:, -response_length - 1 : -1]`.
-    fn forward_values(&self, mb: &MicroBatch) -> Result<Tensor, ActorError> {
-        let hidden = self.model.forward_hidden(&mb.input_ids, &mb.attention_mask)?.f_narrow(1, mb.p - 1, mb.r)?;
-        Ok(hidden.f_linear(&self.head_weight, Some(&self.head_bias))?.f_squeeze_dim(-1)?.f_to_kind(Kind::Float)?)
-    }
-
-    /// [`Self::forward_values`] for an update, with the trunk checkpointed when configured (the checkpoints are
-    /// back-propagated by the caller right after the loss's backward pass).
-    fn forward_values_for_update(&self, mb: &MicroBatch) -> Result<(Tensor, Option<Checkpoints>), ActorError> {
-        if !self.settings.gradient_checkpointing {
-            return Ok((self.forward_values(mb)?, None));
-        }
-        let (hidden, checkpoints) = self.model.forward_hidden_checkpointed(&mb.input_ids, &mb.attention_mask)?;
-        let hidden = hidden.f_narrow(1, mb.p - 1, mb.r)?;
+    /// generates response token t, as verl's `values[:, -response_length - 1 : -1]`. With `checkpointing` the
+    /// trunk keeps no activations and the returned checkpoints must be back-propagated right after the loss's
+    /// backward pass.
+    fn forward_values(
+        &self,
+        mb: &MicroBatch,
+        checkpointing: bool,
+    ) -> Result<(Tensor, Option<Checkpoints>), ActorError> {
+        let (hidden, checkpoints) = mb.response_hidden(&self.model, checkpointing)?;
         let values =
             hidden.f_linear(&self.head_weight, Some(&self.head_bias))?.f_squeeze_dim(-1)?.f_to_kind(Kind::Float)?;
-        Ok((values, Some(checkpoints)))
+        Ok((mb.to_rows(&values)?, checkpoints))
     }
 
     /// The current values of the rows this rank holds, in a `[rows, width]` host matrix of the whole batch (zero
@@ -164,8 +162,9 @@ impl Critic {
         let mut out = vec![0f32; batch.len() * width];
         tch::no_grad(|| -> Result<(), ActorError> {
             for chunk in batch.local_micro_batches(&batch.local_rows(), self.settings.max_token_len) {
-                let mb = MicroBatch::build(&batch.samples(&chunk), self.pad_id, self.model.device())?;
-                let values = to_host(&self.forward_values(&mb)?)?;
+                let refs = batch.samples(&chunk);
+                let mb = MicroBatch::build_for(&refs, self.pad_id, self.model.device(), self.settings.remove_padding)?;
+                let values = to_host(&self.forward_values(&mb, false)?.0)?;
                 for (k, &row) in chunk.iter().enumerate() {
                     let len = batch.rows[row].response_len;
                     out[row * width..row * width + len].copy_from_slice(&values[k * mb.r as usize..][..len]);
@@ -217,12 +216,13 @@ impl Critic {
                 self.optim.zero_grad();
                 let (mut vf_loss, mut clipfrac, mut vpred) = (0.0, 0.0, 0.0);
                 for chunk in batch.local_micro_batches(&rows, self.settings.max_token_len) {
-                    let mb = MicroBatch::build(&batch.samples(&chunk), self.pad_id, device)?;
+                    let refs = batch.samples(&chunk);
+                    let mb = MicroBatch::build_for(&refs, self.pad_id, device, self.settings.remove_padding)?;
                     let r = mb.r as usize;
                     let mask = gather_rows(targets.mask, targets.width, &chunk, r, device)?;
                     let old = gather_rows(targets.values, targets.width, &chunk, r, device)?;
                     let returns = gather_rows(targets.returns, targets.width, &chunk, r, device)?;
-                    let (vpreds, checkpoints) = self.forward_values_for_update(&mb)?;
+                    let (vpreds, checkpoints) = self.forward_values(&mb, self.settings.gradient_checkpointing)?;
                     let (loss, m) = compute_value_loss(
                         &vpreds,
                         &returns,

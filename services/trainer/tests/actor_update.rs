@@ -97,3 +97,44 @@ fn gradient_checkpointing_trains_the_actor_and_critic_exactly_as_without_it() {
         assert!((a - b).abs() <= 1e-6 * a.abs().max(1.0), "{key}: {a} vs {b}");
     }
 }
+
+/// `model.use_remove_padding` trains as the padded micro-batches do (the rows have different prompt and response
+/// lengths, so the padded path pads both), with and without gradient checkpointing: what the step computes before
+/// updating (π_old log-probs, values, advantages, entropy) and the losses and gradient norms of its update within
+/// 1e-5, the weights after it within 1e-4 (AdamW divides by √v: a gradient element near zero that the two paths
+/// sum in another order moves its weight by up to lr, here 1e-2, so weights agree less closely than gradients).
+#[test]
+fn packed_micro_batches_train_the_actor_and_critic_as_padded_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    jetrl_model::init_model("tiny", dir.path(), 3).unwrap();
+    let run = |packed: bool, checkpointing: bool| {
+        let mut cfg = JobConfig::default();
+        cfg.model.path = dir.path().display().to_string();
+        cfg.model.use_remove_padding = packed;
+        cfg.model.enable_gradient_checkpointing = checkpointing;
+        cfg.actor.optim.lr = 1e-2;
+        // one update each (the whole batch): its gradients are compared, not the second update's (which starts
+        // from weights the first moved apart)
+        cfg.actor.ppo_mini_batch_size = None;
+        cfg.actor.entropy_coeff = 0.01;
+        cfg.algorithm.adv_estimator = jetrl_config::AdvantageEstimator::Gae;
+        cfg.critic.optim.lr = 1e-2;
+        let mut actor = Actor::new(&cfg, 1, None, Comm::Solo).unwrap();
+        let metrics = actor.train(&RankBatch::whole(batch()), 1, OldPolicy::Current).unwrap().metrics;
+        let weights: BTreeMap<String, Tensor> =
+            actor.model().parameters().into_iter().map(|(k, v)| (k, v.detach().copy())).collect();
+        (metrics, weights)
+    };
+    let (padded, padded_weights) = run(false, false);
+    for checkpointing in [false, true] {
+        let (packed, packed_weights) = run(true, checkpointing);
+        for (name, w) in &padded_weights {
+            let d = f64::try_from((w - &packed_weights[name]).abs().max()).unwrap();
+            assert!(d <= 1e-4, "{name}: |Δ| {d} (checkpointing {checkpointing})");
+        }
+        for (key, a) in &padded {
+            let b = packed[key];
+            assert!((a - b).abs() <= 1e-5 * a.abs().max(1.0), "{key}: {a} vs {b} (checkpointing {checkpointing})");
+        }
+    }
+}

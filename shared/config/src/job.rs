@@ -471,6 +471,10 @@ pub struct ModelConfig {
     /// `actor_rollout_ref.model.enable_gradient_checkpointing`; here for the actor and the critic): less memory
     /// per micro-batch, about one more forward pass of compute per update
     pub enable_gradient_checkpointing: bool,
+    /// pack each micro-batch's sequences end to end in one row, without padding, in the trainer's forward passes
+    /// (verl `actor_rollout_ref.model.use_remove_padding`; the actor, π_old / reference log-probs and the critic):
+    /// the same log-probs and values, no compute spent on padding
+    pub use_remove_padding: bool,
 }
 
 impl Default for ModelConfig {
@@ -481,6 +485,7 @@ impl Default for ModelConfig {
             device: DeviceSpec::Cpu,
             dtype: ModelDtype::F32,
             enable_gradient_checkpointing: false,
+            use_remove_padding: false,
         }
     }
 }

@@ -125,6 +125,16 @@ pub struct LayerKv {
     pub(crate) v: Tensor,
 }
 
+/// Which keys each query of a forward pass attends to.
+#[derive(Debug, Clone, Copy)]
+pub enum Attend<'a> {
+    /// a boolean mask `[B, 1, T, S]`, true = may attend (padded batches, the KV cache)
+    Mask(&'a Tensor),
+    /// one row of sequences packed end to end, of these lengths: each token attends causally within its own
+    /// sequence (no padding, no mask)
+    Packed(&'a [i64]),
+}
+
 /// Multi-head attention with grouped key/value heads, optional q/k/v/o biases and optional per-head q/k RMSNorm
 /// (Qwen3).
 #[derive(Debug)]
@@ -166,14 +176,15 @@ impl Attention {
         })
     }
 
-    /// `x`: `[B, T, H]`; `mask`: `[B, 1, T, S]` bool (true = may attend). With a cache, this call's keys and
-    /// values are written at slots `offset..offset+T` and attention runs over slots `0..offset+T` (`S`).
+    /// `x`: `[B, T, H]`; `attend`: a mask `[B, 1, T, S]` (true = may attend) or the lengths of the sequences
+    /// packed into one row (`B` = 1). With a cache (masks only), this call's keys and values are written at
+    /// slots `offset..offset+T` and attention runs over slots `0..offset+T` (`S`).
     pub fn forward(
         &self,
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        mask: &Tensor,
+        attend: Attend<'_>,
         cache: Option<(&mut LayerKv, i64)>,
     ) -> Result<Tensor> {
         let (b, t, _) = x.size3()?;
@@ -201,7 +212,32 @@ impl Attention {
         };
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let grouped = self.num_heads != self.num_kv_heads;
-        let y = Tensor::f_scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, scale, grouped)?;
+        let y = match attend {
+            Attend::Mask(mask) => {
+                Tensor::f_scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, scale, grouped)?
+            }
+            // each sequence on its own, causal, with no mask: the attention of a padded batch without its padding
+            Attend::Packed(lens) => {
+                let mut parts = Vec::with_capacity(lens.len());
+                let mut start = 0;
+                for &len in lens {
+                    let (qs, ks, vs) =
+                        (q.f_narrow(2, start, len)?, k.f_narrow(2, start, len)?, v.f_narrow(2, start, len)?);
+                    parts.push(Tensor::f_scaled_dot_product_attention(
+                        &qs,
+                        &ks,
+                        &vs,
+                        None::<&Tensor>,
+                        0.0,
+                        true,
+                        scale,
+                        grouped,
+                    )?);
+                    start += len;
+                }
+                Tensor::f_cat(&parts, 2)?
+            }
+        };
         let y = y.f_transpose(1, 2)?.f_reshape([b, t, self.num_heads * self.head_dim])?;
         self.o_proj.forward(&y)
     }
@@ -259,10 +295,10 @@ impl DecoderLayer {
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
-        mask: &Tensor,
+        attend: Attend<'_>,
         cache: Option<(&mut LayerKv, i64)>,
     ) -> Result<Tensor> {
-        let attn = self.self_attn.forward(&self.input_layernorm.forward(x)?, cos, sin, mask, cache)?;
+        let attn = self.self_attn.forward(&self.input_layernorm.forward(x)?, cos, sin, attend, cache)?;
         let x = x.f_add(&attn)?;
         let mlp = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
         Ok(x.f_add(&mlp)?)

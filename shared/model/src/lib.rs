@@ -34,7 +34,7 @@ pub use engine::{
 pub use error::{ModelError, Result};
 pub use init::init_model;
 pub use jetrl_tokenizer::{chat_template, tokenizer, ChatTemplate, Tokenizer, TokenizerError};
-pub use model::{CausalLm, Checkpoints};
+pub use model::{CausalLm, Checkpoints, Packed};
 pub use recompute::{log_probs_of, token_log_probs};
 pub use weights::{WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
 

@@ -10,7 +10,7 @@ use tch::{Device, Kind, Tensor};
 use crate::config::ModelConfig;
 use crate::device::DType;
 use crate::error::{ModelError, Result};
-use crate::layers::{DecoderLayer, RmsNorm, RotaryEmbedding};
+use crate::layers::{Attend, DecoderLayer, RmsNorm, RotaryEmbedding};
 use crate::weights::{self, CheckpointFiles};
 
 /// File name of the model configuration in a checkpoint directory.
@@ -167,9 +167,39 @@ impl CausalLm {
     pub fn forward_hidden(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor> {
         let (mut x, cos, sin, mask) = self.embed(input_ids, attention_mask)?;
         for layer in &self.layers {
-            x = layer.forward(&x, &cos, &sin, &mask, None)?;
+            x = layer.forward(&x, &cos, &sin, Attend::Mask(&mask), None)?;
         }
         self.norm.forward(&x)
+    }
+
+    /// The final normed hidden states `[1, N, H]` of sequences packed end to end in one row (no padding):
+    /// positions restart at 0 with every sequence and no token attends across sequences, so each token's state is
+    /// the one a padded batch gives it. Autograd flows when parameters require grad.
+    pub fn forward_hidden_packed(&self, packed: &Packed<'_>) -> Result<Tensor> {
+        let (mut x, cos, sin) = self.embed_packed(packed)?;
+        for layer in &self.layers {
+            x = layer.forward(&x, &cos, &sin, Attend::Packed(packed.lens), None)?;
+        }
+        self.norm.forward(&x)
+    }
+
+    /// The embeddings and RoPE's cos and sin of a packed row (positions `0..len` of each sequence in turn).
+    fn embed_packed(&self, packed: &Packed<'_>) -> Result<(Tensor, Tensor, Tensor)> {
+        let n: i64 = packed.lens.iter().sum();
+        if packed.input_ids.size() != [1, n] || packed.lens.iter().any(|&l| l <= 0) {
+            return Err(ModelError::Input(format!(
+                "packed input_ids has shape {:?}; the sequence lengths {:?} need [1, {n}], each at least 1",
+                packed.input_ids.size(),
+                packed.lens
+            )));
+        }
+        let device = self.device();
+        let positions: Vec<i64> = packed.lens.iter().flat_map(|&l| 0..l).collect();
+        let positions = Tensor::f_from_slice(&positions)?.f_view([1, n])?.f_to_device(device)?;
+        let (cos, sin) = self.rotary.cos_sin(&positions, self.dtype.kind())?;
+        let input_ids = packed.input_ids.f_to_device(device)?;
+        let embedded = Tensor::f_embedding(&self.embed_tokens, &input_ids, -1, false, false)?;
+        Ok((embedded, cos, sin))
     }
 
     /// What every layer of a padded batch's forward pass shares: the embeddings, RoPE's cos and sin at each
@@ -205,7 +235,31 @@ pub struct Checkpoints {
     last: Tensor,
     cos: Tensor,
     sin: Tensor,
-    mask: Tensor,
+    attending: Attending,
+}
+
+/// What the layers of a checkpointed forward attend with, kept for their second run.
+enum Attending {
+    Mask(Tensor),
+    Packed(Vec<i64>),
+}
+
+impl Attending {
+    fn attend(&self) -> Attend<'_> {
+        match self {
+            Self::Mask(mask) => Attend::Mask(mask),
+            Self::Packed(lens) => Attend::Packed(lens),
+        }
+    }
+}
+
+/// Sequences packed end to end in one row for a forward pass without padding ([`CausalLm::forward_hidden_packed`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Packed<'a> {
+    /// `[1, N]` token ids, the sequences one after another
+    pub input_ids: &'a Tensor,
+    /// each sequence's length, in order (they sum to N)
+    pub lens: &'a [i64],
 }
 
 impl std::fmt::Debug for Checkpoints {
@@ -226,18 +280,35 @@ impl CausalLm {
         attention_mask: &Tensor,
     ) -> Result<(Tensor, Checkpoints)> {
         let (embedded, cos, sin, mask) = self.embed(input_ids, attention_mask)?;
+        self.checkpointed_layers(embedded, cos, sin, Attending::Mask(mask))
+    }
+
+    /// [`Self::forward_hidden_packed`] with gradient checkpointing, as [`Self::forward_hidden_checkpointed`].
+    pub fn forward_hidden_packed_checkpointed(&self, packed: &Packed<'_>) -> Result<(Tensor, Checkpoints)> {
+        let (embedded, cos, sin) = self.embed_packed(packed)?;
+        self.checkpointed_layers(embedded, cos, sin, Attending::Packed(packed.lens.to_vec()))
+    }
+
+    /// The decoder layers without autograd, each one's input kept, then the final norm on a leaf.
+    fn checkpointed_layers(
+        &self,
+        embedded: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        attending: Attending,
+    ) -> Result<(Tensor, Checkpoints)> {
         let mut inputs = Vec::with_capacity(self.layers.len());
         let mut x = embedded.f_detach()?;
         tch::no_grad(|| -> Result<()> {
             for layer in &self.layers {
-                let next = layer.forward(&x, &cos, &sin, &mask, None)?;
+                let next = layer.forward(&x, &cos, &sin, attending.attend(), None)?;
                 inputs.push(std::mem::replace(&mut x, next));
             }
             Ok(())
         })?;
         let last = x.f_detach()?.set_requires_grad(true);
         let hidden = self.norm.forward(&last)?;
-        Ok((hidden, Checkpoints { embedded, inputs, last, cos, sin, mask }))
+        Ok((hidden, Checkpoints { embedded, inputs, last, cos, sin, attending }))
     }
 
     /// The rest of the backward pass of a [`Self::forward_hidden_checkpointed`]: from the gradient the caller's
@@ -245,14 +316,14 @@ impl CausalLm {
     /// back-propagated (`Σ y·g` has gradient `g` in `y`), then the embeddings. Parameter gradients accumulate as
     /// in a plain backward pass.
     pub fn backward_checkpointed(&self, checkpoints: Checkpoints) -> Result<()> {
-        let Checkpoints { embedded, inputs, last, cos, sin, mask } = checkpoints;
+        let Checkpoints { embedded, inputs, last, cos, sin, attending } = checkpoints;
         let mut grad = last.grad();
         if !grad.defined() {
             return Ok(());
         }
         for (layer, input) in self.layers.iter().zip(inputs).rev() {
             let x = input.set_requires_grad(true);
-            let y = layer.forward(&x, &cos, &sin, &mask, None)?;
+            let y = layer.forward(&x, &cos, &sin, attending.attend(), None)?;
             y.f_mul(&grad)?.f_sum(Kind::Float)?.f_backward()?;
             grad = x.grad();
             if !grad.defined() {

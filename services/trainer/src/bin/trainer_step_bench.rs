@@ -173,6 +173,51 @@ fn memory_probe(args: &Args, mode: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Long-tail responses as RL produces them (16 rows, 16 to `long_response_len` tokens, log-uniform), one update
+/// at a time alternating padded and packed micro-batches (`model.use_remove_padding`) on the same weights and
+/// batch; returns (padded, packed) median seconds and the batch's tokens.
+fn long_tail(args: &Args, base: &JobConfig) -> anyhow::Result<(f64, f64, usize)> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(17);
+    let (lo, hi) = (16f64.ln(), (args.long_response_len.max(17) as f64).ln());
+    let mut samples = Vec::new();
+    let (mut old, mut adv) = (Vec::new(), Vec::new());
+    for i in 0..16 {
+        let r = rng.gen_range(lo..=hi).exp().round() as usize;
+        let tok = |rng: &mut rand_chacha::ChaCha8Rng| rng.gen_range(3..args.vocab as u32);
+        samples.push(Sample {
+            key: format!("g{}_{}_0", i / 4, i % 4),
+            uid: format!("g{}", i / 4),
+            prompt: (0..args.prompt_len).map(|_| tok(&mut rng)).collect(),
+            response: (0..r).map(|_| tok(&mut rng)).collect(),
+            response_mask: vec![1; r],
+            ..Sample::default()
+        });
+        old.push((0..r).map(|_| -(args.vocab as f32).ln() + rng.gen_range(-0.05f32..0.05)).collect::<Vec<f32>>());
+        adv.push(vec![rng.gen_range(-1.5f32..1.5); r]);
+    }
+    let tokens = samples.iter().map(|s| s.prompt.len() + s.response.len()).sum();
+    let actor = |packed: bool| -> anyhow::Result<Actor> {
+        let mut cfg = base.clone();
+        cfg.model.use_remove_padding = packed;
+        Ok(Actor::new(&cfg, 1, None, Comm::Solo)?)
+    };
+    let (mut padded, mut packed) = (actor(false)?, actor(true)?);
+    let (mut padded_s, mut packed_s) = (Vec::new(), Vec::new());
+    for i in 0..1 + args.iters.min(3) {
+        for (actor, times) in [(&mut padded, &mut padded_s), (&mut packed, &mut packed_s)] {
+            let t = Instant::now();
+            actor.ppo_update(&samples, &old, &adv, 1e-5)?;
+            if let tch::Device::Cuda(d) = actor.model().device() {
+                tch::Cuda::synchronize(d as i64);
+            }
+            if i > 0 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+    }
+    Ok((median(padded_s), median(packed_s), tokens))
+}
+
 /// Runs this binary once with `--memory-probe mode` and returns its peak RSS in MiB.
 fn probe_in_own_process(mode: &str) -> anyhow::Result<f64> {
     let mut argv: Vec<String> = std::env::args().skip(1).collect();
@@ -293,6 +338,11 @@ fn main() -> anyhow::Result<()> {
     );
     let jetrl_tps = tokens as f64 / jetrl_s;
     let ref_tps = tokens as f64 / ref_s;
+    let (padded_s, packed_s, long_tokens) = long_tail(&args, &cfg)?;
+    eprintln!(
+        "long-tail batch ({long_tokens} tokens, responses 16-{}): padded {padded_s:.3}s, packed {packed_s:.3}s per update",
+        args.long_response_len
+    );
     let (peak_plain, peak_checkpointed) = if device == tch::Device::Cpu {
         (Some(probe_in_own_process("plain")?), Some(probe_in_own_process("checkpointed")?))
     } else {
@@ -312,6 +362,8 @@ fn main() -> anyhow::Result<()> {
             "tokens_per_update": tokens,
             "device": device_name,
             "dtype": dtype_name,
+            "packed_vs_padded": (padded_s / packed_s * 1000.0).round() / 1000.0,
+            "long_tail_tokens": long_tokens,
             "peak_mb_plain": peak_plain.map(|m| m.round()),
             "peak_mb_checkpointed": peak_checkpointed.map(|m| m.round()),
         })

@@ -10,7 +10,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::engine::cache::SlotCache;
 use crate::error::{ModelError, Result};
-use crate::layers::{Attention, LayerKv, RmsNorm};
+use crate::layers::{Attend, Attention, LayerKv, RmsNorm};
 use crate::model::CausalLm;
 
 /// Runs `ids` through the model into slot `slot` (positions `0..len`) and returns the f32 logits `[1, V]` of the
@@ -34,7 +34,7 @@ pub(crate) fn prefill(model: &CausalLm, cache: &mut SlotCache, slot: i64, ids: &
         for (layer, kv) in model.layers.iter().zip(cache.layers.iter_mut()) {
             // A one-row view of the slot: the layer writes positions 0..t of this row in place.
             let mut row = LayerKv { k: kv.k.f_narrow(0, slot, 1)?, v: kv.v.f_narrow(0, slot, 1)? };
-            x = layer.forward(&x, &cos, &sin, &mask, Some((&mut row, 0)))?;
+            x = layer.forward(&x, &cos, &sin, Attend::Mask(&mask), Some((&mut row, 0)))?;
         }
         let last = model.norm.forward(&x.f_narrow(1, t - 1, 1)?)?;
         Ok(model.lm_head(&last)?.f_squeeze_dim(1)?)
