@@ -140,6 +140,14 @@ impl Comm {
         }
     }
 
+    /// Deletes `key` from the group's store (nothing with one rank).
+    pub fn store_delete(&self, key: &str) -> Result<(), DistError> {
+        match self {
+            Self::Solo => Ok(()),
+            Self::Group(g) => Self::lock(g).store_delete(key),
+        }
+    }
+
     /// Returns once every rank has reached it.
     pub fn barrier(&self) -> Result<(), DistError> {
         match self {

@@ -141,16 +141,23 @@ pub enum Command {
     Stop,
 }
 
-/// Rank 0's side of the command channel.
+/// Rank 0's side of the command channel. Commands are deleted from the store once every follower has read
+/// them: rank 0 sends a command, then runs it itself; a command with a collective (`Train`, `SaveCheckpoint`)
+/// completes on rank 0 only when every rank has joined it, so when rank 0 sends the next one, every follower has
+/// read everything up to the last such command.
 #[derive(Debug)]
 pub struct Leader {
     comm: Comm,
     sent: u64,
+    /// commands up to this number are deleted from the store
+    deleted: u64,
+    /// the number of the last command sent, when it has a collective (all ranks have read it once rank 0 ran it)
+    synced: Option<u64>,
 }
 
 impl Leader {
     pub fn new(comm: Comm) -> Self {
-        Self { comm, sent: 0 }
+        Self { comm, sent: 0, deleted: 0, synced: None }
     }
 
     pub fn comm(&self) -> &Comm {
@@ -162,9 +169,18 @@ impl Leader {
         if self.comm.world() == 1 {
             return Ok(());
         }
+        if let Some(read) = self.synced.take() {
+            for n in self.deleted + 1..=read {
+                self.comm.store_delete(&format!("cmd/{n}"))?;
+            }
+            self.deleted = read;
+        }
         self.sent += 1;
         let bytes = serde_json::to_vec(command).map_err(|e| ActorError::Batch(format!("command: {e}")))?;
         self.comm.store_set(&format!("cmd/{}", self.sent), &bytes)?;
+        if matches!(command, Command::Train { .. } | Command::SaveCheckpoint { .. }) {
+            self.synced = Some(self.sent);
+        }
         Ok(())
     }
 }

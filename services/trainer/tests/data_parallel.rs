@@ -182,3 +182,24 @@ fn a_checkpoint_resumes_on_another_number_of_ranks() {
         same_metrics(&tail, &report(&resumed, 0), &format!("{before} -> {after}"));
     }
 }
+
+/// A checkpoint that lacks one rank's optimizer shard is refused at resume, naming the missing file.
+#[test]
+fn a_checkpoint_missing_a_ranks_shard_is_refused_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    jetrl_model::init_model("tiny", &model, 3).unwrap();
+    let first = dir.path().join("first");
+    run(&model, 2, 1, 1, &first, &["--save-at", "1"]);
+    let shard = first.join("ckpt/actor/optimizer.rank1-of-2.safetensors");
+    std::fs::remove_file(&shard).unwrap();
+    let ckpt = first.join("ckpt").display().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_jetrl-trainer-dp"))
+        .args(["--rank", "0", "--world", "1", "--start", "2", "--end", "2", "--resume", &ckpt])
+        .args(["--model", &model.display().to_string()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "resumed without a shard:\n{stderr}");
+    assert!(stderr.contains(&shard.display().to_string()) && stderr.contains("saved by 2 ranks"), "{stderr}");
+}

@@ -243,6 +243,24 @@ int jetrl_pg_new(int backend, int rank, int world_size, const char* host, uint16
   });
   if (status != JETRL_OK) return status;
 
+  // 2b. Every rank must have been started for the same group: rank 0 says its world size, the others compare
+  //     (a rank started with another trainer.n_gpus_per_node or nnodes would otherwise wait out the rendezvous).
+  status = guarded(err, timeout, JETRL_ERR_TIMEOUT, [&] {
+    const std::string key = "jetrl/world_size";
+    const std::string mine = std::to_string(world_size);
+    if (rank == 0) {
+      pg->store->set(key, std::vector<uint8_t>(mine.begin(), mine.end()));
+    } else {
+      const std::vector<uint8_t> value = pg->store->get(key);
+      const std::string theirs(value.begin(), value.end());
+      if (theirs != mine) {
+        throw ShimError(JETRL_ERR_INVALID_ARGUMENT, "rank " + std::to_string(rank) + " was started for a group of " +
+                                                        mine + " ranks, but rank 0 leads a group of " + theirs);
+      }
+    }
+  });
+  if (status != JETRL_OK) return status;
+
   // 3. The backend's own rendezvous (full mesh of connections through the store), bounded by the timeout.
   status = guarded(err, timeout, JETRL_ERR_TIMEOUT, [&] {
     if (backend == JETRL_BACKEND_GLOO) {
@@ -389,5 +407,10 @@ int jetrl_pg_store_get(jetrl_pg* pg, const char* key, int64_t timeout_ms, uint8_
 }
 
 void jetrl_free_bytes(uint8_t* p) { std::free(p); }
+
+int jetrl_pg_store_delete(jetrl_pg* pg, const char* key, char** err) {
+  if (pg == nullptr || key == nullptr) return JETRL_ERR_INVALID_ARGUMENT;
+  return guarded(err, pg->timeout, JETRL_ERR_TIMEOUT, [&] { pg->store->deleteKey(std::string(key)); });
+}
 
 }  // extern "C"

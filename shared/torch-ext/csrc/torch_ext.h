@@ -60,6 +60,8 @@ int jetrl_pg_store_set(jetrl_pg* pg, const char* key, const uint8_t* data, uint6
 int jetrl_pg_store_get(jetrl_pg* pg, const char* key, int64_t timeout_ms, uint8_t** out, uint64_t* out_len,
                        char** err);
 void jetrl_free_bytes(uint8_t* p);
+// Deletes `key` from the group's store (no error when it is not there).
+int jetrl_pg_store_delete(jetrl_pg* pg, const char* key, char** err);
 
 #ifdef __cplusplus
 }

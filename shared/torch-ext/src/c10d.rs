@@ -451,6 +451,21 @@ impl ProcessGroup {
         }
     }
 
+    /// Deletes `key` from the group's store (its prefix applied); a key that is not there is no error.
+    pub fn store_delete(&mut self, key: &str) -> Result<(), DistError> {
+        let key = self.c_key("store_delete", key)?;
+        let raw = self.raw.as_ptr();
+        let result = ffi::check(|err| {
+            #[allow(unsafe_code)]
+            // SAFETY: `raw` is this live group, `key` a NUL-terminated string alive for the call, `err` a live
+            // out-pointer.
+            unsafe {
+                ffi::jetrl_pg_store_delete(raw, key.as_ptr(), err)
+            }
+        });
+        result.map_err(|e| self.op_error("store_delete", e))
+    }
+
     fn c_key(&self, op: &'static str, key: &str) -> Result<std::ffi::CString, DistError> {
         std::ffi::CString::new(key).map_err(|_| DistError::InvalidArgument {
             op,

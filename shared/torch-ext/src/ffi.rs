@@ -82,6 +82,7 @@ extern "C" {
         err: *mut *mut c_char,
     ) -> c_int;
     pub(crate) fn jetrl_free_bytes(p: *mut u8);
+    pub(crate) fn jetrl_pg_store_delete(pg: *mut RawGroup, key: *const c_char, err: *mut *mut c_char) -> c_int;
 }
 
 /// A failed shim call: its status code and the C++ message.

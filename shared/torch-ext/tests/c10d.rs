@@ -190,3 +190,20 @@ fn a_silent_peer_times_out_the_collective() {
         expect_success(&format!("rank {rank}"), child, deadline);
     }
 }
+
+#[test]
+fn a_rank_started_for_another_world_size_is_refused() {
+    let port = free_port();
+    let dir = tempfile::tempdir().unwrap();
+    // rank 0 of a group of 2 hosts the store and waits for its rank 1; a rank 1 started for a group of 3 knocks
+    let mut zero = spawn_rank("hold", 0, 2, port, Some(dir.path()));
+    let start = Instant::now();
+    let err = ProcessGroup::new(options(1, 3, port, Duration::from_secs(5))).unwrap_err();
+    let message = err.to_string();
+    println!("{message}");
+    assert!(matches!(err, DistError::InvalidOptions(_)), "{message}");
+    assert!(message.contains("group of 3") && message.contains("rank 0 leads a group of 2"), "{message}");
+    assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
+    let _ = zero.kill();
+    let _ = zero.wait();
+}

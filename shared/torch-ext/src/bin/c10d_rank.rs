@@ -143,7 +143,9 @@ fn store_channel(rank: usize, world: usize, port: u16) {
             let answer = pg.store_get(&format!("ack/1/{r}"), Duration::from_secs(8)).unwrap();
             assert_eq!(answer.as_deref(), Some(format!("rank {r} read train step 7").as_bytes()));
         }
-        // an empty value is a value
+        // a command every rank has read is deleted; an empty value is a value
+        pg.store_delete("cmd/1").unwrap();
+        pg.store_delete("cmd/never").unwrap();
         pg.store_set("cmd/2", b"").unwrap();
     } else {
         let start = Instant::now();
@@ -156,6 +158,7 @@ fn store_channel(rank: usize, world: usize, port: u16) {
         )
         .unwrap();
         assert_eq!(pg.store_get("cmd/2", Duration::from_secs(8)).unwrap(), Some(Vec::new()));
+        assert_eq!(pg.store_get("cmd/1", Duration::from_millis(200)).unwrap(), None, "cmd/1 was deleted before cmd/2");
     }
     pg.barrier().unwrap();
 }
