@@ -189,7 +189,8 @@ impl AdamW {
         self.comm.reduce_scatter_sum(&mut self.grad, &self.flat)?;
         self.reduced = true;
         let mut squares = [f64::try_from(self.grad.f_square()?.f_sum(Kind::Double)?)?];
-        self.comm.all_reduce_f64(&mut squares, Device::Cpu)?;
+        // on the gradients' device: NCCL reduces device memory only
+        self.comm.all_reduce_f64(&mut squares, self.grad.device())?;
         Ok(squares[0].sqrt())
     }
 
