@@ -9,6 +9,7 @@ use tch::{Kind, Tensor};
 
 use crate::config::{ModelConfig, RopeScaling};
 use crate::error::Result;
+use crate::lora::Adapter;
 
 /// Adds an uninitialised trainable parameter of the path's kind and device.
 fn param(vs: &Path, name: &str, dims: &[i64]) -> Result<Tensor> {
@@ -21,17 +22,23 @@ fn param(vs: &Path, name: &str, dims: &[i64]) -> Result<Tensor> {
 pub struct Linear {
     pub(crate) weight: Tensor,
     pub(crate) bias: Option<Tensor>,
+    /// a LoRA adapter on this layer ([`crate::lora`])
+    pub(crate) lora: Option<Adapter>,
 }
 
 impl Linear {
     pub fn new(vs: Path, in_features: i64, out_features: i64, bias: bool) -> Result<Self> {
         let weight = param(&vs, "weight", &[out_features, in_features])?;
         let bias = if bias { Some(param(&vs, "bias", &[out_features])?) } else { None };
-        Ok(Linear { weight, bias })
+        Ok(Linear { weight, bias, lora: None })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.f_linear(&self.weight, self.bias.as_ref())?)
+        let y = x.f_linear(&self.weight, self.bias.as_ref())?;
+        match &self.lora {
+            Some(adapter) => adapter.add_to(x, y),
+            None => Ok(y),
+        }
     }
 }
 

@@ -11,6 +11,8 @@
 //!   [`token_log_probs`]).
 //! - [`engine`]: the rollout engine ([`Engine`]): continuous batching over a preallocated slot KV cache, group
 //!   forks, per-request sampling and seeds, weight swaps between steps, abort and resume.
+//! - [`lora`]: LoRA adapters in PEFT's layout: training, the reference with adapters off, adapter-only weight
+//!   blobs, merging ([`LoraMerger`] for a rollout engine, [`CausalLm::merge_lora`] for export).
 //! - [`init`]: random-init HF model directories ([`init_model`]).
 //! - [`device`]: `cpu` / `cuda:N` and `f32` / `bf16` strings.
 //!
@@ -22,6 +24,7 @@ pub mod engine;
 pub mod error;
 pub mod init;
 pub mod layers;
+pub mod lora;
 pub mod model;
 pub mod recompute;
 mod weights;
@@ -34,6 +37,7 @@ pub use engine::{
 pub use error::{ModelError, Result};
 pub use init::init_model;
 pub use jetrl_tokenizer::{chat_template, tokenizer, ChatTemplate, Tokenizer, TokenizerError};
+pub use lora::{AdapterConfig, LoraMerger, LoraSpec, Targets, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE};
 pub use model::{CausalLm, Checkpoints, Packed};
 pub use recompute::{log_probs_of, token_log_probs};
 pub use weights::{WEIGHTS_FILE, WEIGHTS_INDEX_FILE};

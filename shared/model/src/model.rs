@@ -11,6 +11,7 @@ use crate::config::ModelConfig;
 use crate::device::DType;
 use crate::error::{ModelError, Result};
 use crate::layers::{Attend, DecoderLayer, RmsNorm, RotaryEmbedding};
+use crate::lora::LoraState;
 use crate::weights::{self, CheckpointFiles};
 
 /// File name of the model configuration in a checkpoint directory.
@@ -32,6 +33,8 @@ pub struct CausalLm {
     /// `lm_head.weight`, or the embedding matrix itself when the checkpoint ties them.
     lm_head: Tensor,
     pub(crate) rotary: RotaryEmbedding,
+    /// LoRA adapters, when attached ([`crate::lora`])
+    pub(crate) lora: Option<LoraState>,
 }
 
 impl CausalLm {
@@ -57,7 +60,7 @@ impl CausalLm {
             (&root / "lm_head").add("weight", t, true)
         };
         let rotary = RotaryEmbedding::new(&config, device)?;
-        Ok(CausalLm { config, dtype, vs, embed_tokens, layers, norm, lm_head, rotary })
+        Ok(CausalLm { config, dtype, vs, embed_tokens, layers, norm, lm_head, rotary, lora: None })
     }
 
     /// Loads an HF checkpoint directory: `config.json` and `model.safetensors` (or shards listed in
