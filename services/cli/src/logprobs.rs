@@ -107,6 +107,12 @@ impl Driver {
         Ok(Driver { model, model_dir: model_dir.to_path_buf(), tokenizer: None })
     }
 
+    /// Scores with the PEFT adapter in `dir` applied to the model (unmerged, as the trainer computes).
+    pub fn with_lora(mut self, dir: &Path) -> Result<Self, LogprobsError> {
+        self.model.load_lora(dir).map_err(|source| LogprobsError::Model { dir: dir.to_path_buf(), source })?;
+        Ok(self)
+    }
+
     /// Answers one request line (without its newline).
     pub fn answer(&mut self, line: &[u8]) -> Result<Answer, LineError> {
         let text = std::str::from_utf8(line).map_err(|e| LineError::NotUtf8(e.to_string()))?;
@@ -160,12 +166,16 @@ impl Driver {
 /// Loads the model and answers every line of `input` on `output`, one output line per input line.
 pub fn logprobs_jsonl(
     model_dir: &Path,
+    lora: Option<&Path>,
     device: Device,
     dtype: DType,
     input: impl BufRead,
     output: impl Write,
 ) -> Result<Summary, LogprobsError> {
     let mut driver = Driver::load(model_dir, device, dtype)?;
+    if let Some(dir) = lora {
+        driver = driver.with_lora(dir)?;
+    }
     run(&mut driver, input, output)
 }
 

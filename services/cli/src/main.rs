@@ -51,10 +51,33 @@ enum Command {
     Logprobs {
         #[arg(long)]
         model: PathBuf,
+        /// score with this PEFT adapter directory on the model (e.g. a LoRA run's
+        /// `checkpoints/global_step_N/actor/lora_adapter`)
+        #[arg(long)]
+        lora: Option<PathBuf>,
         #[arg(long, default_value = "cpu")]
         device: String,
         #[arg(long, default_value = "f32")]
         dtype: String,
+    },
+    /// Write a model directory: with --merge, the base model with a LoRA adapter folded into its weights (an HF
+    /// model directory transformers and vLLM load as is).
+    Export {
+        /// fold the adapter into the base weights (the one export there is, required to say what it does)
+        #[arg(long, required = true)]
+        merge: bool,
+        /// the base model directory
+        #[arg(long)]
+        model: PathBuf,
+        /// the PEFT adapter directory
+        #[arg(long)]
+        lora: PathBuf,
+        /// the output directory (created; files in it are overwritten)
+        #[arg(long)]
+        out: PathBuf,
+        /// the weights' dtype in the output: f32, bf16, or the base's own (default)
+        #[arg(long)]
+        dtype: Option<String>,
     },
     /// Show a running job: the trainer's step, rate and reward, every service's health, groups by state, a
     /// staleness histogram, weight versions per worker, consumers that lag, dead letters, the streams' replicas,
@@ -102,15 +125,21 @@ fn main() -> anyhow::Result<()> {
             println!("wrote {preset} model to {}", out.display());
             Ok(())
         }
-        Command::Logprobs { model, device, dtype } => {
+        Command::Logprobs { model, lora, device, dtype } => {
             let device = jetrl_model::parse_device(&device)?;
             let dtype: jetrl_model::DType = dtype.parse()?;
-            let summary =
-                logprobs::logprobs_jsonl(&model, device, dtype, std::io::stdin().lock(), std::io::stdout().lock())?;
+            let (stdin, stdout) = (std::io::stdin().lock(), std::io::stdout().lock());
+            let summary = logprobs::logprobs_jsonl(&model, lora.as_deref(), device, dtype, stdin, stdout)?;
             if summary.refused > 0 {
                 eprintln!("jetrl logprobs: {} of {} lines refused (see their `error`)", summary.refused, summary.lines);
                 std::process::exit(1);
             }
+            Ok(())
+        }
+        Command::Export { merge: _, model, lora, out, dtype } => {
+            let dtype = dtype.map(|d| d.parse()).transpose()?;
+            let summary = jetrl_cli::export::merge(&model, &lora, &out, dtype)?;
+            println!("{summary}");
             Ok(())
         }
         Command::Status { config, mut overrides, nats_url, namespace, ledger, uid, json, watch } => {

@@ -30,7 +30,7 @@ fn hf_sample() -> PathBuf {
 /// Runs the driver on `input`; the output lines as JSON.
 fn run(dir: &Path, input: &str) -> (Summary, Vec<Value>) {
     let mut output = Vec::new();
-    let summary = logprobs_jsonl(dir, Device::Cpu, DType::F32, input.as_bytes(), &mut output).unwrap();
+    let summary = logprobs_jsonl(dir, None, Device::Cpu, DType::F32, input.as_bytes(), &mut output).unwrap();
     let lines = String::from_utf8(output).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     (summary, lines)
 }

@@ -82,6 +82,8 @@ pub struct EngineSettings {
     pub config: EngineConfig,
     /// For stop strings.
     pub detokenizer: Option<Detokenizer>,
+    /// the trainer publishes adapters of this spec (`model.lora_rank`): each is merged into the working weights
+    pub lora: Option<jetrl_model::LoraSpec>,
 }
 
 /// The engine's load, published by the engine thread after every step (for heartbeats and admission).
@@ -190,11 +192,20 @@ impl EngineHandle {
         std::thread::Builder::new()
             .name("rollout-engine".into())
             .spawn(move || {
-                let EngineSettings { model_dir, config, detokenizer, .. } = settings;
+                let EngineSettings { model_dir, config, detokenizer, lora, .. } = settings;
                 let built = CausalLm::load(&model_dir, device, dtype)
                     .and_then(|model| {
                         let bytes = Engine::kv_cache_bytes(&model, &config);
-                        Engine::new(model, config).map(|e| (e, bytes))
+                        let mut engine = Engine::new(model, config)?;
+                        if let Some(spec) = &lora {
+                            let host_bytes = engine.with_lora(spec)?;
+                            tracing::info!(
+                                rank = spec.rank,
+                                host_base_mib = host_bytes >> 20,
+                                "weights arrive as LoRA adapters"
+                            );
+                        }
+                        Ok((engine, bytes))
                     })
                     .map_err(|e| EngineError::load(&model_dir, e));
                 match built {

@@ -184,6 +184,7 @@ pub async fn run(
         dtype: cfg.model.dtype,
         config: engine_cfg,
         detokenizer: Some(detokenizer),
+        lora: jetrl_model::lora::spec_of(&cfg.model),
     };
     // Loading a model takes a while: off the reactor.
     let engine = tokio::task::spawn_blocking(move || EngineHandle::start(engine_settings))

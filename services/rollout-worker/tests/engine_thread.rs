@@ -15,6 +15,7 @@ fn start(dir: &Path, slots: usize) -> EngineHandle {
         model_dir: dir.to_path_buf(),
         device: jetrl_config::DeviceSpec::Cpu,
         dtype: jetrl_config::ModelDtype::F32,
+        lora: None,
         // EOS outside the vocabulary: sequences run to their budget.
         config: EngineConfig {
             max_num_seqs: slots,

@@ -112,9 +112,13 @@ pub struct Actor {
     /// π_old of decoupled PPO: the weights at the start of the current global step (separate_async), loaded
     /// on first use
     cycle_start: Option<CausalLm>,
+    /// π_old of decoupled PPO with LoRA: the adapter tensors at the start of the current global step
+    lora_snapshot: Option<Vec<Tensor>>,
     optim: AdamW,
     schedule: LrSchedule,
     reference: Option<CausalLm>,
+    /// the reference policy is the model with its LoRA adapters off (`model.lora_rank` with a KL term)
+    reference_is_base: bool,
     critic: Option<Critic>,
     kl_ctrl: Option<KlController>,
     kl_penalty: KlPenalty,
@@ -166,15 +170,33 @@ impl Actor {
         }
         tch::manual_seed(cfg.run.seed as i64);
         let model_dir = PathBuf::from(&cfg.model.path);
-        let source = resume.map(|(dir, _)| dir.join("actor")).unwrap_or_else(|| model_dir.clone());
-        let model = CausalLm::load(&source, device, dtype)?;
-        let params: Vec<(String, Tensor)> = model.parameters().into_iter().collect();
+        let lora = cfg.model.lora_rank > 0;
+        let model = if lora {
+            // the frozen base from model.path; the adapter from the checkpoint, lora_adapter_path or new
+            let mut model = CausalLm::load(&model_dir, device, dtype)?;
+            match resume {
+                Some((dir, _)) => {
+                    let adapter = dir.join("actor").join(checkpoint::LORA_ADAPTER_DIR);
+                    model.load_lora(&adapter)?;
+                }
+                None => model.attach_configured_lora(&cfg.model)?,
+            }
+            model
+        } else {
+            let source = resume.map(|(dir, _)| dir.join("actor")).unwrap_or_else(|| model_dir.clone());
+            CausalLm::load(&source, device, dtype)?
+        };
+        if let Some((spec, modules)) = model.lora_spec() {
+            tracing::info!(rank = spec.rank, alpha = spec.alpha, modules = modules.len(), "training a LoRA adapter");
+        }
+        let params: Vec<(String, Tensor)> = model.trainable_parameters().into_iter().collect();
         let mut optim = AdamW::sharded(params, &cfg.actor.optim, comm.clone())?;
         if let Some((dir, _)) = resume {
             checkpoint::load_optimizer(&dir.join("actor"), &mut optim)?;
         }
         let use_kl_in_reward = cfg.algorithm.use_kl_in_reward;
-        let reference = if cfg.actor.use_kl_loss || use_kl_in_reward {
+        let reference_is_base = lora && (cfg.actor.use_kl_loss || use_kl_in_reward);
+        let reference = if !lora && (cfg.actor.use_kl_loss || use_kl_in_reward) {
             let mut reference = CausalLm::load(&model_dir, device, dtype)?;
             reference.var_store_mut().freeze();
             Some(reference)
@@ -198,9 +220,11 @@ impl Actor {
         let mut actor = Self {
             model,
             cycle_start: None,
+            lora_snapshot: None,
             optim,
             schedule: LrSchedule::new(&cfg.actor.optim, total_steps),
             reference,
+            reference_is_base,
             critic,
             kl_ctrl: use_kl_in_reward.then(|| KlController::from_config(&cfg.algorithm.kl_ctrl)).transpose()?,
             kl_penalty: cfg.algorithm.kl_penalty,
@@ -262,7 +286,7 @@ impl Actor {
     }
 
     pub fn has_reference(&self) -> bool {
-        self.reference.is_some()
+        self.reference.is_some() || self.reference_is_base
     }
 
     /// The state to save with a checkpoint.
@@ -274,8 +298,12 @@ impl Actor {
         }
     }
 
-    /// The weights as a safetensors blob in `model.dtype` (what rollout workers load).
+    /// What rollout workers load: the weights as a safetensors blob in `model.dtype`, or with LoRA the
+    /// adapter tensors only (f32; workers keep the base and merge them in).
     pub fn weights_blob(&self) -> Result<Vec<u8>, ActorError> {
+        if self.model.lora_spec().is_some() {
+            return Ok(self.model.lora_to_safetensors_bytes()?);
+        }
         Ok(self.model.to_safetensors_bytes_as(self.ship_dtype)?)
     }
 
@@ -285,8 +313,14 @@ impl Actor {
         let actor_dir = dir.join("actor");
         let (rank, world) = (self.comm.rank(), self.comm.world());
         if rank == 0 {
-            self.model.save(&actor_dir)?;
-            checkpoint::copy_model_side_files(&self.model_dir, &actor_dir)?;
+            if self.model.lora_spec().is_some() {
+                // PEFT's layout; the base is model.path, named in the adapter's config as the user gave it
+                let adapter = actor_dir.join(checkpoint::LORA_ADAPTER_DIR);
+                self.model.save_lora(&adapter, &self.model_dir.display().to_string())?;
+            } else {
+                self.model.save(&actor_dir)?;
+                checkpoint::copy_model_side_files(&self.model_dir, &actor_dir)?;
+            }
         }
         checkpoint::save_optimizer(&actor_dir, &self.optim, rank, world)?;
         if let Some(critic) = &self.critic {
@@ -397,6 +431,14 @@ impl Actor {
     /// Copies the current weights as π_old for the local updates that follow (separate_async, at the start of
     /// every global step).
     pub fn snapshot(&mut self) -> Result<(), ActorError> {
+        if self.model.lora_spec().is_some() {
+            // the adapters are all that changes: keep a copy of them, not a second model
+            let copies = tch::no_grad(|| -> Result<Vec<Tensor>, tch::TchError> {
+                self.model.lora_parameters().values().map(|t| t.f_detach_copy()).collect()
+            })?;
+            self.lora_snapshot = Some(copies);
+            return Ok(());
+        }
         if self.cycle_start.is_none() {
             let mut copy = CausalLm::load(&self.model_dir, self.model.device(), self.model.dtype())?;
             copy.var_store_mut().freeze();
@@ -405,6 +447,27 @@ impl Actor {
         let copy = self.cycle_start.as_mut().ok_or(ActorError::Stopped)?;
         tch::no_grad(|| copy.var_store_mut().copy(self.model.var_store()))?;
         Ok(())
+    }
+
+    /// Runs `f` with the adapters of the last [`Self::snapshot`] in the model (π_old of a LoRA run), then puts
+    /// the current ones back.
+    fn with_snapshot_adapters<T>(&mut self, f: impl FnOnce(&Self) -> Result<T, ActorError>) -> Result<T, ActorError> {
+        let snapshot = self.lora_snapshot.as_ref().ok_or(ActorError::Stopped)?;
+        let params: Vec<Tensor> = self.model.lora_parameters().into_values().collect();
+        let swap = |from: &[Tensor]| -> Result<Vec<Tensor>, tch::TchError> {
+            tch::no_grad(|| {
+                let mut old = Vec::with_capacity(params.len());
+                for (p, s) in params.iter().zip(from) {
+                    old.push(p.f_detach_copy()?);
+                    p.shallow_clone().f_copy_(s)?;
+                }
+                Ok(old)
+            })
+        };
+        let current = swap(snapshot)?;
+        let result = f(self);
+        swap(&current)?;
+        result
     }
 
     /// One training step on `batch` (the global step `step`) with π_old from `old`: old, reference and value
@@ -448,14 +511,20 @@ impl Actor {
         let (old, spsq) = if self.settings.bypass_old_log_prob {
             (rollout.clone(), None)
         } else {
-            let policy = match pi_old {
-                OldPolicy::Current => &self.model,
-                OldPolicy::CycleStart => self.cycle_start.as_ref().ok_or_else(|| {
-                    ActorError::Batch("π_old of the cycle start was asked for before any snapshot".into())
+            let (old, entropy, spsq) = match pi_old {
+                OldPolicy::CycleStart if self.lora_snapshot.is_some() => self.with_snapshot_adapters(|actor| {
+                    actor.score_rows(&actor.model, &batch, width, true, actor.settings.calculate_sum_pi_squared)
                 })?,
+                OldPolicy::Current => {
+                    self.score_rows(&self.model, &batch, width, true, self.settings.calculate_sum_pi_squared)?
+                }
+                OldPolicy::CycleStart => {
+                    let policy = self.cycle_start.as_ref().ok_or_else(|| {
+                        ActorError::Batch("π_old of the cycle start was asked for before any snapshot".into())
+                    })?;
+                    self.score_rows(policy, &batch, width, true, self.settings.calculate_sum_pi_squared)?
+                }
             };
-            let (old, entropy, spsq) =
-                self.score_rows(policy, &batch, width, true, self.settings.calculate_sum_pi_squared)?;
             if let Some(entropy) = entropy {
                 let value = agg_loss(&host_tensor(&entropy, n)?, &mask_t, agg, &full_batch)?;
                 out.metrics.insert("actor/entropy".into(), f64::try_from(value)?);
@@ -468,6 +537,12 @@ impl Actor {
         let t = Instant::now();
         let reference = match &self.reference {
             Some(model) => Some(self.score_rows(model, &batch, width, false, false)?.0),
+            None if self.reference_is_base => {
+                self.model.set_lora_enabled(false);
+                let scored = self.score_rows(&self.model, &batch, width, false, false);
+                self.model.set_lora_enabled(true);
+                Some(scored?.0)
+            }
             None => None,
         };
         if reference.is_some() {

@@ -354,20 +354,16 @@ pub fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, Checkpo
     serde_json::from_str(&text).map_err(|e| CheckpointError::format(path, e))
 }
 
+/// The PEFT adapter directory of a LoRA run's `actor/` (the base model is `model.path`).
+pub const LORA_ADAPTER_DIR: &str = "lora_adapter";
+
 /// Copies the tokenizer and generation files of an HF model directory (everything but weights and
 /// `config.json`, which the model writes itself), so the checkpoint is a complete model directory.
 pub fn copy_model_side_files(model_dir: &Path, out: &Path) -> Result<(), CheckpointError> {
-    let entries = std::fs::read_dir(model_dir).map_err(|e| CheckpointError::io(model_dir, e))?;
-    for entry in entries.flatten() {
-        let path = entry.path();
-        let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
-        let is_weights = name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json");
-        if !path.is_file() || is_weights || name == "config.json" {
-            continue;
-        }
-        std::fs::copy(&path, out.join(name)).map_err(|e| CheckpointError::io(&path, e))?;
-    }
-    Ok(())
+    jetrl_model::copy_side_files(model_dir, out).map_err(|e| match e {
+        jetrl_model::ModelError::Io { path, source } => CheckpointError::io(&path, source),
+        other => CheckpointError::io(model_dir, std::io::Error::other(other.to_string())),
+    })
 }
 
 fn safetensors_dtype(kind: Kind) -> Option<safetensors::Dtype> {

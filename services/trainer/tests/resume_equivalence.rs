@@ -28,8 +28,13 @@ fn config(model: &Path, critic: bool) -> JobConfig {
 
 /// Every trainable tensor the run ends with: the actor's, and the critic's as its checkpoint holds them.
 fn final_weights(actor: &Actor, scratch: &Path) -> BTreeMap<String, Tensor> {
-    let mut out: BTreeMap<String, Tensor> =
-        actor.model().parameters().into_iter().map(|(k, v)| (format!("actor.{k}"), v.detach().copy())).collect();
+    let model = actor.model();
+    let mut out: BTreeMap<String, Tensor> = model
+        .parameters()
+        .into_iter()
+        .chain(model.lora_parameters())
+        .map(|(k, v)| (format!("actor.{k}"), v.detach().copy()))
+        .collect();
     if actor.has_critic() {
         actor.save_checkpoint(scratch).unwrap();
         for (k, v) in checkpoint::read_tensors(&scratch.join("critic").join("model.safetensors")).unwrap() {
@@ -50,6 +55,11 @@ fn tiny_job(critic: bool) -> (tempfile::TempDir, JobConfig) {
 
 fn run_and_compare(critic: bool) {
     let (dir, cfg) = tiny_job(critic);
+    compare(&dir, &cfg, critic);
+}
+
+fn compare(dir: &tempfile::TempDir, cfg: &JobConfig, critic: bool) {
+    let cfg = cfg.clone();
 
     let mut straight = Actor::new(&cfg, STEPS, None, Comm::Solo).unwrap();
     let mut straight_metrics = Vec::new();
@@ -75,7 +85,8 @@ fn run_and_compare(critic: bool) {
     let b = final_weights(&resumed, &dir.path().join("scratch_b"));
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
     let initial = Actor::new(&cfg, STEPS, None, Comm::Solo).unwrap();
-    let initial: BTreeMap<String, Tensor> = initial.model().parameters().into_iter().collect();
+    let initial: BTreeMap<String, Tensor> =
+        initial.model().parameters().into_iter().chain(initial.model().lora_parameters()).collect();
     let mut worst = (0.0f64, String::new());
     let mut moved = 0.0f64;
     for (name, x) in &a {
@@ -114,6 +125,34 @@ fn grpo_run_resumed_at_half_way_ends_with_the_same_weights_as_the_straight_run()
 #[test]
 fn gae_run_with_critic_resumed_at_half_way_ends_with_the_same_actor_and_critic_weights() {
     run_and_compare(true);
+}
+
+/// LoRA: the checkpoint holds the adapter in PEFT's layout (no base weights) and the optimizer state of the
+/// adapters only; the resumed run's adapters equal the straight run's, and the base never moves.
+#[test]
+fn lora_run_resumed_at_half_way_ends_with_the_same_adapter_as_the_straight_run() {
+    let (dir, mut cfg) = tiny_job(false);
+    cfg.model.lora_rank = 8;
+    cfg.model.lora_alpha = 16.0;
+    cfg.actor.optim.lr = 1e-2;
+    compare(&dir, &cfg, false);
+    let mut actor = Actor::new(&cfg, STEPS, None, Comm::Solo).unwrap();
+    actor.train(&RankBatch::whole(batch(1)), 1, OldPolicy::Current).unwrap();
+    let ckpt = dir.path().join("lora_ckpt");
+    actor.save_checkpoint(&ckpt).unwrap();
+    let adapter = ckpt.join("actor").join(checkpoint::LORA_ADAPTER_DIR);
+    assert!(adapter.join("adapter_config.json").is_file() && adapter.join("adapter_model.safetensors").is_file());
+    assert!(!ckpt.join("actor/model.safetensors").exists(), "a LoRA checkpoint holds no base weights");
+    let optim: BTreeMap<String, Tensor> =
+        checkpoint::read_tensors(&ckpt.join("actor/optimizer.safetensors")).unwrap().into_iter().collect();
+    let adapter_numel: i64 = actor.model().lora_parameters().values().map(|t| t.numel() as i64).sum();
+    assert_eq!(optim["exp_avg"].size(), vec![adapter_numel], "the optimizer holds the adapters' state only");
+    let base = jetrl_model::CausalLm::load(Path::new(&cfg.model.path), tch::Device::Cpu, jetrl_model::DType::F32)
+        .unwrap()
+        .parameters();
+    for (name, p) in actor.model().parameters() {
+        assert!(f64::try_from((&p - &base[&name]).abs().max()).unwrap() == 0.0, "the base moved: {name}");
+    }
 }
 
 #[test]

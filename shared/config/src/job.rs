@@ -42,6 +42,7 @@ impl JobConfig {
         self.actor.validate()?;
         self.critic.validate()?;
         self.reward.validate()?;
+        self.model.validate()?;
         ensure(!self.nats.url.trim().is_empty(), "nats.url", "must not be empty")?;
         ensure(
             self.nats.url.split(',').all(|url| !url.trim().is_empty()),
@@ -475,6 +476,59 @@ pub struct ModelConfig {
     /// (verl `actor_rollout_ref.model.use_remove_padding`; the actor, π_old / reference log-probs and the critic):
     /// the same log-probs and values, no compute spent on padding
     pub use_remove_padding: bool,
+    /// LoRA rank (verl `actor_rollout_ref.model.lora_rank`; 0 = full fine-tuning): the base stays frozen in
+    /// `dtype`, f32 adapters train, the reference policy is the base with the adapters off, and weight sync and
+    /// checkpoints carry the adapters only (PEFT's layout, `actor/lora_adapter/`)
+    pub lora_rank: u32,
+    /// LoRA alpha (verl `actor_rollout_ref.model.lora_alpha`): the adapter's output is scaled by alpha / rank
+    pub lora_alpha: f64,
+    /// the linear layers that get adapters (verl `actor_rollout_ref.model.target_modules`): `all-linear` or a
+    /// list of module names as PEFT matches them (`q_proj`, `self_attn.o_proj`, ...)
+    pub target_modules: ModuleList,
+    /// modules left without adapters (verl `actor_rollout_ref.model.exclude_modules`), same matching
+    pub exclude_modules: Option<ModuleList>,
+    /// start from this PEFT adapter directory instead of a new adapter (verl
+    /// `actor_rollout_ref.model.lora_adapter_path`); its rank and alpha must be `lora_rank` and `lora_alpha`
+    pub lora_adapter_path: Option<String>,
+}
+
+/// Module names as PEFT and verl take them: one string (`all-linear`, or one name) or a list.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ModuleList {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl ModuleList {
+    /// The names, `all-linear` included as a name.
+    pub fn names(&self) -> Vec<String> {
+        match self {
+            Self::One(name) => vec![name.clone()],
+            Self::Many(names) => names.clone(),
+        }
+    }
+
+    /// Whether this is PEFT's `all-linear`.
+    pub fn is_all_linear(&self) -> bool {
+        self.names().iter().any(|n| n == "all-linear")
+    }
+}
+
+impl ModelConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.lora_rank == 0 {
+            return Ok(());
+        }
+        ensure(self.lora_alpha.is_finite() && self.lora_alpha > 0.0, "model.lora_alpha", "must be > 0")?;
+        let targets = self.target_modules.names();
+        ensure(!targets.is_empty(), "model.target_modules", "names no module (use all-linear or a list)")?;
+        ensure(
+            !self.target_modules.is_all_linear() || targets.len() == 1,
+            "model.target_modules",
+            "is all-linear or a list of module names, not both",
+        )
+    }
 }
 
 impl Default for ModelConfig {
@@ -486,6 +540,11 @@ impl Default for ModelConfig {
             dtype: ModelDtype::F32,
             enable_gradient_checkpointing: false,
             use_remove_padding: false,
+            lora_rank: 0,
+            lora_alpha: 16.0,
+            target_modules: ModuleList::One("all-linear".into()),
+            exclude_modules: None,
+            lora_adapter_path: None,
         }
     }
 }

@@ -38,7 +38,7 @@ pub use error::{ModelError, Result};
 pub use init::init_model;
 pub use jetrl_tokenizer::{chat_template, tokenizer, ChatTemplate, Tokenizer, TokenizerError};
 pub use lora::{AdapterConfig, LoraMerger, LoraSpec, Targets, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE};
-pub use model::{CausalLm, Checkpoints, Packed};
+pub use model::{copy_side_files, CausalLm, Checkpoints, Packed, CONFIG_FILE};
 pub use recompute::{log_probs_of, token_log_probs};
 pub use weights::{WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
 

@@ -136,7 +136,8 @@ impl Adapter {
             return Ok(base);
         }
         let kind = base.kind();
-        let delta = x.f_to_kind(self.a.kind())?.f_linear(&self.a, None::<&Tensor>)?.f_linear(&self.b, None::<&Tensor>)?;
+        let delta =
+            x.f_to_kind(self.a.kind())?.f_linear(&self.a, None::<&Tensor>)?.f_linear(&self.b, None::<&Tensor>)?;
         Ok(base.f_add(&delta.f_mul_scalar(self.scale)?)?.f_to_kind(kind)?)
     }
 }
@@ -172,8 +173,10 @@ impl AdapterConfig {
             return Err(bad("peft_type", &format!("is {peft_type}; jetrl loads LORA adapters only")));
         }
         let rank = value.get("r").and_then(Value::as_i64).ok_or_else(|| bad("r", "is missing or not an integer"))?;
-        let alpha =
-            value.get("lora_alpha").and_then(Value::as_f64).ok_or_else(|| bad("lora_alpha", "is missing or not a number"))?;
+        let alpha = value
+            .get("lora_alpha")
+            .and_then(Value::as_f64)
+            .ok_or_else(|| bad("lora_alpha", "is missing or not a number"))?;
         let targets = match value.get("target_modules") {
             Some(Value::String(s)) if s == "all-linear" => Targets::AllLinear,
             Some(Value::String(s)) => {
@@ -273,9 +276,8 @@ impl CausalLm {
                 if !modules.contains(&name) {
                     continue;
                 }
-                let [out_features, in_features] = <[i64; 2]>::try_from(linear.weight.size()).map_err(|_| {
-                    ModelError::Config(format!("{name}.weight is not a matrix"))
-                })?;
+                let [out_features, in_features] = <[i64; 2]>::try_from(linear.weight.size())
+                    .map_err(|_| ModelError::Config(format!("{name}.weight is not a matrix")))?;
                 let bound = 1.0 / (in_features as f64).sqrt();
                 let a = Tensor::f_empty([spec.rank, in_features], (Kind::Float, device))?.f_uniform(-bound, bound)?;
                 let b = Tensor::f_zeros([out_features, spec.rank], (Kind::Float, device))?;
@@ -459,8 +461,14 @@ impl LoraMerger {
         for (name, base) in &self.base {
             let size = base.size();
             let (out_features, in_features) = (size[0], size[1]);
-            adapters.insert(tensor_name(name, "lora_A"), Tensor::f_zeros([self.spec.rank, in_features], (Kind::Float, Device::Cpu))?);
-            adapters.insert(tensor_name(name, "lora_B"), Tensor::f_zeros([out_features, self.spec.rank], (Kind::Float, Device::Cpu))?);
+            adapters.insert(
+                tensor_name(name, "lora_A"),
+                Tensor::f_zeros([self.spec.rank, in_features], (Kind::Float, Device::Cpu))?,
+            );
+            adapters.insert(
+                tensor_name(name, "lora_B"),
+                Tensor::f_zeros([out_features, self.spec.rank], (Kind::Float, Device::Cpu))?,
+            );
         }
         weights::load_bytes(&adapters, bytes)?;
         let scale = self.spec.scale();
@@ -470,11 +478,56 @@ impl LoraMerger {
             for (name, linear) in model.linears_mut() {
                 let Some((_, w0)) = base.next_if(|(n, _)| *n == name) else { continue };
                 let (a, b) = (&adapters[&tensor_name(&name, "lora_A")], &adapters[&tensor_name(&name, "lora_B")]);
-                let delta = b.f_matmul(a)?.f_mul_scalar(scale)?;
-                let merged = w0.f_to_kind(Kind::Float)?.f_add(&delta)?.f_to_device(device)?;
-                linear.weight.f_copy_(&merged)?;
+                if linear.weight.kind() == Kind::Float {
+                    // in place: the base, then the low-rank product added by one addmm
+                    linear.weight.f_copy_(w0)?;
+                    let (a, b) = (a.f_to_device(device)?, b.f_mul_scalar(scale)?.f_to_device(device)?);
+                    let _ = linear.weight.f_addmm_(&b, &a)?;
+                } else {
+                    // summed in f32, rounded once to the model's dtype
+                    let delta = b.f_matmul(a)?.f_mul_scalar(scale)?;
+                    let merged = w0.f_to_kind(Kind::Float)?.f_add(&delta)?.f_to_device(device)?;
+                    linear.weight.f_copy_(&merged)?;
+                }
             }
             Ok(())
         })
+    }
+}
+
+/// The adapter a job's `model` section asks for (`lora_rank` 0: none).
+pub fn spec_of(cfg: &jetrl_config::ModelConfig) -> Option<LoraSpec> {
+    if cfg.lora_rank == 0 {
+        return None;
+    }
+    let targets = if cfg.target_modules.is_all_linear() {
+        Targets::AllLinear
+    } else {
+        Targets::Names(cfg.target_modules.names())
+    };
+    let exclude = cfg.exclude_modules.as_ref().map(|m| m.names()).unwrap_or_default();
+    Some(LoraSpec::new(i64::from(cfg.lora_rank), cfg.lora_alpha, targets, exclude))
+}
+
+impl CausalLm {
+    /// Attaches the adapter a job's `model` section asks for: the one at `lora_adapter_path` (its rank and alpha
+    /// must be the job's), or a new one. Nothing without `lora_rank`.
+    pub fn attach_configured_lora(&mut self, cfg: &jetrl_config::ModelConfig) -> Result<()> {
+        let Some(spec) = spec_of(cfg) else { return Ok(()) };
+        match &cfg.lora_adapter_path {
+            Some(dir) => {
+                let read = self.load_lora(Path::new(dir))?;
+                if read.spec.rank != spec.rank || read.spec.alpha != spec.alpha {
+                    self.remove_lora();
+                    return Err(ModelError::Config(format!(
+                        "model.lora_adapter_path {dir} has r {} and lora_alpha {}, but model.lora_rank is {} and \
+                         model.lora_alpha {}",
+                        read.spec.rank, read.spec.alpha, spec.rank, spec.alpha
+                    )));
+                }
+                Ok(())
+            }
+            None => self.add_lora(&spec),
+        }
     }
 }

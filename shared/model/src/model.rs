@@ -98,12 +98,17 @@ impl CausalLm {
 
     /// Writes `model.safetensors` (HF names, no `lm_head` when tied) and `config.json` into `dir`.
     pub fn save(&self, dir: &Path) -> Result<()> {
+        self.save_as(dir, self.dtype)
+    }
+
+    /// [`Self::save`] with the weights converted to `dtype` (the config says so too).
+    pub fn save_as(&self, dir: &Path, dtype: DType) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
         let path = dir.join(weights::WEIGHTS_FILE);
         let file = std::fs::File::create(&path).map_err(|e| ModelError::io(&path, e))?;
-        weights::write_safetensors(&self.parameters(), None, std::io::BufWriter::new(file))?;
+        weights::write_safetensors(&self.parameters(), Some(dtype.kind()), std::io::BufWriter::new(file))?;
         let config_path = dir.join(CONFIG_FILE);
-        let json = serde_json::to_string_pretty(&self.config.to_json(self.dtype))
+        let json = serde_json::to_string_pretty(&self.config.to_json(dtype))
             .map_err(|e| ModelError::json("config.json", e))?;
         std::fs::write(&config_path, json + "\n").map_err(|e| ModelError::io(&config_path, e))
     }
@@ -338,6 +343,22 @@ impl CausalLm {
         }
         Ok(())
     }
+}
+
+/// Copies the tokenizer and generation files of an HF model directory into `out` (everything but the weights
+/// and `config.json`, which [`CausalLm::save`] writes itself), so `out` is a complete model directory.
+pub fn copy_side_files(model_dir: &Path, out: &Path) -> Result<()> {
+    let entries = std::fs::read_dir(model_dir).map_err(|e| ModelError::io(model_dir, e))?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
+        let is_weights = name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json");
+        if !path.is_file() || is_weights || name == CONFIG_FILE {
+            continue;
+        }
+        std::fs::copy(&path, out.join(name)).map_err(|e| ModelError::io(&path, e))?;
+    }
+    Ok(())
 }
 
 fn check_2d(t: &Tensor, what: &str) -> Result<(i64, i64)> {

@@ -11,11 +11,18 @@
 //! - the swap into two engines (`Engine::load_weights`, what a worker does after the verify) is timed on its own
 //!   (`swap_s`, per worker, not part of `jetrl_s`: the raw sides have no engine).
 //!
+//! - LoRA (`model.lora_rank`): the adapter-only version of the same model (rank `--lora-rank`, 16, all-linear)
+//!   through the broker into the two readers, plus each worker's merge into its engine (`Engine::with_lora`:
+//!   `base + scale·B A` into the working weights) — against the full-model broker sync plus its swap:
+//!   `lora_speedup` = full / adapter-only, with `lora_bytes`. `unmerged_step_ratio` is the other way a worker
+//!   could apply an adapter, measured: a decode-shaped forward (64 rows of one token) with the adapter unmerged,
+//!   over the same forward of the merged model.
+//!
 //! The model is a random-init Qwen2 shape in f32 (`--hidden`, `--layers`, `--vocab`; the default is 520 MB).
 //! Each round runs the four sides, in reverse order every other round, so load from other processes falls on
 //! all alike; after `--warmup` untimed rounds (1), the figures are medians over `--rounds` (5). The jetrl sides are also broken down by phase
 //! (store, manifest, read, verify). Last line: `{"bench":"weight_sync","bytes":…,"jetrl_s":…,"raw_copy_s":…,
-//! "ratio":…,"broker_jetrl_s":…,"broker_raw_s":…,"broker_ratio":…}`.
+//! "ratio":…,"broker_jetrl_s":…,"broker_raw_s":…,"broker_ratio":…,"lora_speedup":…,"lora_bytes":…}`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -26,7 +33,7 @@ use bytes::Bytes;
 use jetrl_bus::weights::{self, WeightTransport};
 use jetrl_bus::{Bus, NatsServer};
 use jetrl_config::JobConfig;
-use jetrl_model::{CausalLm, DType, Engine, EngineConfig, ModelConfig};
+use jetrl_model::{CausalLm, DType, Engine, EngineConfig, LoraSpec, ModelConfig, Targets};
 use jetrl_wire::v1::WeightManifest;
 use tokio::io::AsyncReadExt;
 
@@ -42,10 +49,12 @@ struct Args {
     rounds: usize,
     warmup: usize,
     chunk_bytes: usize,
+    lora_rank: i64,
 }
 
 fn parse_args() -> Result<Args, BoxError> {
-    let mut args = Args { hidden: 1024, layers: 8, vocab: 32768, rounds: 5, warmup: 1, chunk_bytes: 8 << 20 };
+    let mut args =
+        Args { hidden: 1024, layers: 8, vocab: 32768, rounds: 5, warmup: 1, chunk_bytes: 8 << 20, lora_rank: 16 };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let value: usize = it.next().ok_or(format!("{flag} needs a value"))?.parse()?;
@@ -56,8 +65,9 @@ fn parse_args() -> Result<Args, BoxError> {
             "--rounds" => args.rounds = value.max(1),
             "--warmup" => args.warmup = value,
             "--chunk-bytes" => args.chunk_bytes = value,
+            "--lora-rank" => args.lora_rank = value.max(1) as i64,
             other => {
-                let known = "--hidden, --layers, --vocab, --rounds, --warmup, --chunk-bytes";
+                let known = "--hidden, --layers, --vocab, --rounds, --warmup, --chunk-bytes, --lora-rank";
                 return Err(format!("unknown option {other} ({known})").into());
             }
         }
@@ -214,7 +224,19 @@ async fn main() -> Result<(), BoxError> {
     let config = ModelConfig::from_json(model_config(&args))?;
     let model = CausalLm::random(config.clone(), tch::Device::Cpu, DType::F32, 0.02)?;
     let blob = Bytes::from(model.to_safetensors_bytes()?);
-    drop(model);
+    let spec = LoraSpec::new(args.lora_rank, 2.0 * args.lora_rank as f64, Targets::AllLinear, Vec::new());
+    let mut adapted = CausalLm::random(config.clone(), tch::Device::Cpu, DType::F32, 0.02)?;
+    adapted.add_lora(&spec)?;
+    tch::no_grad(|| {
+        for (name, mut t) in adapted.lora_parameters() {
+            if name.contains("lora_B") {
+                let _ = t.normal_(0.0, 0.01);
+            }
+        }
+    });
+    let adapter = Bytes::from(adapted.lora_to_safetensors_bytes()?);
+    let unmerged_step_ratio = unmerged_step_ratio(&model, &adapted)?;
+    drop((model, adapted));
     if blob.len() < 500_000_000 {
         eprintln!("note: the version is {} bytes, under the 500 MB the benchmark is specified for", blob.len());
     }
@@ -241,7 +263,7 @@ async fn main() -> Result<(), BoxError> {
     // what store_weights uses: the configured chunk, capped by the server's max_payload
     let chunk = args.chunk_bytes.min(writer.max_payload().saturating_sub(64 * 1024)).max(64 * 1024);
 
-    let sides = ["jetrl_fs", "raw_copy", "jetrl_broker", "raw_broker"];
+    let sides = ["jetrl_fs", "raw_copy", "jetrl_broker", "raw_broker", "lora_broker"];
     let mut times: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     let mut phases: BTreeMap<(&str, &str), Vec<f64>> = BTreeMap::new();
     let mut received = Bytes::new();
@@ -261,6 +283,7 @@ async fn main() -> Result<(), BoxError> {
                     received = bytes;
                     s
                 }
+                "lora_broker" => jetrl_trial(&writer, &readers, &object, version, &adapter).await?.0,
                 "raw_copy" => raw_copy_trial(&shared, &blob).await?,
                 _ => raw_broker_trial(&writer, &readers, chunk, &blob).await?,
             };
@@ -280,6 +303,16 @@ async fn main() -> Result<(), BoxError> {
         engine.load_weights(&received, 1 + i as u64)?;
         swap_s.push(t.elapsed().as_secs_f64());
     }
+    // and a LoRA worker's merge of the adapter into its engine
+    let mut merge_s = Vec::new();
+    for i in 0..READERS {
+        let model = CausalLm::random(config.clone(), tch::Device::Cpu, DType::F32, 0.02)?;
+        let mut engine = Engine::new(model, EngineConfig::default())?;
+        engine.with_lora(&spec)?;
+        let t = Instant::now();
+        engine.load_weights(&adapter, 1 + i as u64)?;
+        merge_s.push(t.elapsed().as_secs_f64());
+    }
     drop(shared_dir);
     drop(server);
 
@@ -294,6 +327,8 @@ async fn main() -> Result<(), BoxError> {
     };
     let (jetrl_s, raw_copy_s) = (med("jetrl_fs"), med("raw_copy"));
     let (broker_jetrl_s, broker_raw_s) = (med("jetrl_broker"), med("raw_broker"));
+    let (lora_s, merge_s) = (med("lora_broker"), median(merge_s));
+    let full_s = broker_jetrl_s + median(swap_s.clone());
     let load_after = load_average();
     println!(
         "{}",
@@ -307,6 +342,12 @@ async fn main() -> Result<(), BoxError> {
             "broker_raw_s": round3(broker_raw_s),
             "broker_ratio": round3(broker_jetrl_s / broker_raw_s),
             "swap_s_per_worker": round3(median(swap_s)),
+            "lora_speedup": round3(full_s / (lora_s + merge_s)),
+            "lora_bytes": adapter.len(),
+            "lora_rank": args.lora_rank,
+            "lora_broker_s": round3(lora_s),
+            "lora_merge_s_per_worker": round3(merge_s),
+            "unmerged_step_ratio": round3(unmerged_step_ratio),
             "jetrl_phases_s": phase_medians("jetrl_fs"),
             "broker_jetrl_phases_s": phase_medians("jetrl_broker"),
             "readers": READERS,
@@ -320,6 +361,27 @@ async fn main() -> Result<(), BoxError> {
         })
     );
     Ok(())
+}
+
+/// Seconds of a decode-shaped forward (64 rows of one token) with the adapter unmerged, over the same forward of
+/// the plain model (what a merged worker runs), medians of alternating reps.
+fn unmerged_step_ratio(plain: &CausalLm, adapted: &CausalLm) -> Result<f64, BoxError> {
+    let ids = tch::Tensor::from_slice(&(0..64).map(|i| i * 7 + 3).collect::<Vec<i64>>()).view([64, 1]);
+    let mask = ids.ones_like();
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    tch::no_grad(|| -> Result<(), BoxError> {
+        for rep in 0..12 {
+            for (model, out) in [(plain, &mut a), (adapted, &mut b)] {
+                let t = Instant::now();
+                let _ = model.forward_hidden(&ids, &mask)?;
+                if rep >= 2 {
+                    out.push(t.elapsed().as_secs_f64());
+                }
+            }
+        }
+        Ok(())
+    })?;
+    Ok(median(b) / median(a))
 }
 
 fn load_average() -> String {

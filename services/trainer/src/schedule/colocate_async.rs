@@ -50,6 +50,7 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
 
     let t0 = Instant::now();
     let blob = t.weights_blob().await?;
+    metrics.insert("weight_sync/bytes".into(), blob.len() as f64);
     let manifest = t.weights.store(step, blob).await?;
     match t.weights.resume_colocated(step, Some(manifest.clone())).await {
         Ok(resumed) => {

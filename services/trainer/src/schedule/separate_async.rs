@@ -58,6 +58,7 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
 
     let t0 = Instant::now();
     let blob = t.weights_blob().await?;
+    metrics.insert("weight_sync/bytes".into(), blob.len() as f64);
     t.weights.publish(step, blob).await?;
     timings.insert("update_weights".to_string(), t0.elapsed().as_secs_f64());
     // rollout does not wait for the trainer, nor the trainer for rollout: report who is behind

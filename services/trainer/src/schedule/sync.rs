@@ -34,6 +34,7 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
 
     let t0 = Instant::now();
     let blob = t.weights_blob().await?;
+    metrics.insert("weight_sync/bytes".into(), blob.len() as f64);
     t.weights.publish(step, blob).await?;
     tracing::debug!(step, "weights published; waiting for the workers to load them");
     let report = t.weights.wait_for_workers(step, false).await?;

@@ -31,6 +31,7 @@ use rand_chacha::ChaCha8Rng;
 use tch::{Kind, Tensor};
 
 use crate::error::{ModelError, Result};
+use crate::lora::{LoraMerger, LoraSpec};
 use crate::model::CausalLm;
 use cache::SlotCache;
 use sampler::RowSampling;
@@ -309,6 +310,8 @@ pub struct Engine {
     /// `[slots, V]` bool: tokens in each row's context, allocated when a request first asks for a penalty.
     presence: Option<Tensor>,
     detokenizer: Option<Detokenizer>,
+    /// with adapter-only weight sync: the base weights of the adapted layers, for merging each adapter version
+    lora: Option<LoraMerger>,
     version: u64,
     stats: EngineStats,
 }
@@ -353,6 +356,7 @@ impl Engine {
             ready: Vec::new(),
             presence: None,
             detokenizer: None,
+            lora: None,
             version: 0,
             stats,
         })
@@ -363,6 +367,16 @@ impl Engine {
         let by_memory = config.kv_cache_tokens.map_or(usize::MAX, |t| t / config.max_model_len.max(1));
         let slots = config.max_num_seqs.min(by_memory);
         SlotCache::bytes_for(model, slots as i64, config.max_model_len as i64)
+    }
+
+    /// Takes weights as LoRA adapters of `spec` ([`CausalLm::lora_to_safetensors_bytes`] blobs): each is merged
+    /// into the working weights from a host copy of the base, so decode runs the plain model. Returns the bytes
+    /// of base weights kept on the host.
+    pub fn with_lora(&mut self, spec: &LoraSpec) -> Result<u64> {
+        let merger = LoraMerger::new(&mut self.model, spec)?;
+        let bytes = merger.host_bytes();
+        self.lora = Some(merger);
+        Ok(bytes)
     }
 
     /// Enables stop strings.
@@ -552,11 +566,15 @@ impl Engine {
         Ok(())
     }
 
-    /// Swaps in weights (a blob from [`CausalLm::to_safetensors_bytes`]) between two steps. Running sequences
+    /// Swaps in weights (a blob from [`CausalLm::to_safetensors_bytes`], or an adapter's after
+    /// [`Self::with_lora`]) between two steps. Running sequences
     /// keep their cached keys and values and continue under the new weights; their outputs' version span shows
     /// it.
     pub fn load_weights(&mut self, safetensors: &[u8], version: u64) -> Result<()> {
-        self.model.load_safetensors_bytes(safetensors)?;
+        match &self.lora {
+            Some(merger) => merger.apply(&mut self.model, safetensors)?,
+            None => self.model.load_safetensors_bytes(safetensors)?,
+        }
         self.version = version;
         Ok(())
     }
