@@ -6,8 +6,8 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 case "${1:-demo}" in
-  test) scripts/setup.sh transformers ;;
-  bench) scripts/setup.sh transformers ;;
+  test) scripts/setup.sh transformers peft ;;
+  bench) scripts/setup.sh transformers peft ;;
   *) scripts/setup.sh ;;
 esac
 export PATH="$PWD/.venv/bin:$PATH"

@@ -224,8 +224,13 @@ impl Drop for TestJob {
 /// `run.name` `<name>` (underscores as dashes), with `overrides` after those; returns the run directory. Panics
 /// with the console output when the run fails or outlasts `timeout`.
 pub fn demo_run(dir: &Path, name: &str, overrides: &[String], timeout: Duration) -> PathBuf {
+    demo_run_of("demo.yaml", dir, name, overrides, timeout)
+}
+
+/// [`demo_run`] of another job file of `configs/` (`demo-lora.yaml`).
+pub fn demo_run_of(config: &str, dir: &Path, name: &str, overrides: &[String], timeout: Duration) -> PathBuf {
     let run_dir = dir.join(name);
-    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/demo.yaml");
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs").join(config);
     let mut args = vec![
         "run".to_string(),
         config.display().to_string(),

@@ -492,6 +492,9 @@ pub struct ModelConfig {
     pub lora_adapter_path: Option<String>,
 }
 
+/// The linear layers of every decoder jetrl loads (what LoRA can adapt).
+pub const LINEAR_MODULES: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+
 /// Module names as PEFT and verl take them: one string (`all-linear`, or one name) or a list.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
@@ -527,7 +530,27 @@ impl ModelConfig {
             !self.target_modules.is_all_linear() || targets.len() == 1,
             "model.target_modules",
             "is all-linear or a list of module names, not both",
-        )
+        )?;
+        // every name must end in a linear layer the decoders have; the model, once loaded, checks the whole name
+        let lists = [
+            ("model.target_modules", Some(&self.target_modules)),
+            ("model.exclude_modules", self.exclude_modules.as_ref()),
+        ];
+        for (key, list) in lists {
+            let names = list.map(ModuleList::names).unwrap_or_default();
+            for name in names.iter().filter(|n| *n != "all-linear") {
+                let last = name.rsplit('.').next().unwrap_or(name);
+                ensure(
+                    LINEAR_MODULES.contains(&last),
+                    key,
+                    format!(
+                        "`{name}` names no linear layer of a Qwen2, Llama or Qwen3 decoder; they are {} (or all-linear)",
+                        LINEAR_MODULES.join(", ")
+                    ),
+                )?;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -472,6 +472,9 @@ config_enum! {
         Tiny = "tiny",
         /// the same with a digits-only vocabulary (the demo)
         TinyDigits = "tiny-digits",
+        /// `tiny-digits` with a trained model's output scale (final norm weight 4): the base of the LoRA demo,
+        /// which cannot train the final norm
+        TinyDigitsLora = "tiny-digits-lora",
     }
 }
 

@@ -21,7 +21,7 @@ use crate::error::{ModelError, Result};
 use crate::model::CausalLm;
 
 /// Presets [`init_model`] knows.
-pub const PRESETS: &[&str] = &["tiny", "tiny-digits"];
+pub const PRESETS: &[&str] = &["tiny", "tiny-digits", "tiny-digits-lora"];
 
 /// Special tokens of the character tokenizer, at ids 0, 1, 2. `<|endoftext|>` is also the pad token.
 pub const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
@@ -46,7 +46,7 @@ pub const CHATML_TEMPLATE: &str = "{%- for message in messages %}\
 pub fn init_model(preset: &str, out_dir: &Path, seed: u64) -> Result<()> {
     let (config, init_std, characters) = match preset {
         "tiny" => (tiny_config(CHARACTERS), 0.02, CHARACTERS),
-        "tiny-digits" => (tiny_config(DIGIT_CHARACTERS), 0.02, DIGIT_CHARACTERS),
+        "tiny-digits" | "tiny-digits-lora" => (tiny_config(DIGIT_CHARACTERS), 0.02, DIGIT_CHARACTERS),
         other => {
             return Err(ModelError::Config(format!("unknown model preset `{other}` (known: {})", PRESETS.join(", "))))
         }
@@ -61,6 +61,16 @@ pub fn init_model(preset: &str, out_dir: &Path, seed: u64) -> Result<()> {
         tch::manual_seed(seed as i64);
         CausalLm::random(config, Device::Cpu, DType::F32, init_std)?
     };
+    if preset == "tiny-digits-lora" {
+        // A LoRA run cannot move the final norm or the (tied) embeddings, and with HF's init (std 0.02) the
+        // logits span about ±2.6, which caps a token's probability near one half. This base has the output scale
+        // of a trained model instead: the final norm's weight at 4, everything else `tiny-digits`' (same seed,
+        // same weights).
+        let norm = model.parameters().remove("model.norm.weight");
+        if let Some(mut norm) = norm {
+            let _ = tch::no_grad(|| norm.f_fill_(4.0))?;
+        }
+    }
     model.save(out_dir)?;
     write_json(&out_dir.join("tokenizer.json"), &char_tokenizer_json(characters))?;
     write_json(&out_dir.join("tokenizer_config.json"), &tokenizer_config_json())?;
