@@ -163,7 +163,7 @@ fn a_peft_adapter_loads_through_logprobs_and_lora_adapter_path() {
         ..Default::default()
     };
     let mut model = CausalLm::load(&base, Device::Cpu, DType::F32).unwrap();
-    model.attach_configured_lora(&cfg).unwrap();
+    model.attach_configured_lora(&cfg, 0).unwrap();
     let (spec, modules) = model.lora_spec().unwrap();
     assert_eq!((spec.rank, modules.len()), (8, 3 * model.config().num_hidden_layers as usize));
     let direct: Vec<Vec<f64>> =
@@ -172,6 +172,6 @@ fn a_peft_adapter_loads_through_logprobs_and_lora_adapter_path() {
     // a rank that is not the adapter's is refused, naming both
     cfg.lora_rank = 16;
     let mut model = CausalLm::load(&base, Device::Cpu, DType::F32).unwrap();
-    let err = model.attach_configured_lora(&cfg).unwrap_err().to_string();
+    let err = model.attach_configured_lora(&cfg, 0).unwrap_err().to_string();
     assert!(err.contains("r 8") && err.contains("lora_rank is 16"), "{err}");
 }

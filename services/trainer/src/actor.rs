@@ -179,7 +179,7 @@ impl Actor {
                     let adapter = dir.join("actor").join(checkpoint::LORA_ADAPTER_DIR);
                     model.load_lora(&adapter)?;
                 }
-                None => model.attach_configured_lora(&cfg.model)?,
+                None => model.attach_configured_lora(&cfg.model, cfg.run.seed)?,
             }
             model
         } else {

@@ -225,6 +225,24 @@ impl AdapterConfig {
     }
 }
 
+/// SplitMix64: the adapters' initialisation stream.
+fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A uniform draw in [0, 1) from 53 random bits.
+fn unit(bits: u64) -> f64 {
+    (bits >> 11) as f64 / (1u64 << 53) as f64
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
 /// The name of a module's adapter tensor (`which` is `lora_A` or `lora_B`).
 fn tensor_name(module: &str, which: &str) -> String {
     format!("{module}.{which}.weight")
@@ -259,9 +277,10 @@ impl CausalLm {
     }
 
     /// Attaches new adapters (`A` Kaiming-uniform as PEFT initialises it, `B` zero, so the model's outputs do not
-    /// change; seeded by the caller's `tch::manual_seed`) and freezes the base: from here the trainable
-    /// parameters are the adapters' ([`Self::trainable_parameters`]).
-    pub fn add_lora(&mut self, spec: &LoraSpec) -> Result<()> {
+    /// change) and freezes the base: from here the trainable parameters are the adapters'
+    /// ([`Self::trainable_parameters`]). `A` is drawn from `seed` alone (not libtorch's process-wide
+    /// generator), so every trainer rank, and a run and its repeat, start from the same adapter.
+    pub fn add_lora_seeded(&mut self, spec: &LoraSpec, seed: u64) -> Result<()> {
         if self.lora.is_some() {
             return Err(ModelError::Config("the model already has a LoRA adapter".into()));
         }
@@ -279,7 +298,11 @@ impl CausalLm {
                 let [out_features, in_features] = <[i64; 2]>::try_from(linear.weight.size())
                     .map_err(|_| ModelError::Config(format!("{name}.weight is not a matrix")))?;
                 let bound = 1.0 / (in_features as f64).sqrt();
-                let a = Tensor::f_empty([spec.rank, in_features], (Kind::Float, device))?.f_uniform(-bound, bound)?;
+                let mut state = seed ^ fnv1a(name.as_bytes());
+                let values: Vec<f32> = (0..spec.rank * in_features)
+                    .map(|_| ((2.0 * unit(splitmix64(&mut state)) - 1.0) * bound) as f32)
+                    .collect();
+                let a = Tensor::f_from_slice(&values)?.f_view([spec.rank, in_features])?.f_to_device(device)?;
                 let b = Tensor::f_zeros([out_features, spec.rank], (Kind::Float, device))?;
                 let mut path = &root / "model";
                 for part in name.strip_prefix("model.").unwrap_or(&name).split('.') {
@@ -294,6 +317,11 @@ impl CausalLm {
         self.var_store_mut().freeze();
         self.lora = Some(LoraState { spec: spec.clone(), modules, vs, enabled });
         Ok(())
+    }
+
+    /// [`Self::add_lora_seeded`] with seed 0.
+    pub fn add_lora(&mut self, spec: &LoraSpec) -> Result<()> {
+        self.add_lora_seeded(spec, 0)
     }
 
     /// The adapter's spec and the modules it adapts, when the model has one.
@@ -512,7 +540,7 @@ pub fn spec_of(cfg: &jetrl_config::ModelConfig) -> Option<LoraSpec> {
 impl CausalLm {
     /// Attaches the adapter a job's `model` section asks for: the one at `lora_adapter_path` (its rank and alpha
     /// must be the job's), or a new one. Nothing without `lora_rank`.
-    pub fn attach_configured_lora(&mut self, cfg: &jetrl_config::ModelConfig) -> Result<()> {
+    pub fn attach_configured_lora(&mut self, cfg: &jetrl_config::ModelConfig, seed: u64) -> Result<()> {
         let Some(spec) = spec_of(cfg) else { return Ok(()) };
         match &cfg.lora_adapter_path {
             Some(dir) => {
@@ -527,7 +555,7 @@ impl CausalLm {
                 }
                 Ok(())
             }
-            None => self.add_lora(&spec),
+            None => self.add_lora_seeded(&spec, seed),
         }
     }
 }
