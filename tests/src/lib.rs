@@ -227,6 +227,15 @@ pub fn demo_run(dir: &Path, name: &str, overrides: &[String], timeout: Duration)
     demo_run_of("demo.yaml", dir, name, overrides, timeout)
 }
 
+/// The lines of a run directory's `metrics.jsonl` (none when it has none yet).
+pub fn run_metrics(run_dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
 /// [`demo_run`] of another job file of `configs/` (`demo-lora.yaml`).
 pub fn demo_run_of(config: &str, dir: &Path, name: &str, overrides: &[String], timeout: Duration) -> PathBuf {
     let run_dir = dir.join(name);

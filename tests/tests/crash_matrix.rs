@@ -67,11 +67,7 @@ fn job(dir: &Path, nats_url: &str, mode: &str, save_freq: i64, ranks: u32) -> st
 }
 
 fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
+    jetrl_tests::run_metrics(run_dir)
 }
 
 /// Runs the job under `jetrl run` (its own NATS unless `nats_url`), `during` called every 100 ms while it runs;

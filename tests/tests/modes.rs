@@ -11,12 +11,7 @@ use jetrl_tests::TestJob;
 use jetrl_wire::Message;
 
 fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .filter(|m: &serde_json::Value| m.get("critic/score/mean").is_some())
-        .collect()
+    jetrl_tests::run_metrics(run_dir).into_iter().filter(|m| m.get("critic/score/mean").is_some()).collect()
 }
 
 fn series(rows: &[serde_json::Value], key: &str) -> Vec<f64> {

@@ -12,11 +12,7 @@ use std::time::{Duration, Instant};
 use jetrl_tests::{demo_run, demo_run_of, TestJob};
 
 fn metrics(run_dir: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(run_dir.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
+    jetrl_tests::run_metrics(run_dir)
 }
 
 fn series(rows: &[serde_json::Value], key: &str) -> Vec<f64> {
