@@ -65,6 +65,18 @@ fn calculate_entropy_reports_the_updates_entropy_without_changing_the_update() {
     }
 }
 
+/// One PPO step (GAE with a critic, entropy bonus 0.01, critic lr 1e-2) of `cfg` on [`batch`]: its metrics and
+/// the actor's weights after it.
+fn ppo_step(mut cfg: JobConfig) -> (BTreeMap<String, f64>, BTreeMap<String, Tensor>) {
+    cfg.actor.entropy_coeff = 0.01;
+    cfg.algorithm.adv_estimator = jetrl_config::AdvantageEstimator::Gae;
+    cfg.critic.optim.lr = 1e-2;
+    let mut actor = Actor::new(&cfg, 1, None, Comm::Solo).unwrap();
+    let metrics = actor.train(&RankBatch::whole(batch()), 1, OldPolicy::Current).unwrap().metrics;
+    let weights = actor.model().parameters().into_iter().map(|(k, v)| (k, v.detach().copy())).collect();
+    (metrics, weights)
+}
+
 /// `model.enable_gradient_checkpointing` trains exactly as without it, the actor and (PPO) the critic: the same
 /// weights and the same metrics after a step of two mini-batches.
 #[test]
@@ -77,14 +89,7 @@ fn gradient_checkpointing_trains_the_actor_and_critic_exactly_as_without_it() {
         cfg.model.enable_gradient_checkpointing = checkpointing;
         cfg.actor.optim.lr = 1e-2;
         cfg.actor.ppo_mini_batch_size = Some(1);
-        cfg.actor.entropy_coeff = 0.01;
-        cfg.algorithm.adv_estimator = jetrl_config::AdvantageEstimator::Gae;
-        cfg.critic.optim.lr = 1e-2;
-        let mut actor = Actor::new(&cfg, 1, None, Comm::Solo).unwrap();
-        let metrics = actor.train(&RankBatch::whole(batch()), 1, OldPolicy::Current).unwrap().metrics;
-        let weights: BTreeMap<String, Tensor> =
-            actor.model().parameters().into_iter().map(|(k, v)| (k, v.detach().copy())).collect();
-        (metrics, weights)
+        ppo_step(cfg)
     };
     let (plain, plain_weights) = run(false);
     let (checkpointed, checkpointed_weights) = run(true);
@@ -116,14 +121,7 @@ fn packed_micro_batches_train_the_actor_and_critic_as_padded_ones() {
         // one update each (the whole batch): its gradients are compared, not the second update's (which starts
         // from weights the first moved apart)
         cfg.actor.ppo_mini_batch_size = None;
-        cfg.actor.entropy_coeff = 0.01;
-        cfg.algorithm.adv_estimator = jetrl_config::AdvantageEstimator::Gae;
-        cfg.critic.optim.lr = 1e-2;
-        let mut actor = Actor::new(&cfg, 1, None, Comm::Solo).unwrap();
-        let metrics = actor.train(&RankBatch::whole(batch()), 1, OldPolicy::Current).unwrap().metrics;
-        let weights: BTreeMap<String, Tensor> =
-            actor.model().parameters().into_iter().map(|(k, v)| (k, v.detach().copy())).collect();
-        (metrics, weights)
+        ppo_step(cfg)
     };
     let (padded, padded_weights) = run(false, false);
     for checkpointing in [false, true] {
