@@ -3,7 +3,10 @@
 #   rollout   benches/rollout_engine: jetrl's engine against HF `generate`, batch 256 (32 prompts x 8), 32 prompt
 #             + 128 new tokens, sampled (HF measured there: 3.6k tok/s; target: jetrl >= 36k tok/s)
 #   trainer   benches/trainer_step: one PPO update on 16 x 512 tokens against the PyTorch reference (measured
-#             there: 80.9k tok/s; target: ratio >= 1.0)
+#             there: 80.9k tok/s; target: ratio >= 1.0); with it packed against padded micro-batches on a
+#             long-tail batch, peak memory of one update of 16 x 1,056 tokens without and with gradient
+#             checkpointing (max_memory_allocated on CUDA), and LoRA (rank 16, all-linear) against full
+#             fine-tuning (update time, optimizer-state bytes)
 #   schedule  benches/async_speedup on the demo job: separate_async against sync
 # On a CUDA device: the Qwen2.5-0.5B shape (random init, bf16; hidden 896, 24 layers, 14 heads, 2 kv heads,
 # intermediate 4864, vocab 151936), in under 8 minutes. Without one (or with JETRL_BENCH_GPU_SHAPE=tiny) the
@@ -64,7 +67,9 @@ line = {
     "rollout": {k: rollout[k] for k in ("jetrl_tok_per_s", "reference_tok_per_s", "ratio", "batch", "new_tokens",
                                         "dtype", "fixed_length")},
     "trainer_step": {k: trainer[k] for k in ("jetrl_tok_per_s", "reference_tok_per_s", "ratio",
-                                             "tokens_per_update", "dtype")},
+                                             "tokens_per_update", "dtype", "packed_vs_padded", "peak_mb_plain",
+                                             "peak_mb_checkpointed", "peak_mb_kind", "lora_vs_full",
+                                             "optim_bytes_full", "optim_bytes_lora")},
     "separate_vs_sync": {k: schedule.get(k) for k in ("sync_s", "separate_async_s", "speedup_separate",
                                                       "final_reward_sync", "final_reward_separate", "steps")},
     "seconds": seconds,

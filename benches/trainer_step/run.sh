@@ -12,9 +12,12 @@
 # and with packed micro-batches (`model.use_remove_padding`), alternating, and measures jetrl's peak RSS over one
 # update of a long batch (16 x (32 + `--long-response-len` 1024)
 # tokens), without and with gradient checkpointing, each in a process of its own (peak RSS only grows).
+# Peak memory is RSS on the CPU and the CUDA caching allocator's max_memory_allocated on a GPU (`--device cuda`).
+# Last, LoRA (rank 16, alpha 16, all-linear) against full fine-tuning on the main batch, alternating: update time
+# and optimizer-state bytes.
 # Last line: {"bench":"trainer_step","jetrl_tok_per_s":…,"reference_tok_per_s":…,"ratio":…,"packed_vs_padded":…,
-# "peak_mb_plain":…,"peak_mb_checkpointed":…}
-# (GPU variant: not yet; it needs a machine with a GPU.)
+# "peak_mb_plain":…,"peak_mb_checkpointed":…,"peak_mb_kind":…,"lora_vs_full":…,"optim_bytes_full":…,
+# "optim_bytes_lora":…}
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # `just bench` has built the workspace; this keeps the script usable on its own.

@@ -16,4 +16,8 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
                                                      int world_size, std::chrono::milliseconds timeout,
                                                      int64_t cuda_device, int64_t* device_out);
 
+// Peak bytes the CUDA caching allocator has handed out on `device` since the start or the last reset (then
+// resets the peak when `reset`); -1 when the device does not exist. (cuda_memory.cpp, built with NCCL.)
+int64_t cuda_peak_allocated(int64_t device, bool reset);
+
 }  // namespace jetrl

@@ -179,6 +179,20 @@ int jetrl_nccl_built(void) {
 #endif
 }
 
+int64_t jetrl_cuda_peak_allocated(int64_t device, int reset) {
+#ifdef JETRL_WITH_NCCL
+  try {
+    return jetrl::cuda_peak_allocated(device, reset != 0);
+  } catch (...) {
+    return -1;
+  }
+#else
+  (void)device;
+  (void)reset;
+  return -1;
+#endif
+}
+
 int jetrl_pg_new(int backend, int rank, int world_size, const char* host, uint16_t port, int64_t timeout_ms,
                  const char* prefix, const char* gloo_hostname, int64_t cuda_device, jetrl_pg** out, char** err) {
   if (out == nullptr || host == nullptr) {

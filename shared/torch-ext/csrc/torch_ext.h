@@ -39,6 +39,10 @@ void jetrl_free_string(char* s);
 // 1 when the NCCL process group was compiled into this shim.
 int jetrl_nccl_built(void);
 
+// Peak bytes the CUDA caching allocator has handed out on `device` (torch.cuda.max_memory_allocated), resetting
+// the peak afterwards when `reset` is non-zero; -1 without the CUDA part of the shim or without that device.
+int64_t jetrl_cuda_peak_allocated(int64_t device, int reset);
+
 // Creates a process group: connects to (rank 0: hosts) the TCPStore at host:port, optionally wraps it in a
 // PrefixStore, registers the rank (refusing a rank claimed twice) and rendezvouses the backend.
 // `timeout_ms` bounds the store connection, the rendezvous and every later collective.

@@ -171,6 +171,16 @@ pub enum DistError {
     InvalidArgument { op: &'static str, rank: usize, message: String },
 }
 
+/// Peak bytes the CUDA caching allocator has handed out on `device` since the start or the last reset
+/// (`torch.cuda.max_memory_allocated`), resetting the peak afterwards when `reset`. `None` when the shim was built
+/// without its CUDA part (with NCCL) or the device does not exist.
+pub fn cuda_peak_allocated(device: usize, reset: bool) -> Option<u64> {
+    #[allow(unsafe_code)]
+    // SAFETY: plain integers in and out; the C++ side catches every exception.
+    let peak = unsafe { ffi::jetrl_cuda_peak_allocated(device as i64, c_int::from(reset)) };
+    u64::try_from(peak).ok()
+}
+
 /// Whether the NCCL process group was compiled into the shim (see the crate README).
 pub fn nccl_built() -> bool {
     #[allow(unsafe_code)]

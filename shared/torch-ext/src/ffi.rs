@@ -25,6 +25,7 @@ pub(crate) struct RawGroup {
 extern "C" {
     pub(crate) fn jetrl_free_string(s: *mut c_char);
     pub(crate) fn jetrl_nccl_built() -> c_int;
+    pub(crate) fn jetrl_cuda_peak_allocated(device: i64, reset: c_int) -> i64;
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn jetrl_pg_new(
         backend: c_int,

@@ -18,4 +18,6 @@
 mod c10d;
 mod ffi;
 
-pub use c10d::{nccl_built, Backend, DistError, ProcessGroup, ProcessGroupOptions, ReduceOp, DEFAULT_TIMEOUT};
+pub use c10d::{
+    cuda_peak_allocated, nccl_built, Backend, DistError, ProcessGroup, ProcessGroupOptions, ReduceOp, DEFAULT_TIMEOUT,
+};

@@ -142,6 +142,21 @@ fn nccl_without_the_backend_or_a_gpu_is_a_clear_error() {
     }
 }
 
+/// The CUDA allocator's peak: nothing without the CUDA part or a device; on a GPU, at least a tensor just made.
+#[test]
+fn cuda_peak_allocated_is_none_without_a_gpu_and_counts_a_tensor_with_one() {
+    if jetrl_torch_ext::nccl_built() && tch::Cuda::is_available() {
+        let _reset = jetrl_torch_ext::cuda_peak_allocated(0, true);
+        let t = Tensor::zeros([1 << 20], (Kind::Float, Device::Cuda(0)));
+        let peak = jetrl_torch_ext::cuda_peak_allocated(0, false).unwrap();
+        assert!(peak >= 4 << 20, "a 4 MiB tensor, peak {peak}");
+        drop(t);
+    } else {
+        assert_eq!(jetrl_torch_ext::cuda_peak_allocated(0, false), None);
+    }
+    assert_eq!(jetrl_torch_ext::cuda_peak_allocated(4096, false), None, "no device 4096");
+}
+
 #[test]
 fn a_rank_started_twice_is_refused() {
     let port = free_port();

@@ -8,8 +8,11 @@
 //! from other processes on a shared CPU falls on both sides alike; each side's median counts. Both sides must
 //! compute the same first update (pg_loss, grad_norm) or the bench fails. `--device cuda --dtype bf16` runs both
 //! sides on a GPU in bf16 (jetrl keeps fp32 master weights in its AdamW; the reference steps torch's AdamW on
-//! the bf16 parameters, which is less work). Last line:
-//! `{"bench":"trainer_step","jetrl_tok_per_s":…,"reference_tok_per_s":…,"ratio":…}`.
+//! the bf16 parameters, which is less work). Then jetrl alone: a long-tail batch padded against packed, the peak
+//! memory of one long update without and with gradient checkpointing (each in a process of its own: RSS on the
+//! CPU, `max_memory_allocated` on CUDA), and LoRA against full fine-tuning. Last line:
+//! `{"bench":"trainer_step","jetrl_tok_per_s":…,"reference_tok_per_s":…,"ratio":…,"packed_vs_padded":…,
+//! "peak_mb_plain":…,"peak_mb_checkpointed":…,"lora_vs_full":…,…}`.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
@@ -149,7 +152,8 @@ fn peak_rss_mib() -> anyhow::Result<f64> {
 }
 
 /// One update of the long batch (16 rows of `prompt_len` + `long_response_len` tokens, one micro-batch), with or
-/// without gradient checkpointing; prints `{"peak_mb": …}`.
+/// without gradient checkpointing; prints `{"peak_mb": …}`: the process's peak RSS on the CPU, the CUDA caching
+/// allocator's peak (`max_memory_allocated`, reset after the model is loaded) on a GPU.
 fn memory_probe(args: &Args, mode: &str) -> anyhow::Result<()> {
     let work = tempfile::tempdir()?;
     let model_dir = work.path().join("model");
@@ -166,11 +170,66 @@ fn memory_probe(args: &Args, mode: &str) -> anyhow::Result<()> {
         other => bail!("--memory-probe {other}: plain or checkpointed"),
     };
     cfg.actor.ppo_max_token_len = 1 << 30;
+    set_device(&mut cfg, args)?;
     let mut actor = Actor::new(&cfg, 1, None, Comm::Solo)?;
+    if let tch::Device::Cuda(d) = actor.model().device() {
+        let before = cuda_peak_mib(d, true)?;
+        actor.ppo_update(&samples, &old, &adv, 1e-5)?;
+        tch::Cuda::synchronize(d as i64);
+        println!("{}", serde_json::json!({"peak_mb": cuda_peak_mib(d, false)?, "before_update_mb": before}));
+        return Ok(());
+    }
     let before = peak_rss_mib()?;
     actor.ppo_update(&samples, &old, &adv, 1e-5)?;
     println!("{}", serde_json::json!({"peak_mb": peak_rss_mib()?, "before_update_mb": before}));
     Ok(())
+}
+
+/// The CUDA caching allocator's peak on `device` in MiB (then reset when `reset`).
+fn cuda_peak_mib(device: usize, reset: bool) -> anyhow::Result<f64> {
+    let bytes = jetrl_torch_ext::cuda_peak_allocated(device, reset)
+        .context("the CUDA allocator's statistics: this build's torch-ext has no CUDA part (see its README)")?;
+    Ok(bytes as f64 / (1u64 << 20) as f64)
+}
+
+/// `--device` and `--dtype` into the job.
+fn set_device(cfg: &mut JobConfig, args: &Args) -> anyhow::Result<()> {
+    cfg.model.device = args.device.parse().map_err(|e| anyhow::anyhow!("--device {}: {e}", args.device))?;
+    cfg.model.dtype = args.dtype.parse().map_err(|e| anyhow::anyhow!("--dtype {}: {e}", args.dtype))?;
+    Ok(())
+}
+
+/// Full fine-tuning against LoRA (rank 16, alpha 16, all-linear) on the same weights and batch, one update at a
+/// time alternating; returns (full, LoRA) median seconds and optimizer-state bytes.
+fn lora_against_full(
+    args: &Args,
+    samples: &[Sample],
+    old: &[Vec<f32>],
+    adv: &[Vec<f32>],
+    base: &JobConfig,
+) -> anyhow::Result<[(f64, u64); 2]> {
+    let actor = |lora: bool| -> anyhow::Result<Actor> {
+        let mut cfg = base.clone();
+        cfg.model.lora_rank = if lora { 16 } else { 0 };
+        cfg.model.lora_alpha = 16.0;
+        Ok(Actor::new(&cfg, 1, None, Comm::Solo)?)
+    };
+    let mut actors = [actor(false)?, actor(true)?];
+    let mut times = [Vec::new(), Vec::new()];
+    for i in 0..1 + args.iters.min(3) {
+        for (actor, times) in actors.iter_mut().zip(times.iter_mut()) {
+            let t = Instant::now();
+            actor.ppo_update(samples, old, adv, 1e-5)?;
+            if let tch::Device::Cuda(d) = actor.model().device() {
+                tch::Cuda::synchronize(d as i64);
+            }
+            if i > 0 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+    }
+    let [full, lora] = times;
+    Ok([(median(full), actors[0].optimizer_state_bytes()), (median(lora), actors[1].optimizer_state_bytes())])
 }
 
 /// Long-tail responses as RL produces them (16 rows, 16 to `long_response_len` tokens, log-uniform), one update
@@ -258,8 +317,7 @@ fn main() -> anyhow::Result<()> {
 
     let mut cfg = JobConfig::default();
     cfg.model.path = model_dir.display().to_string();
-    cfg.model.device = args.device.parse().map_err(|e| anyhow::anyhow!("--device {}: {e}", args.device))?;
-    cfg.model.dtype = args.dtype.parse().map_err(|e| anyhow::anyhow!("--dtype {}: {e}", args.dtype))?;
+    set_device(&mut cfg, &args)?;
     let (device, dtype) = jetrl_trainer::actor::compute_dtype(&cfg)?;
     let (device_name, dtype_name) = match device {
         tch::Device::Cuda(i) => (format!("cuda:{i}"), if dtype == DType::BF16 { "bf16" } else { "f32" }),
@@ -343,14 +401,15 @@ fn main() -> anyhow::Result<()> {
         "long-tail batch ({long_tokens} tokens, responses 16-{}): padded {padded_s:.3}s, packed {packed_s:.3}s per update",
         args.long_response_len
     );
-    let (peak_plain, peak_checkpointed) = if device == tch::Device::Cpu {
-        (Some(probe_in_own_process("plain")?), Some(probe_in_own_process("checkpointed")?))
-    } else {
-        (None, None)
-    };
+    let (peak_plain, peak_checkpointed) = (probe_in_own_process("plain")?, probe_in_own_process("checkpointed")?);
+    let peak_kind = if device == tch::Device::Cpu { "rss" } else { "cuda_max_memory_allocated" };
     eprintln!(
-        "peak RSS over one update of 16 x ({} + {}) tokens: plain {peak_plain:?} MiB, checkpointed {peak_checkpointed:?} MiB",
+        "peak memory ({peak_kind}) over one update of 16 x ({} + {}) tokens: plain {peak_plain:.0} MiB, checkpointed {peak_checkpointed:.0} MiB",
         args.prompt_len, args.long_response_len
+    );
+    let [(full_s, full_optim), (lora_s, lora_optim)] = lora_against_full(&args, &samples, &old, &adv, &cfg)?;
+    eprintln!(
+        "LoRA (rank 16, all-linear) against full fine-tuning: {lora_s:.3}s vs {full_s:.3}s per update, optimizer state {lora_optim} vs {full_optim} bytes"
     );
     println!(
         "{}",
@@ -364,8 +423,14 @@ fn main() -> anyhow::Result<()> {
             "dtype": dtype_name,
             "packed_vs_padded": (padded_s / packed_s * 1000.0).round() / 1000.0,
             "long_tail_tokens": long_tokens,
-            "peak_mb_plain": peak_plain.map(|m| m.round()),
-            "peak_mb_checkpointed": peak_checkpointed.map(|m| m.round()),
+            "peak_mb_plain": peak_plain.round(),
+            "peak_mb_checkpointed": peak_checkpointed.round(),
+            "peak_mb_kind": peak_kind,
+            "lora_vs_full": (full_s / lora_s * 1000.0).round() / 1000.0,
+            "lora_update_s": (lora_s * 1000.0).round() / 1000.0,
+            "full_update_s": (full_s * 1000.0).round() / 1000.0,
+            "optim_bytes_full": full_optim,
+            "optim_bytes_lora": lora_optim,
         })
     );
     Ok(())
