@@ -223,7 +223,13 @@ impl Attention {
             Attend::Mask(mask) => {
                 Tensor::f_scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, scale, grouped)?
             }
-            // each sequence on its own, causal, with no mask: the attention of a padded batch without its padding
+            // CUDA in bf16/fp16: the flash kernel over the packed row, told where each sequence starts
+            Attend::Packed(lens) if flash_varlen_applies(&q, self.head_dim) => {
+                let y = flash_varlen(&q, &k, &v, lens, scale)?;
+                return self.o_proj.forward(&y.f_reshape([b, t, self.num_heads * self.head_dim])?);
+            }
+            // elsewhere each sequence on its own, causal, with no mask: the attention of a padded batch without
+            // its padding (on the CPU the cheapest exact path: SDPA's math kernel on the unpadded slice)
             Attend::Packed(lens) => {
                 let mut parts = Vec::with_capacity(lens.len());
                 let mut start = 0;
@@ -248,6 +254,35 @@ impl Attention {
         let y = y.f_transpose(1, 2)?.f_reshape([b, t, self.num_heads * self.head_dim])?;
         self.o_proj.forward(&y)
     }
+}
+
+/// Whether a packed row's attention runs on the flash varlen kernel: CUDA tensors in bf16 or fp16 and a head
+/// size the kernel takes (a multiple of 8, at most 256).
+fn flash_varlen_applies(q: &Tensor, head_dim: i64) -> bool {
+    q.device().is_cuda() && matches!(q.kind(), Kind::BFloat16 | Kind::Half) && head_dim % 8 == 0 && head_dim <= 256
+}
+
+/// Causal attention of sequences packed in one row by the flash varlen kernel: `q` `[1, heads, T, D]`, `k`, `v`
+/// `[1, kv_heads, T, D]` → `[1, T, heads, D]` (grouped heads are the kernel's own).
+fn flash_varlen(q: &Tensor, k: &Tensor, v: &Tensor, lens: &[i64], scale: f64) -> Result<Tensor> {
+    let tokens_first = |x: &Tensor| -> Result<Tensor> { Ok(x.f_squeeze_dim(0)?.f_transpose(0, 1)?.f_contiguous()?) };
+    let mut ends = Vec::with_capacity(lens.len() + 1);
+    ends.push(0i32);
+    for &len in lens {
+        ends.push(ends.last().copied().unwrap_or(0) + len as i32);
+    }
+    let cu_seqlens = Tensor::f_from_slice(&ends)?.f_to_device(q.device())?;
+    let max_len = lens.iter().copied().max().unwrap_or(0);
+    let y = jetrl_torch_ext::flash_attention_varlen(
+        &tokens_first(q)?,
+        &tokens_first(k)?,
+        &tokens_first(v)?,
+        &cu_seqlens,
+        max_len,
+        scale,
+    )
+    .map_err(|e| tch::TchError::Torch(e.to_string()))?;
+    Ok(y.f_unsqueeze(0)?)
 }
 
 /// SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`.

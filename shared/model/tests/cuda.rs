@@ -6,8 +6,10 @@
 mod common;
 
 use common::*;
-use jetrl_model::{log_probs_of, parse_device, CausalLm, DType, Engine, EngineConfig, Request, Sampling};
-use tch::Device;
+use jetrl_model::{
+    log_probs_of, parse_device, token_log_probs, CausalLm, DType, Engine, EngineConfig, Packed, Request, Sampling,
+};
+use tch::{Device, Kind, Tensor};
 
 fn cuda() -> Device {
     assert!(tch::Cuda::is_available(), "the cuda-tests feature is on, but libtorch sees no CUDA device");
@@ -54,4 +56,39 @@ fn cuda_bf16_engine_log_probs_match_cuda_bf16_forward() {
     println!("cuda bf16 generation vs forward: max {:.3e} mean {:.3e}", d.max, d.mean);
     // bf16 rounds differently between one-token decode steps and a full forward.
     assert!(d.mean <= 5e-2, "{d:?}");
+}
+
+/// A packed row in bf16 on CUDA runs the flash varlen kernel: its log-probs are the padded batch's (bf16
+/// tolerance) and gradients reach the weights.
+#[test]
+fn cuda_bf16_packed_rows_use_flash_varlen_and_match_the_padded_batch() {
+    let device = cuda();
+    let model = CausalLm::load(&hf_sample_llama(), device, DType::BF16).unwrap();
+    let sequences: Vec<Vec<i64>> = vec![vec![1, 87, 85, 266, 201], vec![57, 12], vec![40, 7, 9, 301, 11, 2, 5]];
+    let mut expected = Vec::new();
+    for s in &sequences {
+        let ids = Tensor::from_slice(s).view([1, -1]);
+        let mask = ids.ones_like();
+        let lp = token_log_probs(&model.forward(&ids, &mask).unwrap(), &ids, 1.0).unwrap();
+        expected.extend(Vec::<f32>::try_from(lp.get(0).to_device(Device::Cpu)).unwrap());
+    }
+    let packed_ids: Vec<i64> = sequences.iter().flatten().copied().collect();
+    let lens: Vec<i64> = sequences.iter().map(|s| s.len() as i64).collect();
+    let packed_ids = Tensor::from_slice(&packed_ids).view([1, -1]);
+    let hidden = model.forward_hidden_packed(&Packed { input_ids: &packed_ids, lens: &lens }).unwrap();
+    let lp = token_log_probs(&model.lm_head(&hidden).unwrap(), &packed_ids, 1.0).unwrap();
+    let all = Vec::<f32>::try_from(lp.get(0).to_device(Device::Cpu)).unwrap();
+    let mut got = Vec::new();
+    let mut start = 0;
+    for s in &sequences {
+        got.extend_from_slice(&all[start..start + s.len() - 1]);
+        start += s.len();
+    }
+    let d = got.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    println!("cuda bf16 packed (flash varlen) vs one sequence at a time: max |Δ| {d:.3e}");
+    assert_eq!(got.len(), expected.len());
+    assert!(d <= 5e-2, "packed vs single-sequence log-probs differ by {d}");
+    lp.sum(Kind::Float).backward();
+    let grad = model.parameters()["model.layers.0.self_attn.q_proj.weight"].grad();
+    assert!(grad.defined() && grad.abs().sum(Kind::Float).double_value(&[]) > 0.0, "no gradient through the kernel");
 }

@@ -39,6 +39,13 @@ void jetrl_free_string(char* s);
 // 1 when the NCCL process group was compiled into this shim.
 int jetrl_nccl_built(void);
 
+// Causal flash attention over sequences packed end to end (at::_flash_attention_forward with cumulative lengths):
+// q [total, heads, d], k and v [total, kv_heads, d], cu_seqlens int32 [n + 1]; *out gets a new tensor
+// [total, heads, d] (owned by the caller, as tch's tensors are). CUDA bf16/fp16 only; anything else is an error.
+int jetrl_flash_attention_varlen(const jetrl_tensor* q, const jetrl_tensor* k, const jetrl_tensor* v,
+                                 const jetrl_tensor* cu_seqlens, int64_t max_len, double scale, jetrl_tensor** out,
+                                 char** err);
+
 // Peak bytes the CUDA caching allocator has handed out on `device` (torch.cuda.max_memory_allocated), resetting
 // the peak afterwards when `reset` is non-zero; -1 without the CUDA part of the shim or without that device.
 int64_t jetrl_cuda_peak_allocated(int64_t device, int reset);

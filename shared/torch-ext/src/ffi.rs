@@ -27,6 +27,17 @@ extern "C" {
     pub(crate) fn jetrl_nccl_built() -> c_int;
     pub(crate) fn jetrl_cuda_peak_allocated(device: i64, reset: c_int) -> i64;
     #[allow(clippy::too_many_arguments)]
+    pub(crate) fn jetrl_flash_attention_varlen(
+        q: *const c_void,
+        k: *const c_void,
+        v: *const c_void,
+        cu_seqlens: *const c_void,
+        max_len: i64,
+        scale: f64,
+        out: *mut *mut c_void,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn jetrl_pg_new(
         backend: c_int,
         rank: c_int,

@@ -1,6 +1,8 @@
 //! The project's one thin C++ shim of libtorch extensions that tch does not bind (DESIGN §7), built with
 //! torch-sys' flags. So far: torch.distributed (c10d) process groups and collectives ([`ProcessGroup`]), the
-//! same `ProcessGroupGloo` / `ProcessGroupNCCL` and `TCPStore` Python's `torch.distributed` runs on.
+//! same `ProcessGroupGloo` / `ProcessGroupNCCL` and `TCPStore` Python's `torch.distributed` runs on; the CUDA
+//! caching allocator's peak ([`cuda_peak_allocated`]); flash attention over packed variable-length sequences
+//! ([`flash_attention_varlen`]).
 //!
 //! ```no_run
 //! use jetrl_torch_ext::{Backend, ProcessGroup, ProcessGroupOptions, ReduceOp};
@@ -15,8 +17,11 @@
 //! # }
 //! ```
 
+mod attention;
 mod c10d;
 mod ffi;
+
+pub use attention::{flash_attention_varlen, KernelError};
 
 pub use c10d::{
     cuda_peak_allocated, nccl_built, Backend, DistError, ProcessGroup, ProcessGroupOptions, ReduceOp, DEFAULT_TIMEOUT,
