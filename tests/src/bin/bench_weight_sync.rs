@@ -50,11 +50,24 @@ struct Args {
     warmup: usize,
     chunk_bytes: usize,
     lora_rank: i64,
+    /// MLP width (default 3 × hidden)
+    intermediate: Option<i64>,
+    /// key/value heads (default hidden / 256, at least 1)
+    kv_heads: Option<i64>,
 }
 
 fn parse_args() -> Result<Args, BoxError> {
-    let mut args =
-        Args { hidden: 1024, layers: 8, vocab: 32768, rounds: 5, warmup: 1, chunk_bytes: 8 << 20, lora_rank: 16 };
+    let mut args = Args {
+        hidden: 1024,
+        layers: 8,
+        vocab: 32768,
+        rounds: 5,
+        warmup: 1,
+        chunk_bytes: 8 << 20,
+        lora_rank: 16,
+        intermediate: None,
+        kv_heads: None,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let value: usize = it.next().ok_or(format!("{flag} needs a value"))?.parse()?;
@@ -66,8 +79,10 @@ fn parse_args() -> Result<Args, BoxError> {
             "--warmup" => args.warmup = value,
             "--chunk-bytes" => args.chunk_bytes = value,
             "--lora-rank" => args.lora_rank = value.max(1) as i64,
+            "--intermediate" => args.intermediate = Some(value as i64),
+            "--kv-heads" => args.kv_heads = Some(value as i64),
             other => {
-                let known = "--hidden, --layers, --vocab, --rounds, --warmup, --chunk-bytes, --lora-rank";
+                let known = "--hidden, --layers, --vocab, --intermediate, --kv-heads, --rounds, --warmup, --chunk-bytes, --lora-rank";
                 return Err(format!("unknown option {other} ({known})").into());
             }
         }
@@ -81,10 +96,10 @@ fn model_config(a: &Args) -> serde_json::Value {
         "model_type": "qwen2",
         "vocab_size": a.vocab,
         "hidden_size": a.hidden,
-        "intermediate_size": a.hidden * 3,
+        "intermediate_size": a.intermediate.unwrap_or(a.hidden * 3),
         "num_hidden_layers": a.layers,
         "num_attention_heads": a.hidden / 64,
-        "num_key_value_heads": (a.hidden / 256).max(1),
+        "num_key_value_heads": a.kv_heads.unwrap_or((a.hidden / 256).max(1)),
         "hidden_act": "silu",
         "max_position_embeddings": 512,
         "rms_norm_eps": 1e-6,
