@@ -7,8 +7,9 @@
 #              async-nats object-store put (same chunk size) and two gets
 # plus the swap into the engine, reported on its own; and LoRA: the same model's adapter-only version (rank 16,
 # all-linear) through the broker plus each worker's merge, against the full sync plus its swap (lora_speedup).
-# The Qwen2.5-0.5B shape: --hidden 896 --layers 24 --vocab 151936 --intermediate 4864 --kv-heads 2 (2 GB in f32). Arguments pass through to bench-weight-sync
-# (`--hidden`, `--layers`, `--vocab`, `--intermediate`, `--kv-heads`, `--rounds` (5), `--warmup` (1), `--chunk-bytes`). Medians over the rounds;
+# Arguments pass through to bench-weight-sync (`--hidden`, `--layers`, `--vocab`, `--intermediate`,
+# `--kv-heads`, `--rounds` (5), `--warmup` (1), `--chunk-bytes`, `--lora-rank` (16)); the Qwen2.5-0.5B shape is
+# `--hidden 896 --layers 24 --vocab 151936 --intermediate 4864 --kv-heads 2` (2 GB in f32). Medians over the rounds;
 # the sides alternate order round by round (this machine class is shared: load from others falls on all alike).
 # Last line: {"bench":"weight_sync","bytes":…,"jetrl_s":…,"raw_copy_s":…,"ratio":…,"broker_jetrl_s":…,
 # "broker_raw_s":…,"broker_ratio":…,"lora_speedup":…,"lora_bytes":…,…}
