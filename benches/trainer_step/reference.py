@@ -5,7 +5,8 @@ transformers' Qwen2ForCausalLM (sdpa attention), prompts left-padded and respons
 batch, log-probs of the response positions at temperature 1, verl's vanilla PPO loss (dual clip, token-mean),
 backward, `clip_grad_norm_(1.0)`, torch.optim.AdamW with matrices decayed and 1-D parameters not.
 `--device cuda --dtype bf16`: the model in bf16 on the GPU, AdamW stepping the bf16 parameters (no fp32 master
-copies: less work than jetrl's trainer does).
+copies: less work than jetrl's trainer does). With `--precision master` instead: fp32 parameters, the forward
+under bf16 autocast, fused AdamW on the fp32 parameters: jetrl's own precision, the second reference side.
 
 Driven step by step over stdin/stdout so the two sides alternate update by update (a shared, noisy CPU then
 slows both alike): it prints `{"ready": true, "tokens", "threads"}`, then for every `step` line it reads, one
@@ -27,9 +28,12 @@ def main():
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    ap.add_argument("--precision", choices=["params", "master"], default="params")
     args = ap.parse_args()
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    bf16 = args.dtype == "bf16"
+    master = args.precision == "master" and bf16
+    dtype = torch.bfloat16 if bf16 and not master else torch.float32
     if args.threads > 0:
         torch.set_num_threads(args.threads)
 
@@ -64,13 +68,14 @@ def main():
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optim = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=1e-5, betas=(0.9, 0.999), eps=1e-8,
+        lr=1e-5, betas=(0.9, 0.999), eps=1e-8, fused=True if master and device.type == "cuda" else None,
     )
     clip_low, clip_high, clip_c = 0.2, 0.2, 3.0
 
     def update():
-        hidden = model.model(input_ids=ids, attention_mask=attn, position_ids=position_ids).last_hidden_state
-        logits = model.lm_head(hidden[:, P - 1:P - 1 + R]).float()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=master):
+            hidden = model.model(input_ids=ids, attention_mask=attn, position_ids=position_ids).last_hidden_state
+            logits = model.lm_head(hidden[:, P - 1:P - 1 + R]).float()
         log_prob = logits.gather(-1, resp.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
         # verl compute_policy_loss_vanilla
         neg_kl = torch.clamp(log_prob - old, min=-20.0, max=20.0)

@@ -118,6 +118,8 @@ fn engine_config(cfg: &JobConfig, model: &ModelConfig, seed: u64, eos: Vec<u32>,
         seed,
         eos_token_ids: eos,
         logprobs_mode: mode,
+        enforce_eager: r.enforce_eager,
+        bucketed: None,
     }
 }
 

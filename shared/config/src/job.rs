@@ -704,6 +704,9 @@ pub struct RolloutConfig {
     pub kv_cache_tokens: Option<u64>,
     /// memory cap of the default KV budget (ignored when kv_cache_tokens is set)
     pub kv_cache_memory_gb: f64,
+    /// decode eagerly on CUDA instead of replaying one CUDA graph per batch bucket (vLLM's and verl's
+    /// `enforce_eager`; graphs take a little memory and a capture per new shape). The CPU is always eager.
+    pub enforce_eager: bool,
     /// sampling seed of the worker's engine (requests without their own seed); default run.seed mixed with the
     /// instance id, so workers draw different streams
     pub seed: Option<u64>,
@@ -748,6 +751,7 @@ impl Default for RolloutConfig {
             max_model_len: None,
             kv_cache_tokens: None,
             kv_cache_memory_gb: 4.0,
+            enforce_eager: false,
             seed: None,
             logprobs_mode: LogprobsMode::Processed,
             multi_turn: MultiTurnConfig::default(),

@@ -5,7 +5,8 @@
 //! ```text
 //! rollout_engine_bench prepare DIR [--groups G] [--prompt-len P] [--seed S] [SHAPE]   # model + prompts.json
 //! rollout_engine_bench run DIR --workload grpo|fixed [--n N] [--new-tokens T] [--reps R] [--threads K]
-//!                          [--device cpu|cuda|cuda:N] [--dtype f32|bf16]
+//!                          [--device cpu|cuda|cuda:N] [--dtype f32|bf16] [--enforce-eager 1]
+//! rollout_engine_bench check DIR [--n N] [--new-tokens T] [--device D] [--dtype T]    # graph against eager
 //! ```
 //!
 //! `prepare` writes the `tiny` preset unless SHAPE is given: `--hidden H --layers L --heads A --kv-heads K
@@ -15,14 +16,19 @@
 //! - `grpo`: a GRPO rollout — every sequence ends at EOS or at T tokens; tokens counted through the EOS.
 //! - `fixed`: every sequence runs exactly T tokens (EOS ignored): decode speed alone.
 //!
-//! Prints one JSON line with the median tokens/s over the repetitions.
+//! `run` prints one JSON line with the median tokens/s over the repetitions (a warm-up run first, not counted) and
+//! the median milliseconds per decode step. `check` samples the same seeded requests with the engine's default
+//! decode (CUDA graphs on a GPU) and with `enforce_eager`, and prints whether the tokens match, the largest
+//! log-prob difference between the two, and the largest difference between the engine's log-probs and the
+//! training forward's recomputation (on the CPU both sides are eager: the check shows the comparison runs).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
 use jetrl_model::{
-    init_model, parse_device, CausalLm, DType, Engine, EngineConfig, ModelConfig, Request, Sampling, Tokenizer,
+    init_model, log_probs_of, parse_device, CausalLm, DType, Engine, EngineConfig, ModelConfig, Request, Sampling,
+    SequenceOutput, Tokenizer,
 };
 use rand::{Rng, SeedableRng};
 use tch::Device;
@@ -40,6 +46,7 @@ struct Args {
     seed: u64,
     device: String,
     dtype: String,
+    enforce_eager: bool,
     /// hidden, layers, heads, kv heads, intermediate, vocab (0: the `tiny` preset)
     shape: [i64; 6],
 }
@@ -61,6 +68,7 @@ fn parse() -> Result<Args, String> {
         seed: 1,
         device: "cpu".into(),
         dtype: "f32".into(),
+        enforce_eager: false,
         shape: [0; 6],
     };
     while let Some(flag) = it.next() {
@@ -77,6 +85,7 @@ fn parse() -> Result<Args, String> {
             "--seed" => args.seed = number(&value)?,
             "--device" => args.device = value,
             "--dtype" => args.dtype = value,
+            "--enforce-eager" => args.enforce_eager = number(&value)? != 0,
             "--hidden" => args.shape[0] = number(&value)? as i64,
             "--layers" => args.shape[1] = number(&value)? as i64,
             "--heads" => args.shape[2] = number(&value)? as i64,
@@ -180,54 +189,134 @@ fn run(args: &Args) -> Result<(), String> {
         max_model_len: prompts.iter().map(Vec::len).max().unwrap_or(0) + args.new_tokens,
         seed: args.seed,
         eos_token_ids: eos,
+        enforce_eager: args.enforce_eager,
         ..EngineConfig::default()
     };
     let mut engine = Engine::new(model, config).map_err(|e| e.to_string())?;
     let sampling = Sampling { temperature: 1.0, max_tokens: args.new_tokens, ignore_eos, ..Sampling::default() };
     let mut next_id = 0u64;
-    let mut run_once = |max_tokens: usize| -> Result<(usize, f64), String> {
+    let mut run_once = |max_tokens: usize| -> Result<(usize, f64, u64), String> {
         let started = Instant::now();
         for prompt in &prompts {
             let request = Request::new(prompt.clone(), args.n, Sampling { max_tokens, ..sampling.clone() });
             engine.add_request(next_id, request).map_err(|e| e.to_string())?;
             next_id += 1;
         }
+        let steps_before = engine.stats().steps;
         let outs = engine.run_to_completion().map_err(|e| e.to_string())?;
-        Ok((outs.iter().map(|o| o.tokens.len()).sum(), started.elapsed().as_secs_f64()))
+        let steps = engine.stats().steps - steps_before;
+        Ok((outs.iter().map(|o| o.tokens.len()).sum(), started.elapsed().as_secs_f64(), steps))
     };
-    run_once(8)?; // warm-up
+    // warm-up at full length: on CUDA it captures the decode graphs every later run replays
+    run_once(args.new_tokens)?;
     let mut rates = Vec::with_capacity(args.reps);
     let mut tokens = Vec::with_capacity(args.reps);
+    let mut step_ms = Vec::with_capacity(args.reps);
     for _ in 0..args.reps {
-        let (n, seconds) = run_once(args.new_tokens)?;
+        let (n, seconds, steps) = run_once(args.new_tokens)?;
         tokens.push(n);
         rates.push(n as f64 / seconds);
+        step_ms.push(1000.0 * seconds / steps.max(1) as f64);
     }
+    let stats = engine.stats();
     let mut sorted = rates.clone();
     sorted.sort_by(f64::total_cmp);
+    step_ms.sort_by(f64::total_cmp);
     println!(
         "{}",
         serde_json::json!({
             "impl": "jetrl",
             "workload": args.workload,
             "tok_per_s": sorted[sorted.len() / 2],
+            "ms_per_step": step_ms[step_ms.len() / 2],
             "rates": rates,
+            "cuda_graphs": stats.graphs,
+            "padded_slot_share": 1.0 - stats.decoded_rows as f64 / stats.decoded_slots.max(1) as f64,
             "tokens_per_rep": tokens,
             "batch": prompts.len() * args.n,
             "new_tokens": args.new_tokens,
             "threads": tch::get_num_threads(),
             "device": args.device,
             "dtype": args.dtype,
+            "enforce_eager": args.enforce_eager,
         })
     );
     Ok(())
+}
+
+/// One seeded GRPO-shaped rollout of every prompt (`--n` samples, `--new-tokens` at most, EOS honoured) with
+/// the default decode and with `enforce_eager`; see the module comment.
+fn check(args: &Args) -> Result<(), String> {
+    let prompts = read_prompts(&args.dir)?;
+    let device = parse_device(&args.device).map_err(|e| e.to_string())?;
+    let dtype: DType = args.dtype.parse().map_err(|e: jetrl_model::ModelError| e.to_string())?;
+    let eos = eos_ids(&args.dir)?;
+    let sample = |enforce_eager: bool| -> Result<(Vec<SequenceOutput>, Engine), String> {
+        let model = CausalLm::load(&args.dir, device, dtype).map_err(|e| e.to_string())?;
+        let config = EngineConfig {
+            max_num_seqs: prompts.len() * args.n,
+            max_model_len: prompts.iter().map(Vec::len).max().unwrap_or(0) + args.new_tokens,
+            seed: args.seed,
+            eos_token_ids: eos.clone(),
+            enforce_eager,
+            ..EngineConfig::default()
+        };
+        let mut engine = Engine::new(model, config).map_err(|e| e.to_string())?;
+        for (i, prompt) in prompts.iter().enumerate() {
+            let sampling = Sampling { temperature: 1.0, max_tokens: args.new_tokens, ..Sampling::default() };
+            engine.add_request(i as u64, Request::new(prompt.clone(), args.n, sampling)).map_err(|e| e.to_string())?;
+        }
+        let mut outs = engine.run_to_completion().map_err(|e| e.to_string())?;
+        outs.sort_by_key(|o| (o.request, o.index));
+        Ok((outs, engine))
+    };
+    let (graph, engine) = sample(false)?;
+    let graphs = engine.stats().graphs;
+    let (eager, _) = sample(true)?;
+    let same_tokens = graph.iter().zip(&eager).filter(|(a, b)| a.tokens == b.tokens).count();
+    // log-probs compared over the common prefix of each pair (a bf16 tie can fork two samples)
+    let mut graph_vs_eager = 0f32;
+    for (a, b) in graph.iter().zip(&eager) {
+        for (x, y) in a.logprobs.iter().zip(&b.logprobs).take(common_prefix(&a.tokens, &b.tokens)) {
+            graph_vs_eager = graph_vs_eager.max((x - y).abs());
+        }
+    }
+    let mut vs_trainer = 0f32;
+    for out in graph.iter().take(8) {
+        let context: Vec<u32> = prompts[out.request as usize].iter().chain(&out.tokens).copied().collect();
+        let recomputed = log_probs_of(engine.model(), &context).map_err(|e| e.to_string())?;
+        let tail = &recomputed[recomputed.len() - out.tokens.len()..];
+        for (x, y) in out.logprobs.iter().zip(tail) {
+            vs_trainer = vs_trainer.max((x - y).abs());
+        }
+    }
+    println!(
+        "{}",
+        serde_json::json!({
+            "check": "graph_vs_eager",
+            "device": args.device,
+            "dtype": args.dtype,
+            "cuda_graphs": graphs,
+            "sequences": graph.len(),
+            "same_tokens": same_tokens,
+            "graph_matches_eager": same_tokens == graph.len(),
+            "max_logprob_diff_graph_vs_eager": graph_vs_eager,
+            "max_logprob_diff_rollout_vs_trainer": vs_trainer,
+        })
+    );
+    Ok(())
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 fn main() -> ExitCode {
     let result = parse().and_then(|args| match args.command.as_str() {
         "prepare" => prepare(&args),
         "run" => run(&args),
-        other => Err(format!("unknown command {other} (prepare, run)")),
+        "check" => check(&args),
+        other => Err(format!("unknown command {other} (prepare, run, check)")),
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,

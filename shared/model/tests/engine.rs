@@ -476,3 +476,62 @@ fn a_bf16_engine_samples_close_to_the_f32_model() {
     println!("bf16 engine vs f32 forward: mean {:.3e} max {:.3e}", d.mean, d.max);
     assert!(d.mean < 0.05 && d.max < 0.5, "{d:?}");
 }
+
+#[test]
+fn the_graph_paths_bucketed_shapes_change_no_sequence_and_move_rows_only_at_bucket_boundaries() {
+    // The CUDA-graph path's shapes run eagerly here: batches padded to 1, 2, 4, 8 slots with free slots decoding
+    // at the scratch position, attention widths rounded up, rows moved down only when the bucket can shrink.
+    let run = |bucketed: bool| {
+        let config = EngineConfig {
+            max_num_seqs: 7,
+            max_model_len: 64,
+            seed: 11,
+            bucketed: Some(bucketed),
+            ..EngineConfig::default()
+        };
+        let mut e = Engine::new(model(), config).unwrap();
+        let mut outs = Vec::new();
+        let mut id = 0u64;
+        for round in 0..3 {
+            for (i, prompt) in prompts().into_iter().enumerate() {
+                let n = 1 + (i + round) % 3;
+                let penalty = if i == 1 { 1.3 } else { 1.0 };
+                let sampling = Sampling { repetition_penalty: penalty, ..sampled(3 + 7 * ((i + round) % 4), id) };
+                e.add_request(id, Request::new(prompt, n, sampling)).unwrap();
+                id += 1;
+            }
+            for _ in 0..4 {
+                outs.extend(e.step().unwrap());
+            }
+            if round == 1 {
+                outs.extend(e.abort(2).unwrap());
+            }
+        }
+        outs.extend(e.run_to_completion().unwrap());
+        (by_request(outs), e.stats())
+    };
+    let (exact, exact_stats) = run(false);
+    let (bucketed, stats) = run(true);
+    assert_eq!(exact.len(), bucketed.len());
+    assert!(exact.iter().any(|o| o.finish == Finish::Aborted));
+    for (a, b) in exact.iter().zip(&bucketed) {
+        assert_eq!((a.request, a.index, &a.tokens, &a.finish), (b.request, b.index, &b.tokens, &b.finish));
+        let d = diff_one(&a.logprobs, &b.logprobs);
+        assert!(d.max <= 1e-5, "request {} sample {}: {d:?}", a.request, a.index);
+    }
+    assert_eq!(exact_stats.generated_tokens, stats.generated_tokens);
+    // every sequence's first token comes from its prefill, the rest from decode steps; with exact shapes the only
+    // slot decoded for nothing is one admitted that step below a decoding one (it samples from its prefill)
+    let sequences = exact.iter().filter(|o| !o.tokens.is_empty()).count() as u64;
+    assert_eq!(exact_stats.decoded_rows, exact_stats.generated_tokens - sequences);
+    assert_eq!(stats.decoded_rows, exact_stats.decoded_rows);
+    assert!(exact_stats.decoded_slots <= exact_stats.decoded_rows + sequences, "{exact_stats:?}");
+    assert!(stats.decoded_slots > exact_stats.decoded_slots, "buckets pad: {stats:?}");
+    assert!(
+        stats.moved_rows < exact_stats.moved_rows,
+        "{} moves bucketed, {} exact",
+        stats.moved_rows,
+        exact_stats.moved_rows
+    );
+    assert_eq!(stats.graphs, 0, "no CUDA graph on the CPU");
+}

@@ -50,6 +50,21 @@ int jetrl_flash_attention_varlen(const jetrl_tensor* q, const jetrl_tensor* k, c
 // the peak afterwards when `reset` is non-zero; -1 without the CUDA part of the shim or without that device.
 int64_t jetrl_cuda_peak_allocated(int64_t device, int reset);
 
+// CUDA graphs (cuda_graph.cpp). 1 when the CUDA part is built. A pool is a memory pool id shared by the graphs
+// captured with it (replay them in capture order, or consume each one's outputs before the next replay). A graph
+// owns a side stream: enter it, run warm-up passes, capture_begin, issue the work, capture_end, leave it; replay
+// runs on the current stream.
+typedef struct jetrl_graph jetrl_graph;
+int jetrl_cuda_graphs_built(void);
+int jetrl_graph_pool_new(uint64_t* first, uint64_t* second, char** err);
+int jetrl_graph_new(int64_t device, uint64_t pool_first, uint64_t pool_second, jetrl_graph** out, char** err);
+void jetrl_graph_free(jetrl_graph* graph);
+int jetrl_graph_enter_stream(jetrl_graph* graph, char** err);
+int jetrl_graph_leave_stream(jetrl_graph* graph, char** err);
+int jetrl_graph_capture_begin(jetrl_graph* graph, char** err);
+int jetrl_graph_capture_end(jetrl_graph* graph, char** err);
+int jetrl_graph_replay(jetrl_graph* graph, char** err);
+
 // Creates a process group: connects to (rank 0: hosts) the TCPStore at host:port, optionally wraps it in a
 // PrefixStore, registers the rank (refusing a rank claimed twice) and rendezvouses the backend.
 // `timeout_ms` bounds the store connection, the rendezvous and every later collective.

@@ -22,7 +22,28 @@ pub(crate) struct RawGroup {
     _private: [u8; 0],
 }
 
+/// `struct jetrl_graph`: owned by the C++ side, freed with [`jetrl_graph_free`].
+#[repr(C)]
+pub(crate) struct RawGraph {
+    _private: [u8; 0],
+}
+
 extern "C" {
+    pub(crate) fn jetrl_cuda_graphs_built() -> c_int;
+    pub(crate) fn jetrl_graph_pool_new(first: *mut u64, second: *mut u64, err: *mut *mut c_char) -> c_int;
+    pub(crate) fn jetrl_graph_new(
+        device: i64,
+        pool_first: u64,
+        pool_second: u64,
+        out: *mut *mut RawGraph,
+        err: *mut *mut c_char,
+    ) -> c_int;
+    pub(crate) fn jetrl_graph_free(graph: *mut RawGraph);
+    pub(crate) fn jetrl_graph_enter_stream(graph: *mut RawGraph, err: *mut *mut c_char) -> c_int;
+    pub(crate) fn jetrl_graph_leave_stream(graph: *mut RawGraph, err: *mut *mut c_char) -> c_int;
+    pub(crate) fn jetrl_graph_capture_begin(graph: *mut RawGraph, err: *mut *mut c_char) -> c_int;
+    pub(crate) fn jetrl_graph_capture_end(graph: *mut RawGraph, err: *mut *mut c_char) -> c_int;
+    pub(crate) fn jetrl_graph_replay(graph: *mut RawGraph, err: *mut *mut c_char) -> c_int;
     pub(crate) fn jetrl_free_string(s: *mut c_char);
     pub(crate) fn jetrl_nccl_built() -> c_int;
     pub(crate) fn jetrl_cuda_peak_allocated(device: i64, reset: c_int) -> i64;

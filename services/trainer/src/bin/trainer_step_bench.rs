@@ -330,38 +330,20 @@ fn main() -> anyhow::Result<()> {
     // one micro-batch: the whole batch is one padded tensor on both sides
     cfg.actor.ppo_max_token_len = 1 << 30;
     let mut actor = Actor::new(&cfg, 1, None, Comm::Solo)?;
-    let mut reference = Command::new(&args.python)
-        .arg(&args.reference)
-        .arg("--model")
-        .arg(&model_dir)
-        .arg("--batch")
-        .arg(&batch_file)
-        .arg("--threads")
-        .arg(threads.to_string())
-        .arg("--device")
-        .arg(&device_name)
-        .arg("--dtype")
-        .arg(dtype_name)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .with_context(|| format!("starting {} {}", args.python.display(), args.reference.display()))?;
-    let mut to_ref = reference.stdin.take().context("reference stdin")?;
-    let mut from_ref = BufReader::new(reference.stdout.take().context("reference stdout")?);
-    let mut read_reply = || -> anyhow::Result<serde_json::Value> {
-        let mut line = String::new();
-        if from_ref.read_line(&mut line)? == 0 {
-            bail!("the reference exited");
+    // The reference at the bf16-parameter precision a PyTorch trainer often runs; on bf16 also one at jetrl's own
+    // precision (fp32 master weights, bf16 autocast, fused AdamW). In f32 the two are the same run.
+    let precisions: &[&str] = if dtype == DType::BF16 { &["params", "master"] } else { &["params"] };
+    let mut references = Vec::new();
+    for precision in precisions {
+        let launch = Reference::launch(&args, &model_dir, &batch_file, threads, &device_name, dtype_name, precision)?;
+        let (reference, ready) = launch;
+        if ready["tokens"].as_u64() != Some(tokens as u64) {
+            bail!("the reference ({precision}) counts {} tokens, jetrl {tokens}", ready["tokens"]);
         }
-        serde_json::from_str(&line).with_context(|| format!("reference said {line:?}"))
-    };
-    let ready = read_reply()?;
-    if ready["tokens"].as_u64() != Some(tokens as u64) {
-        bail!("the reference counts {} tokens, jetrl {tokens}", ready["tokens"]);
+        references.push(reference);
     }
 
-    let (mut jetrl_times, mut ref_times) = (Vec::new(), Vec::new());
+    let (mut jetrl_times, mut ref_times) = (Vec::new(), vec![Vec::new(); references.len()]);
     for i in 0..args.warmup + args.iters {
         let t = Instant::now();
         let m = actor.ppo_update(&samples, &old, &adv, cfg.actor.optim.lr)?;
@@ -369,27 +351,32 @@ fn main() -> anyhow::Result<()> {
             tch::Cuda::synchronize(i as i64);
         }
         let jetrl_s = t.elapsed().as_secs_f64();
-        writeln!(to_ref, "step")?;
-        to_ref.flush()?;
-        let r = read_reply()?;
-        if i == 0 {
-            // bf16 kernels differ between the two sides in the last bits of every product
-            let tolerance = if dtype == DType::BF16 { 5e-2 } else { 1e-3 };
-            check_same_update(m["actor/pg_loss"], m["actor/grad_norm"], &r, tolerance)?;
-            eprintln!(
-                "first update: pg_loss {:.6} / {:.6}, grad_norm {:.6} / {:.6} (jetrl / reference)",
-                m["actor/pg_loss"], r["pg_loss"], m["actor/grad_norm"], r["grad_norm"]
-            );
-        }
         if i >= args.warmup {
             jetrl_times.push(jetrl_s);
-            ref_times.push(r["s"].as_f64().context("reference time")?);
+        }
+        for (reference, times) in references.iter_mut().zip(&mut ref_times) {
+            let r = reference.step()?;
+            if i == 0 {
+                // bf16 kernels differ between the two sides in the last bits of every product
+                let tolerance = if dtype == DType::BF16 { 5e-2 } else { 1e-3 };
+                check_same_update(m["actor/pg_loss"], m["actor/grad_norm"], &r, tolerance)?;
+                eprintln!(
+                    "first update: pg_loss {:.6} / {:.6}, grad_norm {:.6} / {:.6} (jetrl / reference {})",
+                    m["actor/pg_loss"], r["pg_loss"], m["actor/grad_norm"], r["grad_norm"], reference.precision
+                );
+            }
+            if i >= args.warmup {
+                times.push(r["s"].as_f64().context("reference time")?);
+            }
         }
     }
-    writeln!(to_ref, "quit")?;
-    drop(to_ref);
-    let _ = reference.wait();
+    for reference in references {
+        reference.quit();
+    }
+    let same_precision_s = ref_times.get(1).cloned().map(median);
+    let ref_times = ref_times.swap_remove(0);
     let (jetrl_s, ref_s) = (median(jetrl_times), median(ref_times));
+    let same_precision_s = same_precision_s.unwrap_or(ref_s);
     eprintln!(
         "{tokens} tokens per update, {threads} threads, median of {} updates: jetrl {jetrl_s:.3}s, reference {ref_s:.3}s",
         args.iters
@@ -418,6 +405,9 @@ fn main() -> anyhow::Result<()> {
             "jetrl_tok_per_s": (jetrl_tps * 10.0).round() / 10.0,
             "reference_tok_per_s": (ref_tps * 10.0).round() / 10.0,
             "ratio": (jetrl_tps / ref_tps * 1000.0).round() / 1000.0,
+            "ratio_same_precision": (same_precision_s / jetrl_s * 1000.0).round() / 1000.0,
+            "reference_same_precision_s": (same_precision_s * 10000.0).round() / 10000.0,
+            "jetrl_update_s": (jetrl_s * 10000.0).round() / 10000.0,
             "tokens_per_update": tokens,
             "device": device_name,
             "dtype": dtype_name,
@@ -434,6 +424,62 @@ fn main() -> anyhow::Result<()> {
         })
     );
     Ok(())
+}
+
+/// One PyTorch reference process, driven update by update over its stdin and stdout.
+struct Reference {
+    child: std::process::Child,
+    to: std::process::ChildStdin,
+    from: BufReader<std::process::ChildStdout>,
+    precision: String,
+}
+
+impl Reference {
+    /// Starts the reference at `precision` (`params` or `master`) and returns it with its ready line.
+    fn launch(
+        args: &Args,
+        model_dir: &std::path::Path,
+        batch_file: &std::path::Path,
+        threads: i32,
+        device: &str,
+        dtype: &str,
+        precision: &str,
+    ) -> anyhow::Result<(Self, serde_json::Value)> {
+        let mut child = Command::new(&args.python)
+            .arg(&args.reference)
+            .args(["--model".as_ref(), model_dir.as_os_str(), "--batch".as_ref(), batch_file.as_os_str()])
+            .args(["--threads", &threads.to_string(), "--device", device, "--dtype", dtype, "--precision", precision])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| format!("starting {} {}", args.python.display(), args.reference.display()))?;
+        let to = child.stdin.take().context("reference stdin")?;
+        let from = BufReader::new(child.stdout.take().context("reference stdout")?);
+        let mut reference = Reference { child, to, from, precision: precision.to_string() };
+        let ready = reference.read()?;
+        Ok((reference, ready))
+    }
+
+    fn read(&mut self) -> anyhow::Result<serde_json::Value> {
+        let mut line = String::new();
+        if self.from.read_line(&mut line)? == 0 {
+            bail!("the reference ({}) exited", self.precision);
+        }
+        serde_json::from_str(&line).with_context(|| format!("reference said {line:?}"))
+    }
+
+    fn step(&mut self) -> anyhow::Result<serde_json::Value> {
+        writeln!(self.to, "step")?;
+        self.to.flush()?;
+        self.read()
+    }
+
+    fn quit(mut self) {
+        let _ = writeln!(self.to, "quit");
+        drop(self.to);
+        let _ = self.child.wait();
+    }
 }
 
 /// Both sides must compute the same update, or the comparison means nothing.

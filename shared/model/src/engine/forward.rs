@@ -3,8 +3,10 @@
 //!
 //! - [`prefill`]: one sequence's context into one slot (causal attention over the new tokens only: a slot is
 //!   always filled from position 0, the engine keeps no cross-request prefix cache).
-//! - [`decode`]: one token for each of the rows `0..B`, each at its own position: keys and values are written
-//!   in place at `(row, position)` and each row attends to its own `0..=position`.
+//! - [`decode`]: one token for each of the slots `0..batch`, each at its own position: keys and values are
+//!   written in place at `(slot, position)` and each slot attends to its own `0..=position`. Its shapes depend
+//!   on `(batch, width)` only and its inputs sit in fixed device tensors ([`DecodeInputs`]), so on CUDA it is
+//!   captured once per shape and replayed as a graph (`graphs.rs`).
 
 use tch::{Device, Kind, Tensor};
 
@@ -113,46 +115,96 @@ fn share<const N: usize>(parts: [&mut Tensor; N]) -> Result<Tensor> {
     Ok(fused)
 }
 
-/// One decode step for rows `0..B`: `ids[r]` is row r's newest token, to be written at position `positions[r]`
-/// (its number of cached tokens). Returns f32 logits `[B, V]`.
+/// The input of every decode step, refilled in place before it runs (a captured CUDA graph reads exactly these
+/// memory locations): one int64 tensor on the model's device holding, for a step over `b` slots, the slots'
+/// newest tokens `[0, b)`, their positions `[b, 2b)` and the flat KV cache row each (slot, kv head) writes at
+/// `[2b, 2b + b * kv_heads)`. The layout depends on `b` only, as a graph does.
+#[derive(Debug)]
+pub(crate) struct DecodeInputs {
+    values: Tensor,
+    kv_heads: i64,
+    max_len: i64,
+}
+
+impl DecodeInputs {
+    pub(crate) fn new(model: &CausalLm, slots: i64, max_len: i64) -> Result<Self> {
+        let kv_heads = model.config().num_key_value_heads;
+        let values = Tensor::f_zeros([slots * (2 + kv_heads)], (Kind::Int64, model.device()))?;
+        Ok(DecodeInputs { values, kv_heads, max_len })
+    }
+
+    /// Writes a step over `ids.len()` slots. On CUDA the values go through pinned memory with a non-blocking
+    /// copy, ordered before the decode on the same stream; the host does not wait.
+    pub(crate) fn fill(&mut self, ids: &[i64], positions: &[i64]) -> Result<()> {
+        let b = ids.len() as i64;
+        let mut host = Vec::with_capacity(ids.len() * (2 + self.kv_heads as usize));
+        host.extend_from_slice(ids);
+        host.extend_from_slice(positions);
+        for (slot, &position) in positions.iter().enumerate() {
+            let first = slot as i64 * self.kv_heads;
+            host.extend((first..first + self.kv_heads).map(|row| row * self.max_len + position));
+        }
+        let host = Tensor::from_slice(&host);
+        let device = self.values.device();
+        let staged = match device {
+            Device::Cpu => host,
+            _ => host.f_pin_memory(device)?.f_to_device_(device, Kind::Int64, true, false)?,
+        };
+        self.values.f_narrow(0, 0, b * (2 + self.kv_heads))?.f_copy_(&staged)?;
+        Ok(())
+    }
+
+    fn ids(&self, b: i64) -> Result<Tensor> {
+        Ok(self.values.f_narrow(0, 0, b)?)
+    }
+
+    fn positions(&self, b: i64) -> Result<Tensor> {
+        Ok(self.values.f_narrow(0, b, b)?)
+    }
+
+    fn cache_rows(&self, b: i64) -> Result<Tensor> {
+        Ok(self.values.f_narrow(0, 2 * b, b * self.kv_heads)?)
+    }
+}
+
+/// One decode step over slots `0..batch` of `inputs`: each slot's token is written into its KV row at its
+/// position, and the slot attends to its own positions `0..=position` within the first `width` of the row.
+/// Returns f32 logits `[batch, V]`. Every shape is fixed by `(batch, width)` and nothing reads the host, so one
+/// CUDA graph per `(batch, width)` replays it. A slot that holds no decoding sequence is given the position
+/// `max_len - 1`, which no context reaches (a context leaves at least one position free): its garbage lands
+/// where its own next sequence writes before it reads.
 ///
 /// Written for per-step overhead (the loop a rollout spends its time in): fused projections, a RoPE table
-/// lookup, one new token per row so `[B, 1, heads, D]` is viewed as `[B, heads, 1, D]` without a transpose, and
+/// lookup, one new token per slot so `[B, 1, heads, D]` is viewed as `[B, heads, 1, D]` without a transpose, and
 /// keys and values written with one `index_copy_` each over a flat view of the cache.
 pub(crate) fn decode(
     model: &CausalLm,
     fused: &Fused,
     cache: &mut SlotCache,
-    ids: &[i64],
-    positions: &[i64],
+    inputs: &DecodeInputs,
+    batch: i64,
+    width: i64,
 ) -> Result<Tensor> {
-    let b = ids.len() as i64;
-    let width = positions.iter().copied().max().unwrap_or(0) + 1;
-    if b == 0 || b > cache.slots || positions.len() != ids.len() || width > cache.max_len {
+    if batch <= 0 || batch > cache.slots || width <= 0 || width > cache.max_len {
         return Err(ModelError::Generation(format!(
-            "decode step of {b} rows up to position {} does not fit {} slots of {} positions",
-            width - 1,
-            cache.slots,
-            cache.max_len
+            "decode step of {batch} slots over {width} positions does not fit {} slots of {} positions",
+            cache.slots, cache.max_len
         )));
     }
-    let cfg = model.config();
-    let (kv_heads, head_dim, max_len) = (cfg.num_key_value_heads, cfg.head_dim, cache.max_len);
+    let head_dim = model.config().head_dim;
+    let b = batch;
     let device = model.device();
-    // Flat cache row of (row r, kv head h, position p) in a `[slots * kv_heads * max_len, head_dim]` view.
-    let slots: Vec<i64> =
-        (0..b).flat_map(|r| (0..kv_heads).map(move |h| (r * kv_heads + h) * max_len + positions[r as usize])).collect();
     tch::no_grad(|| {
-        let input = to(Tensor::from_slice(ids).f_view([b, 1])?, device)?;
-        let pos = to(Tensor::from_slice(positions), device)?;
+        let input = inputs.ids(b)?.f_view([b, 1])?;
+        let pos = inputs.positions(b)?;
         let cos = fused.cos.f_index_select(0, &pos)?.f_view([b, 1, 1, head_dim])?;
         let sin_signed = fused.sin_signed.f_index_select(0, &pos)?.f_view([b, 1, 1, head_dim])?;
-        // Row r may attend to key positions 0..=positions[r].
+        // Slot r may attend to key positions 0..=pos[r].
         let mask = Tensor::f_arange(width, (Kind::Int64, device))?
             .f_unsqueeze(0)?
             .f_le_tensor(&pos.f_unsqueeze(1)?)?
             .f_view([b, 1, 1, width])?;
-        let slots = to(Tensor::from_slice(&slots), device)?;
+        let slots = inputs.cache_rows(b)?;
         let step =
             DecodeStep { mask: &mask, slots: &slots, cos: &cos, sin_signed: &sin_signed, b, width, half: head_dim / 2 };
         let mut x = Tensor::f_embedding(&model.embed_tokens, &input, -1, false, false)?;
@@ -182,11 +234,6 @@ fn norm(norm: &RmsNorm, x: &Tensor) -> Result<Tensor> {
     }
     let variance = x.f_pow_tensor_scalar(2)?.f_mean_dim(-1, true, Kind::Float)?;
     Ok(norm.weight.f_mul(&x.f_mul(&variance.f_add_scalar(norm.eps)?.f_rsqrt()?)?)?)
-}
-
-/// Moves a host tensor to `device` (a no-op call avoided on the CPU).
-fn to(t: Tensor, device: Device) -> Result<Tensor> {
-    Ok(if device == Device::Cpu { t } else { t.f_to_device(device)? })
 }
 
 /// What every layer of one decode step shares.
@@ -240,7 +287,13 @@ fn decode_attention(
     let keys = kv.k.f_narrow(0, 0, b)?.f_narrow(2, 0, step.width)?;
     let values = kv.v.f_narrow(0, 0, b)?.f_narrow(2, 0, step.width)?;
     let scale = 1.0 / (d as f64).sqrt();
-    let grouped = attn.num_heads != attn.num_kv_heads;
-    let y = Tensor::f_scaled_dot_product_attention(&q, &keys, &values, Some(step.mask), 0.0, false, scale, grouped)?;
+    // Grouped heads without repeating keys and values: with one query token, the query heads that share a kv head
+    // are that head's queries (head h reads kv head h / group, as the training forward's repeat does), so
+    // `[B, heads, 1, D]` is `[B, kv_heads, group, D]` against `[B, kv_heads, width, D]`. The mask `[B, 1, 1,
+    // width]` broadcasts over both. With a mask, SDPA runs its memory-efficient kernel on CUDA (flash takes no
+    // mask) and its math kernel on the CPU.
+    let group = attn.num_heads / attn.num_kv_heads;
+    let q = q.f_reshape([b, attn.num_kv_heads, group, d])?;
+    let y = Tensor::f_scaled_dot_product_attention(&q, &keys, &values, Some(step.mask), 0.0, false, scale, false)?;
     attn.o_proj.forward(&y.f_reshape([b, 1, attn.num_heads * d])?)
 }

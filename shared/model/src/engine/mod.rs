@@ -2,9 +2,14 @@
 //!
 //! - A fixed budget: at most `slots` sequences run at once, each in a preallocated KV row of `max_model_len`
 //!   positions ([`EngineConfig`]); the budget is set once, so memory never grows while serving.
-//! - New sequences join between decode steps (their prompt is prefilled into a free row and their first token
-//!   sampled in the same step); a finished sequence leaves at once and the last row moves into its place, so the
-//!   running rows are always `0..B` and a decode step is one batched forward over them.
+//! - New sequences join between decode steps (their prompt is prefilled into a free slot and their first token
+//!   sampled in the same step); a finished sequence leaves its slot at once and costs no copy. A decode step is
+//!   one batched forward over slots `0..batch`, each sequence addressed by its slot; free slots inside that range
+//!   compute masked garbage. When the running sequences would fit a smaller batch, the highest ones move down
+//!   into free slots (on the CPU at every hole, where shapes are exact; with CUDA graphs only when the batch
+//!   bucket can shrink).
+//! - On CUDA the decode step is a CUDA graph per `(batch, width)` bucket ([`graphs`]), unless
+//!   [`EngineConfig::enforce_eager`]; the CPU runs the same step eagerly at exact shapes.
 //! - A request with `n > 1` samples (a GRPO group) is prefilled once; its rows are forks (copies) of that row's
 //!   prompt keys and values.
 //! - Sampling per request: temperature (0 = greedy), top-p, top-k, repetition penalty, seed, stop token ids,
@@ -20,6 +25,7 @@
 
 mod cache;
 mod forward;
+mod graphs;
 mod sampler;
 
 use std::collections::VecDeque;
@@ -34,6 +40,8 @@ use crate::error::{ModelError, Result};
 use crate::lora::{LoraMerger, LoraSpec};
 use crate::model::CausalLm;
 use cache::SlotCache;
+use forward::DecodeInputs;
+use graphs::{DecodeGraphs, Shapes};
 use sampler::RowSampling;
 
 /// A request's handle, chosen by the caller (unique among the requests the engine holds).
@@ -215,6 +223,13 @@ pub struct EngineConfig {
     /// Tokens that end a sequence unless its request sets `ignore_eos`.
     pub eos_token_ids: Vec<u32>,
     pub logprobs_mode: LogprobsMode,
+    /// Decode eagerly on CUDA instead of replaying CUDA graphs (vLLM's and verl's `enforce_eager`). The CPU is
+    /// always eager.
+    pub enforce_eager: bool,
+    /// Round decode steps up to the graph buckets (batch 1, 2, 4, … slots; attention width a power of two).
+    /// `None`: exactly when decoding through CUDA graphs. `Some(true)` on the CPU runs the graph path's shapes
+    /// (padded slots, scratch positions, compaction at bucket boundaries) eagerly, to test them.
+    pub bucketed: Option<bool>,
 }
 
 impl Default for EngineConfig {
@@ -226,6 +241,8 @@ impl Default for EngineConfig {
             seed: 0,
             eos_token_ids: Vec::new(),
             logprobs_mode: LogprobsMode::Processed,
+            enforce_eager: false,
+            bucketed: None,
         }
     }
 }
@@ -246,6 +263,13 @@ pub struct EngineStats {
     pub prefill_tokens: u64,
     pub steps: u64,
     pub version: u64,
+    /// Slots computed by decode steps, free ones inside the batch included, and the sequences among them (the
+    /// difference is what padding a batch up to its bucket costs); sequences moved to a lower slot.
+    pub decoded_slots: u64,
+    pub decoded_rows: u64,
+    pub moved_rows: u64,
+    /// CUDA graphs captured (0 when decoding eagerly).
+    pub graphs: usize,
 }
 
 /// What every sample of one request shares.
@@ -277,7 +301,7 @@ struct Waiting {
     first_logits: Option<Tensor>,
 }
 
-/// One running sequence, in KV row = its index in `Engine::rows`.
+/// One running sequence, in KV slot = its index in `Engine::rows`.
 #[derive(Debug)]
 struct Row {
     shared: Arc<Shared>,
@@ -303,7 +327,13 @@ pub struct Engine {
     config: EngineConfig,
     slots: usize,
     cache: Option<SlotCache>,
-    rows: Vec<Row>,
+    /// One entry per KV slot.
+    rows: Vec<Option<Row>>,
+    /// What each decode step reads (tokens, positions), refilled in place.
+    inputs: DecodeInputs,
+    shapes: Shapes,
+    /// On CUDA without `enforce_eager`: the decode step's graphs.
+    graphs: Option<DecodeGraphs>,
     waiting: VecDeque<Waiting>,
     /// Outputs decided without a step (empty budgets, aborts), returned by the next `step`.
     ready: Vec<SequenceOutput>,
@@ -343,6 +373,12 @@ impl Engine {
         model.var_store_mut().freeze();
         let fused = forward::fuse(&mut model, config.max_model_len as i64)?;
         let cache = SlotCache::new(&model, slots as i64, config.max_model_len as i64)?;
+        let inputs = DecodeInputs::new(&model, slots as i64, config.max_model_len as i64)?;
+        let graphs = match model.device() {
+            tch::Device::Cuda(index) if !config.enforce_eager => Some(DecodeGraphs::new(index)?),
+            _ => None,
+        };
+        let shapes = if config.bucketed.unwrap_or(graphs.is_some()) { Shapes::Buckets } else { Shapes::Exact };
         let stats =
             EngineStats { slots, kv_tokens_capacity: (slots * config.max_model_len) as u64, ..EngineStats::default() };
         Ok(Engine {
@@ -351,7 +387,10 @@ impl Engine {
             config,
             slots,
             cache: Some(cache),
-            rows: Vec::new(),
+            rows: (0..slots).map(|_| None).collect(),
+            inputs,
+            shapes,
+            graphs,
             waiting: VecDeque::new(),
             ready: Vec::new(),
             presence: None,
@@ -417,17 +456,28 @@ impl Engine {
 
     /// Whether a `step` would do anything.
     pub fn has_work(&self) -> bool {
-        !self.rows.is_empty() || !self.waiting.is_empty() || !self.ready.is_empty()
+        self.running() > 0 || !self.waiting.is_empty() || !self.ready.is_empty()
     }
 
     pub fn stats(&self) -> EngineStats {
         EngineStats {
-            running: self.rows.len(),
+            running: self.running(),
             waiting: self.waiting.iter().map(|w| w.n - w.next).sum(),
-            kv_tokens_used: self.rows.iter().map(|r| r.cached.max(0) as u64).sum(),
+            kv_tokens_used: self.rows.iter().flatten().map(|r| r.cached.max(0) as u64).sum(),
             version: self.version,
+            graphs: self.graphs.as_ref().map_or(0, DecodeGraphs::captured),
             ..self.stats
         }
+    }
+
+    /// Sequences in KV slots.
+    fn running(&self) -> usize {
+        self.rows.iter().flatten().count()
+    }
+
+    /// Slots holding a sequence of request `id`.
+    fn slots_of(&self, id: RequestId) -> Vec<usize> {
+        (0..self.rows.len()).filter(|&s| self.rows[s].as_ref().is_some_and(|r| r.shared.id == id)).collect()
     }
 
     /// Queues a request; its sequences are admitted as rows free up, oldest request first.
@@ -518,8 +568,7 @@ impl Engine {
                 }
             }
         }
-        let leaving: Vec<usize> = (0..self.rows.len()).filter(|&r| self.rows[r].shared.id == id).collect();
-        for row in self.remove_rows(&leaving)? {
+        for row in self.remove_rows(&self.slots_of(id)) {
             out.push(row.into_output(Finish::Aborted, self.version));
         }
         out.sort_by_key(|o| o.index);
@@ -530,17 +579,20 @@ impl Engine {
     /// and leaves the queue as it is: samples not admitted yet hold no KV and wait for the next admission. With
     /// no row left, [`Engine::free_cache`] can release the cache (colocate_async's pause).
     pub fn preempt_running(&mut self) -> Result<Vec<SequenceOutput>> {
-        let all: Vec<usize> = (0..self.rows.len()).collect();
         let version = self.version;
-        let mut out: Vec<SequenceOutput> =
-            self.remove_rows(&all)?.into_iter().map(|row| row.into_output(Finish::Aborted, version)).collect();
+        let mut out: Vec<SequenceOutput> = self
+            .rows
+            .iter_mut()
+            .filter_map(Option::take)
+            .map(|row| row.into_output(Finish::Aborted, version))
+            .collect();
         out.sort_by_key(|o| (o.request, o.index));
         Ok(out)
     }
 
     /// Aborts everything (e.g. before freeing the cache for training on the same device).
     pub fn abort_all(&mut self) -> Result<Vec<SequenceOutput>> {
-        let mut ids: Vec<RequestId> = self.rows.iter().map(|r| r.shared.id).collect();
+        let mut ids: Vec<RequestId> = self.rows.iter().flatten().map(|r| r.shared.id).collect();
         ids.extend(self.waiting.iter().map(|w| w.shared.id));
         ids.extend(self.ready.iter().map(|o| o.request));
         ids.sort_unstable();
@@ -555,11 +607,14 @@ impl Engine {
     /// Releases the KV cache memory; it is allocated again when the next sequence is admitted. Only when no
     /// sequence is running (abort them first).
     pub fn free_cache(&mut self) -> Result<()> {
-        if !self.rows.is_empty() {
-            return Err(ModelError::Generation(format!(
-                "cannot free the KV cache while {} sequences run",
-                self.rows.len()
-            )));
+        let running = self.running();
+        if running > 0 {
+            return Err(ModelError::Generation(format!("cannot free the KV cache while {running} sequences run")));
+        }
+        // The graphs read the cache at the addresses they were captured with; they are captured again on the
+        // next cache's first steps.
+        if let Some(graphs) = &self.graphs {
+            self.graphs = Some(DecodeGraphs::new(graphs.device())?);
         }
         self.cache = None;
         self.presence = None;
@@ -579,58 +634,75 @@ impl Engine {
         Ok(())
     }
 
-    /// Admits waiting sequences into free rows, runs one decode step over all rows, samples one token per row and
-    /// returns the sequences that finished.
+    /// Admits waiting sequences into free slots, runs one decode step over the running ones, samples one token
+    /// per sequence and returns the sequences that finished.
     pub fn step(&mut self) -> Result<Vec<SequenceOutput>> {
         let mut out = std::mem::take(&mut self.ready);
         if self.cache.is_none() && !self.waiting.is_empty() {
             self.cache = Some(SlotCache::new(&self.model, self.slots as i64, self.config.max_model_len as i64)?);
         }
         self.admit()?;
-        if self.rows.is_empty() {
+        self.compact()?;
+        // Sequences admitted this step carry their prefill logits; the others decode.
+        let occupied = |s: &usize| self.rows[*s].is_some();
+        let decoding: Vec<usize> = (0..self.slots)
+            .filter(occupied)
+            .filter(|&s| self.rows[s].as_ref().is_some_and(|r| r.fresh.is_none()))
+            .collect();
+        let fresh: Vec<usize> = (0..self.slots)
+            .filter(occupied)
+            .filter(|&s| self.rows[s].as_ref().is_some_and(|r| r.fresh.is_some()))
+            .collect();
+        if decoding.is_empty() && fresh.is_empty() {
             return Ok(out);
         }
-        let b = self.rows.len();
-        // Rows admitted this step are at the end and carry their prefill logits; the others decode.
-        let decoding = self.rows.iter().position(|r| r.fresh.is_some()).unwrap_or(b);
         let mut parts: Vec<Tensor> = Vec::with_capacity(2);
-        if decoding > 0 {
-            let ids: Vec<i64> =
-                self.rows[..decoding].iter().map(|r| i64::from(r.tokens.last().copied().unwrap_or(0))).collect();
-            let positions: Vec<i64> = self.rows[..decoding].iter().map(|r| r.cached).collect();
-            let cache = self.cache.as_mut().ok_or_else(|| ModelError::Generation("the KV cache is freed".into()))?;
-            parts.push(forward::decode(&self.model, &self.fused, cache, &ids, &positions)?);
-            for row in &mut self.rows[..decoding] {
-                row.cached += 1;
-            }
+        if let Some(logits) = self.decode(&decoding)? {
+            parts.push(logits);
         }
-        for row in &mut self.rows[decoding..] {
-            if let Some(logits) = row.fresh.take() {
+        for &s in &fresh {
+            if let Some(logits) = self.rows[s].as_mut().and_then(|r| r.fresh.take()) {
                 parts.push(logits);
             }
         }
+        // Sampling order: the decoded slots, then the admitted ones.
+        let order: Vec<usize> = decoding.iter().chain(&fresh).copied().collect();
+        let b = order.len();
         let logits = if parts.len() == 1 { parts.remove(0) } else { Tensor::f_cat(&parts, 0)? };
-        let params: Vec<RowSampling> = self.rows.iter().map(|r| r.shared.row).collect();
-        let uniforms: Vec<f64> = self.rows.iter_mut().map(|r| 1.0 - r.rng.gen::<f64>()).collect();
-        let presence = match &self.presence {
-            Some(p) => Some(p.f_narrow(0, 0, b as i64)?),
+        let mut params: Vec<RowSampling> = Vec::with_capacity(b);
+        let mut uniforms: Vec<f64> = Vec::with_capacity(b);
+        for &s in &order {
+            let row = self.rows[s].as_mut().ok_or_else(|| ModelError::Generation(format!("slot {s} is empty")))?;
+            params.push(row.shared.row);
+            uniforms.push(1.0 - row.rng.gen::<f64>());
+        }
+        let order_index = match &self.presence {
+            Some(p) => {
+                let slots: Vec<i64> = order.iter().map(|&s| s as i64).collect();
+                Some(Tensor::from_slice(&slots).f_to_device(p.device())?)
+            }
             None => None,
+        };
+        let presence = match (&self.presence, &order_index) {
+            (Some(p), Some(index)) => Some(p.f_index_select(0, index)?),
+            _ => None,
         };
         let (tokens, logprobs) =
             sampler::sample(&logits, &params, &uniforms, presence.as_ref(), self.config.logprobs_mode)?;
-        if let Some(presence) = &mut self.presence {
-            let index = Tensor::from_slice(&tokens).f_view([b as i64, 1])?.f_to_device(presence.device())?;
-            let _ = presence.f_narrow(0, 0, b as i64)?.f_scatter_value_(1, &index, 1)?;
+        if let (Some(presence), Some(index)) = (&mut self.presence, &order_index) {
+            let sampled = Tensor::from_slice(&tokens).f_to_device(presence.device())?;
+            let yes = Tensor::f_ones([b as i64], (Kind::Bool, presence.device()))?;
+            let _ = presence.f_index_put_(&[Some(index), Some(&sampled)], &yes, false)?;
         }
         self.stats.steps += 1;
         self.stats.generated_tokens += b as u64;
 
         let mut finished: Vec<(usize, Finish)> = Vec::new();
-        for (r, (&token, &logprob)) in tokens.iter().zip(&logprobs).enumerate() {
+        for (&s, (&token, &logprob)) in order.iter().zip(tokens.iter().zip(&logprobs)) {
             let token = u32::try_from(token)
                 .map_err(|_| ModelError::Generation(format!("sampled an invalid token id {token}")))?;
             let version = self.version;
-            let row = &mut self.rows[r];
+            let row = self.rows[s].as_mut().ok_or_else(|| ModelError::Generation(format!("slot {s} is empty")))?;
             if row.version_runs.last().is_none_or(|&(_, v)| v != version) {
                 row.version_runs.push((row.tokens.len() as u32, version));
             }
@@ -641,18 +713,56 @@ impl Engine {
             if row.first_token.is_none() {
                 row.first_token = Some(row.shared.added.elapsed());
             }
-            if let Some(finish) = self.finish_of(r, token) {
-                finished.push((r, finish));
+            if let Some(finish) = self.finish_of(s, token) {
+                finished.push((s, finish));
             }
         }
-        if !finished.is_empty() {
-            let indices: Vec<usize> = finished.iter().map(|(r, _)| *r).collect();
-            let rows = self.remove_rows(&indices)?;
-            for (row, (_, finish)) in rows.into_iter().zip(finished) {
-                out.push(row.into_output(finish, self.version));
-            }
+        let indices: Vec<usize> = finished.iter().map(|(s, _)| *s).collect();
+        for (row, (_, finish)) in self.remove_rows(&indices).into_iter().zip(finished) {
+            out.push(row.into_output(finish, self.version));
         }
         Ok(out)
+    }
+
+    /// One decode step for the sequences in `decoding` (ascending slots): the logits `[decoding.len(), V]`, in
+    /// that order. The step runs over slots `0..batch`; the others in that range get a token of 0 at the scratch
+    /// position `max_model_len - 1` (see [`forward::decode`]).
+    fn decode(&mut self, decoding: &[usize]) -> Result<Option<Tensor>> {
+        let Some(&highest) = decoding.last() else { return Ok(None) };
+        let max_len = self.config.max_model_len as i64;
+        let batch = self.shapes.batch(highest + 1, self.slots);
+        let mut ids = vec![0i64; batch];
+        let mut positions = vec![max_len - 1; batch];
+        let mut furthest = 0;
+        for &s in decoding {
+            let row = self.rows[s].as_ref().ok_or_else(|| ModelError::Generation(format!("slot {s} is empty")))?;
+            ids[s] = i64::from(row.tokens.last().copied().unwrap_or(0));
+            positions[s] = row.cached;
+            furthest = furthest.max(row.cached);
+        }
+        let width = self.shapes.width(furthest + 1, max_len);
+        self.inputs.fill(&ids, &positions)?;
+        let cache = self.cache.as_mut().ok_or_else(|| ModelError::Generation("the KV cache is freed".into()))?;
+        let (b, w) = (batch as i64, width);
+        let logits = match &mut self.graphs {
+            Some(graphs) => graphs.decode(&self.model, &self.fused, cache, &self.inputs, b, w)?,
+            None => forward::decode(&self.model, &self.fused, cache, &self.inputs, b, w)?,
+        };
+        for &s in decoding {
+            if let Some(row) = self.rows[s].as_mut() {
+                row.cached += 1;
+            }
+        }
+        self.stats.decoded_slots += batch as u64;
+        self.stats.decoded_rows += decoding.len() as u64;
+        if decoding.len() == batch {
+            // every slot of the batch decodes (decoding is ascending and within 0..batch): no gather; a graph's
+            // logits stay valid until the next step's replay
+            return Ok(Some(logits));
+        }
+        let index: Vec<i64> = decoding.iter().map(|&s| s as i64).collect();
+        let index = Tensor::from_slice(&index).f_to_device(logits.device())?;
+        Ok(Some(logits.f_index_select(0, &index)?))
     }
 
     /// Runs steps until every request held has finished; outputs in completion order.
@@ -665,7 +775,7 @@ impl Engine {
     }
 
     fn holds(&self, id: RequestId) -> bool {
-        self.rows.iter().any(|r| r.shared.id == id)
+        self.rows.iter().flatten().any(|r| r.shared.id == id)
             || self.waiting.iter().any(|w| w.shared.id == id)
             || self.ready.iter().any(|o| o.request == id)
     }
@@ -698,34 +808,37 @@ impl Engine {
         }
     }
 
-    /// Fills free rows from the queue: a request's first admitted sample is prefilled, the others fork its row.
+    /// Fills free slots from the queue, lowest first: a request's first admitted sample is prefilled, the others
+    /// fork its slot.
     fn admit(&mut self) -> Result<()> {
-        while self.rows.len() < self.slots {
+        loop {
+            let free: Vec<usize> = (0..self.slots).filter(|&s| self.rows[s].is_none()).collect();
+            if free.is_empty() {
+                break;
+            }
             let Some(mut waiting) = self.waiting.pop_front() else { break };
-            let free = self.slots - self.rows.len();
-            let take = free.min(waiting.n - waiting.next);
+            let take = free.len().min(waiting.n - waiting.next);
+            let targets = &free[..take];
             let context_len = waiting.shared.context.len() as i64;
-            let base = self.rows.len();
             // A running sibling already holds the context's keys and values.
-            let sibling = self.rows.iter().position(|r| r.shared.id == waiting.shared.id);
+            let sibling = self.rows.iter().position(|r| r.as_ref().is_some_and(|r| r.shared.id == waiting.shared.id));
             let cache = self.cache.as_mut().ok_or_else(|| ModelError::Generation("the KV cache is freed".into()))?;
             let (source, logits) = match (sibling, waiting.first_logits.take()) {
                 (Some(src), Some(logits)) => (src, logits),
                 _ => {
-                    let logits = forward::prefill(&self.model, cache, base as i64, &waiting.shared.context)?;
+                    let logits = forward::prefill(&self.model, cache, targets[0] as i64, &waiting.shared.context)?;
                     self.stats.prefill_tokens += context_len as u64;
-                    (base, logits)
+                    (targets[0], logits)
                 }
             };
-            for i in 0..take {
-                let slot = base + i;
+            for (i, &slot) in targets.iter().enumerate() {
                 cache.copy_row(source as i64, slot as i64, context_len)?;
                 let mut row = Self::new_row(&waiting.shared, waiting.first_sample + waiting.next + i, context_len);
                 row.fresh = Some(logits.shallow_clone());
-                self.rows.push(row);
+                self.rows[slot] = Some(row);
             }
             if waiting.shared.row.repetition_penalty != 1.0 || self.presence.is_some() {
-                self.mark_presence(base, take)?;
+                self.mark_presence(targets)?;
             }
             waiting.next += take;
             if waiting.next < waiting.n {
@@ -737,8 +850,38 @@ impl Engine {
         Ok(())
     }
 
-    /// Records the context tokens of rows `base..base + count` for the repetition penalty.
-    fn mark_presence(&mut self, base: usize, count: usize) -> Result<()> {
+    /// Moves the sequences in the highest slots down into free ones until the batch a step needs is the one the
+    /// running count needs (their keys and values, and their penalty row, go with them).
+    fn compact(&mut self) -> Result<()> {
+        let running = self.running();
+        if running == 0 {
+            return Ok(());
+        }
+        let target = self.shapes.batch(running, self.slots);
+        while let Some(high) = self.rows.iter().rposition(Option::is_some) {
+            if high < target {
+                break;
+            }
+            let Some(hole) = self.rows.iter().position(Option::is_none) else { break };
+            if hole > high {
+                break;
+            }
+            let len = self.rows[high].as_ref().map_or(0, |r| r.cached.max(0));
+            if let Some(cache) = self.cache.as_mut() {
+                cache.copy_row(high as i64, hole as i64, len)?;
+            }
+            if let Some(presence) = &mut self.presence {
+                let from = presence.f_narrow(0, high as i64, 1)?;
+                presence.f_narrow(0, hole as i64, 1)?.f_copy_(&from)?;
+            }
+            self.rows.swap(high, hole);
+            self.stats.moved_rows += 1;
+        }
+        Ok(())
+    }
+
+    /// Records the context tokens of the sequences in `slots` for the repetition penalty.
+    fn mark_presence(&mut self, slots: &[usize]) -> Result<()> {
         let vocab = self.model.config().vocab_size;
         let presence = match &mut self.presence {
             Some(p) => p,
@@ -746,19 +889,20 @@ impl Engine {
                 self.presence.insert(Tensor::f_zeros([self.slots as i64, vocab], (Kind::Bool, self.model.device()))?)
             }
         };
-        for r in base..base + count {
-            let context: Vec<i64> = self.rows[r].shared.context.iter().map(|&t| i64::from(t)).collect();
+        for &s in slots {
+            let Some(row) = &self.rows[s] else { continue };
+            let context: Vec<i64> = row.shared.context.iter().map(|&t| i64::from(t)).collect();
             let index = Tensor::from_slice(&context).f_unsqueeze(0)?.f_to_device(presence.device())?;
-            let mut row = presence.f_narrow(0, r as i64, 1)?;
-            let _ = row.f_zero_()?;
-            let _ = row.f_scatter_value_(1, &index, 1)?;
+            let mut slot = presence.f_narrow(0, s as i64, 1)?;
+            let _ = slot.f_zero_()?;
+            let _ = slot.f_scatter_value_(1, &index, 1)?;
         }
         Ok(())
     }
 
-    /// Why row `r` ends after sampling `token`, if it does.
-    fn finish_of(&self, r: usize, token: u32) -> Option<Finish> {
-        let row = &self.rows[r];
+    /// Why the sequence in slot `s` ends after sampling `token`, if it does.
+    fn finish_of(&self, s: usize, token: u32) -> Option<Finish> {
+        let row = self.rows[s].as_ref()?;
         let shared = &row.shared;
         if shared.sampling.stop_token_ids.contains(&token) {
             return Some(Finish::StopToken(token));
@@ -783,26 +927,9 @@ impl Engine {
         None
     }
 
-    /// Takes rows out (any order of `indices`), moving the last rows into the holes so rows stay `0..B`.
-    fn remove_rows(&mut self, indices: &[usize]) -> Result<Vec<Row>> {
-        let mut order: Vec<(usize, usize)> = indices.iter().copied().enumerate().map(|(i, r)| (r, i)).collect();
-        order.sort_unstable_by_key(|entry| std::cmp::Reverse(entry.0));
-        let mut taken: Vec<Option<Row>> = (0..indices.len()).map(|_| None).collect();
-        for (r, slot_in_output) in order {
-            let last = self.rows.len() - 1;
-            if r != last {
-                let len = self.rows[last].cached.max(0);
-                if let Some(cache) = self.cache.as_mut() {
-                    cache.copy_row(last as i64, r as i64, len)?;
-                }
-                if let Some(presence) = &mut self.presence {
-                    let from = presence.f_narrow(0, last as i64, 1)?;
-                    presence.f_narrow(0, r as i64, 1)?.f_copy_(&from)?;
-                }
-            }
-            taken[slot_in_output] = Some(self.rows.swap_remove(r));
-        }
-        Ok(taken.into_iter().flatten().collect())
+    /// Takes the sequences out of `slots` (in that order), leaving the slots free.
+    fn remove_rows(&mut self, slots: &[usize]) -> Vec<Row> {
+        slots.iter().filter_map(|&s| self.rows[s].take()).collect()
     }
 }
 
