@@ -37,6 +37,11 @@ lint:
 golden *files="tests/golden/algos_sample.json tests/golden/rewards_sample.json": build
     ./target/debug/jetrl-golden {{files}}
 
+# the GPU bench bundle: stripped binaries and scripts (at most 32 MB) that run `bash DIR/run.sh` on a machine
+# with python3 (torch 2.11 + transformers) and no Rust toolchain; prints the gpu bench's rollout and trainer line
+gpu-bundle dir="target/gpu-bundle":
+    scripts/gpu-bundle.sh {{dir}}
+
 # a benchmark (benches/<name>/run.sh): dataplane, trainer_step, rollout_engine, reward, async_speedup,
 # weight_sync, gpu, dp (the trainer's ranks), soak (10 minutes, stand-in rollout workers); the last line printed is
 # one JSON object with the figures

@@ -1,5 +1,7 @@
 //! `just bench gpu` in its CPU mode: the same script, binaries and reference programs as on a GPU, at tiny shapes
-//! (`JETRL_BENCH_GPU_SHAPE=tiny`), so the GPU benchmark cannot rot on machines without one. It needs the
+//! (`JETRL_BENCH_GPU_SHAPE=tiny`), so the GPU benchmark cannot rot on machines without one. The script builds the
+//! GPU bench bundle (`just gpu-bundle`) and runs it from another directory in a clean environment, as a lent
+//! device does. It needs the
 //! project's python with transformers, so it is `#[ignore]`d for a plain `cargo test`; `./dev.sh test` installs
 //! transformers and runs it (`--include-ignored`).
 
@@ -48,6 +50,14 @@ fn gpu_bench_runs_at_tiny_shapes_on_the_cpu_and_prints_one_json_line() {
             assert!(positive(&line[side][key]), "{side}.{key} = {}", line[side][key]);
         }
     }
+    for key in ["vs_graph_loop", "ms_per_step_b32", "ms_per_step_b256", "grpo_vs_fixed"] {
+        assert!(positive(&line[key]), "{key} = {}", line[key]);
+    }
+    assert!(positive(&line["trainer_step"]["ratio_same_precision"]));
+    assert_eq!(line["graph_matches_eager"], true, "{}", line["rollout"]["graph_check"]);
+    let check = &line["rollout"]["graph_check"];
+    assert!(check["max_logprob_diff_rollout_vs_trainer"].as_f64().is_some_and(|d| d <= 1e-4), "{check}");
+    assert!(line["bundle_mb"].as_f64().is_some_and(|mb| mb > 1.0 && mb <= 32.0), "bundle_mb {}", line["bundle_mb"]);
     let schedule = &line["separate_vs_sync"];
     for key in ["sync_s", "separate_async_s", "speedup_separate"] {
         assert!(positive(&schedule[key]), "separate_vs_sync.{key} = {}", schedule[key]);
