@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-const SOURCES: &[&str] = &["csrc/c10d_shim.cpp", "csrc/attention.cpp", "csrc/cuda_graph.cpp"];
+const SOURCES: &[&str] = &["csrc/c10d_shim.cpp", "csrc/attention.cpp", "csrc/cuda_graph.cpp", "csrc/optim.cpp"];
 const NCCL_SOURCES: &[&str] = &["csrc/c10d_nccl.cpp", "csrc/cuda_memory.cpp"];
 /// Headers `ATen/cuda/CUDAContextLight.h` and `c10d/NCCLUtils.hpp` pull in. The torch wheel's own dependencies
 /// ship all but `crt/` (PyPI `nvidia-cuda-crt`) and `nv/target` (PyPI `nvidia-cuda-cccl`).

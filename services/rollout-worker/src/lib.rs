@@ -119,7 +119,7 @@ fn engine_config(cfg: &JobConfig, model: &ModelConfig, seed: u64, eos: Vec<u32>,
         eos_token_ids: eos,
         logprobs_mode: mode,
         enforce_eager: r.enforce_eager,
-        bucketed: None,
+        ..EngineConfig::default()
     }
 }
 

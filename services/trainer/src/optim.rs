@@ -14,7 +14,7 @@
 use std::collections::BTreeMap;
 
 use jetrl_config::OptimConfig;
-use jetrl_torch_ext::DistError;
+use jetrl_torch_ext::{fused_adamw, AdamWStep, DistError};
 use tch::{Device, Kind, Tensor};
 
 use crate::dist::Comm;
@@ -67,17 +67,22 @@ impl FlatLayout {
         Self { slots, total: offset, padded: shard * world, shard, start: rank as i64 * shard }
     }
 
-    /// The parts of decaying parameters inside this rank's shard, as (start, length) in shard coordinates.
+    /// The parts of decaying parameters inside this rank's shard, as (start, length) in shard coordinates, adjacent
+    /// parameters merged into one range (one in-place multiply each).
     fn decaying_ranges(&self) -> Vec<(i64, i64)> {
         let (lo, hi) = (self.start, self.start + self.shard);
-        self.slots
-            .iter()
-            .filter(|s| s.decays)
-            .filter_map(|s| {
-                let (a, b) = (s.offset.max(lo), (s.offset + s.numel).min(hi));
-                (a < b).then_some((a - lo, b - a))
-            })
-            .collect()
+        let mut ranges: Vec<(i64, i64)> = Vec::new();
+        for s in self.slots.iter().filter(|s| s.decays) {
+            let (a, b) = (s.offset.max(lo), (s.offset + s.numel).min(hi));
+            if a >= b {
+                continue;
+            }
+            match ranges.last_mut() {
+                Some((start, len)) if *start + *len == a - lo => *len += b - a,
+                _ => ranges.push((a - lo, b - a)),
+            }
+        }
+        ranges
     }
 }
 
@@ -100,8 +105,8 @@ pub struct AdamW {
     /// `[shard]` first and second moments
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
-    /// `[shard]` work buffer for the update's denominator (not state: never saved)
-    scratch: Tensor,
+    /// the step count as the fused kernel reads it: a float32 scalar on the shard's device
+    step_count: Tensor,
     decaying: Vec<(i64, i64)>,
     /// optimizer steps taken (the bias-correction exponent)
     pub step: u64,
@@ -136,7 +141,7 @@ impl AdamW {
             reduced: false,
             exp_avg: Tensor::f_zeros([layout.shard], opts)?,
             exp_avg_sq: Tensor::f_zeros([layout.shard], opts)?,
-            scratch: Tensor::f_zeros([layout.shard], opts)?,
+            step_count: Tensor::f_zeros([], opts)?,
             master,
             flat,
             params,
@@ -220,34 +225,25 @@ impl AdamW {
             self.reduce()?;
         }
         self.step += 1;
-        let (b1, b2) = self.betas;
-        let bias1 = 1.0 - b1.powi(self.step as i32);
-        let bias2_sqrt = (1.0 - b2.powi(self.step as i32)).sqrt();
-        let step_size = lr / bias1;
         tch::no_grad(|| -> Result<(), OptimError> {
             if self.weight_decay > 0.0 {
                 for &(start, len) in &self.decaying {
                     let _ = self.master.f_narrow(0, start, len)?.f_mul_scalar_(1.0 - lr * self.weight_decay)?;
                 }
             }
-            // Every operation below is in place: a step allocates nothing, so the allocator does not hand pages
-            // back to the kernel and fault them in again at every step (large CPU tensors are mmapped).
-            let _ = self.exp_avg.f_lerp_(&self.grad, 1.0 - b1)?;
-            // v ← β₂·v + (1−β₂)·g², the square formed in the work buffer
-            self.scratch.f_copy_(&self.grad)?;
-            let _ = self.scratch.f_mul_(&self.grad)?.f_mul_scalar_(1.0 - b2)?;
-            let _ = self.exp_avg_sq.f_mul_scalar_(b2)?.f_add_(&self.scratch)?;
-            if step_size != 0.0 {
-                // p −= step_size·m/(√v/√bias2 + eps): one fused addcdiv on a pre-scaled denominator
-                self.scratch.f_copy_(&self.exp_avg_sq)?;
-                let _ = self
-                    .scratch
-                    .f_sqrt_()?
-                    .f_div_scalar_(bias2_sqrt)?
-                    .f_add_scalar_(self.eps)?
-                    .f_div_scalar_(-step_size)?;
-                let _ = self.master.f_addcdiv_(&self.exp_avg, &self.scratch)?;
-            }
+            // The moments and the update in one pass of ATen's fused AdamW (torch.optim.AdamW(fused=True)), the
+            // decay applied above per parameter group; the step count is written on the device (no sync).
+            let _ = self.step_count.f_fill_(self.step as f64)?;
+            let settings = AdamWStep { lr, beta1: self.betas.0, beta2: self.betas.1, weight_decay: 0.0, eps: self.eps };
+            fused_adamw(
+                &mut self.master,
+                &self.grad,
+                &mut self.exp_avg,
+                &mut self.exp_avg_sq,
+                &self.step_count,
+                settings,
+            )
+            .map_err(|e| OptimError::State(e.to_string()))?;
             Ok(())
         })?;
         self.reduced = false;

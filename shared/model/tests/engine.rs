@@ -535,3 +535,24 @@ fn the_graph_paths_bucketed_shapes_change_no_sequence_and_move_rows_only_at_buck
     );
     assert_eq!(stats.graphs, 0, "no CUDA graph on the CPU");
 }
+
+#[test]
+fn a_long_context_prefilled_in_chunks_samples_what_one_pass_samples() {
+    let run = |prefill_chunk: usize| {
+        let config =
+            EngineConfig { max_num_seqs: 3, max_model_len: 96, seed: 11, prefill_chunk, ..EngineConfig::default() };
+        let mut e = Engine::new(model(), config).unwrap();
+        let long: Vec<u32> = (0..50u32).map(|i| 3 + (i * 37) % 250).collect();
+        e.add_request(0, Request::new(long, 2, sampled(12, 5))).unwrap();
+        e.add_request(1, Request::new(prompts()[2].clone(), 1, sampled(12, 6))).unwrap();
+        (by_request(e.run_to_completion().unwrap()), e.stats())
+    };
+    let (whole, stats) = run(2048);
+    let (chunked, chunked_stats) = run(16);
+    assert_eq!(stats.prefill_tokens, chunked_stats.prefill_tokens);
+    for (a, b) in whole.iter().zip(&chunked) {
+        assert_eq!(a.tokens, b.tokens, "request {} sample {}", a.request, a.index);
+        let d = diff_one(&a.logprobs, &b.logprobs);
+        assert!(d.max <= 1e-5, "{d:?}");
+    }
+}

@@ -46,6 +46,13 @@ int jetrl_flash_attention_varlen(const jetrl_tensor* q, const jetrl_tensor* k, c
                                  const jetrl_tensor* cu_seqlens, int64_t max_len, double scale, jetrl_tensor** out,
                                  char** err);
 
+// One step of ATen's fused AdamW (at::_fused_adamw_, torch.optim.AdamW(fused=True)) over one parameter tensor with
+// its gradient and moments (all the same dtype, shape and device); `step` is a float32 scalar tensor on that device
+// holding the step count after this step. No amsgrad, no maximize, no grad scaling.
+int jetrl_fused_adamw(jetrl_tensor* param, const jetrl_tensor* grad, jetrl_tensor* exp_avg, jetrl_tensor* exp_avg_sq,
+                      const jetrl_tensor* step, double lr, double beta1, double beta2, double weight_decay,
+                      double eps, char** err);
+
 // Peak bytes the CUDA caching allocator has handed out on `device` (torch.cuda.max_memory_allocated), resetting
 // the peak afterwards when `reset` is non-zero; -1 without the CUDA part of the shim or without that device.
 int64_t jetrl_cuda_peak_allocated(int64_t device, int reset);

@@ -30,6 +30,20 @@ pub(crate) struct RawGraph {
 
 extern "C" {
     pub(crate) fn jetrl_cuda_graphs_built() -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn jetrl_fused_adamw(
+        param: *mut c_void,
+        grad: *const c_void,
+        exp_avg: *mut c_void,
+        exp_avg_sq: *mut c_void,
+        step: *const c_void,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        err: *mut *mut c_char,
+    ) -> c_int;
     pub(crate) fn jetrl_graph_pool_new(first: *mut u64, second: *mut u64, err: *mut *mut c_char) -> c_int;
     pub(crate) fn jetrl_graph_new(
         device: i64,

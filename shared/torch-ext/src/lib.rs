@@ -2,7 +2,7 @@
 //! torch-sys' flags. So far: torch.distributed (c10d) process groups and collectives ([`ProcessGroup`]), the
 //! same `ProcessGroupGloo` / `ProcessGroupNCCL` and `TCPStore` Python's `torch.distributed` runs on; the CUDA
 //! caching allocator's peak ([`cuda_peak_allocated`]); flash attention over packed variable-length sequences
-//! ([`flash_attention_varlen`]); CUDA graphs ([`CudaGraph`]).
+//! ([`flash_attention_varlen`]); CUDA graphs ([`CudaGraph`]); ATen's fused AdamW ([`fused_adamw`]).
 //!
 //! ```no_run
 //! use jetrl_torch_ext::{Backend, ProcessGroup, ProcessGroupOptions, ReduceOp};
@@ -21,9 +21,11 @@ mod attention;
 mod c10d;
 mod ffi;
 mod graph;
+mod optim;
 
 pub use attention::{flash_attention_varlen, KernelError};
 pub use graph::{cuda_graphs_built, CudaGraph, GraphPool};
+pub use optim::{fused_adamw, AdamWStep};
 
 pub use c10d::{
     cuda_peak_allocated, nccl_built, Backend, DistError, ProcessGroup, ProcessGroupOptions, ReduceOp, DEFAULT_TIMEOUT,

@@ -16,8 +16,10 @@ use crate::layers::{Attend, Attention, LayerKv, RmsNorm};
 use crate::model::CausalLm;
 
 /// Runs `ids` through the model into slot `slot` (positions `0..len`) and returns the f32 logits `[1, V]` of the
-/// last position (the distribution of the first new token).
-pub(crate) fn prefill(model: &CausalLm, cache: &mut SlotCache, slot: i64, ids: &[u32]) -> Result<Tensor> {
+/// last position (the distribution of the first new token). A context longer than `chunk` tokens is prefilled
+/// `chunk` tokens at a time, each chunk attending to the keys and values the earlier ones wrote, so the attention
+/// scores of one pass are `chunk × len` at most, not `len × len`.
+pub(crate) fn prefill(model: &CausalLm, cache: &mut SlotCache, slot: i64, ids: &[u32], chunk: usize) -> Result<Tensor> {
     let t = ids.len() as i64;
     if t == 0 || t > cache.max_len {
         return Err(ModelError::Generation(format!(
@@ -26,20 +28,31 @@ pub(crate) fn prefill(model: &CausalLm, cache: &mut SlotCache, slot: i64, ids: &
         )));
     }
     let device = model.device();
+    let chunk = chunk.max(1) as i64;
     tch::no_grad(|| {
         let ids: Vec<i64> = ids.iter().map(|&id| i64::from(id)).collect();
-        let input = Tensor::from_slice(&ids).f_view([1, t])?.f_to_device(device)?;
-        let positions = Tensor::f_arange(t, (Kind::Int64, device))?.f_unsqueeze(0)?;
-        let (cos, sin) = model.rotary.cos_sin(&positions, model.dtype().kind())?;
-        let mask = Tensor::f_ones([t, t], (Kind::Bool, device))?.f_tril(0)?.f_view([1, 1, t, t])?;
-        let mut x = Tensor::f_embedding(&model.embed_tokens, &input, -1, false, false)?;
-        for (layer, kv) in model.layers.iter().zip(cache.layers.iter_mut()) {
-            // A one-row view of the slot: the layer writes positions 0..t of this row in place.
-            let mut row = LayerKv { k: kv.k.f_narrow(0, slot, 1)?, v: kv.v.f_narrow(0, slot, 1)? };
-            x = layer.forward(&x, &cos, &sin, Attend::Mask(&mask), Some((&mut row, 0)))?;
+        let mut start = 0;
+        loop {
+            let c = chunk.min(t - start);
+            let input =
+                Tensor::from_slice(&ids[start as usize..(start + c) as usize]).f_view([1, c])?.f_to_device(device)?;
+            let positions = Tensor::f_arange_start(start, start + c, (Kind::Int64, device))?;
+            let (cos, sin) = model.rotary.cos_sin(&positions.f_unsqueeze(0)?, model.dtype().kind())?;
+            // query i (position start + i) sees keys 0..=start + i
+            let keys = Tensor::f_arange(start + c, (Kind::Int64, device))?;
+            let mask = keys.f_unsqueeze(0)?.f_le_tensor(&positions.f_unsqueeze(1)?)?.f_view([1, 1, c, start + c])?;
+            let mut x = Tensor::f_embedding(&model.embed_tokens, &input, -1, false, false)?;
+            for (layer, kv) in model.layers.iter().zip(cache.layers.iter_mut()) {
+                // A one-row view of the slot: the layer writes positions start..start + c of this row in place.
+                let mut row = LayerKv { k: kv.k.f_narrow(0, slot, 1)?, v: kv.v.f_narrow(0, slot, 1)? };
+                x = layer.forward(&x, &cos, &sin, Attend::Mask(&mask), Some((&mut row, start)))?;
+            }
+            start += c;
+            if start == t {
+                let last = model.norm.forward(&x.f_narrow(1, c - 1, 1)?)?;
+                return Ok(model.lm_head(&last)?.f_squeeze_dim(1)?);
+            }
         }
-        let last = model.norm.forward(&x.f_narrow(1, t - 1, 1)?)?;
-        Ok(model.lm_head(&last)?.f_squeeze_dim(1)?)
     })
 }
 

@@ -230,6 +230,9 @@ pub struct EngineConfig {
     /// `None`: exactly when decoding through CUDA graphs. `Some(true)` on the CPU runs the graph path's shapes
     /// (padded slots, scratch positions, compaction at bucket boundaries) eagerly, to test them.
     pub bucketed: Option<bool>,
+    /// A context longer than this is prefilled this many tokens at a time (its attention scores are `chunk ×
+    /// context` per pass instead of `context²`).
+    pub prefill_chunk: usize,
 }
 
 impl Default for EngineConfig {
@@ -243,6 +246,7 @@ impl Default for EngineConfig {
             logprobs_mode: LogprobsMode::Processed,
             enforce_eager: false,
             bucketed: None,
+            prefill_chunk: 2048,
         }
     }
 }
@@ -826,7 +830,13 @@ impl Engine {
             let (source, logits) = match (sibling, waiting.first_logits.take()) {
                 (Some(src), Some(logits)) => (src, logits),
                 _ => {
-                    let logits = forward::prefill(&self.model, cache, targets[0] as i64, &waiting.shared.context)?;
+                    let logits = forward::prefill(
+                        &self.model,
+                        cache,
+                        targets[0] as i64,
+                        &waiting.shared.context,
+                        self.config.prefill_chunk,
+                    )?;
                     self.stats.prefill_tokens += context_len as u64;
                     (targets[0], logits)
                 }
