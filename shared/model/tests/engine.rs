@@ -478,15 +478,18 @@ fn a_bf16_engine_samples_close_to_the_f32_model() {
 }
 
 #[test]
-fn the_graph_paths_bucketed_shapes_change_no_sequence_and_move_rows_only_at_bucket_boundaries() {
-    // The CUDA-graph path's shapes run eagerly here: batches padded to 1, 2, 4, 8 slots with free slots decoding
-    // at the scratch position, attention widths rounded up, rows moved down only when the bucket can shrink.
-    let run = |bucketed: bool| {
+fn the_gpu_paths_bucketed_shapes_and_deferred_stop_checks_change_no_sequence() {
+    // The GPU path's shapes and its late reads run eagerly here: batches padded to 1, 2, 4, 8 slots with free
+    // slots decoding at the scratch position, attention widths rounded up, rows moved down only when the bucket
+    // can shrink, and each step's tokens read after the next step ran (a sequence that stopped decodes once more
+    // and that token is dropped). Stop tokens end most sequences early; one request is aborted mid-way.
+    let run = |gpu_path: bool| {
         let config = EngineConfig {
             max_num_seqs: 7,
             max_model_len: 64,
             seed: 11,
-            bucketed: Some(bucketed),
+            bucketed: Some(gpu_path),
+            defer_stop_checks: Some(gpu_path),
             ..EngineConfig::default()
         };
         let mut e = Engine::new(model(), config).unwrap();
@@ -496,7 +499,12 @@ fn the_graph_paths_bucketed_shapes_change_no_sequence_and_move_rows_only_at_buck
             for (i, prompt) in prompts().into_iter().enumerate() {
                 let n = 1 + (i + round) % 3;
                 let penalty = if i == 1 { 1.3 } else { 1.0 };
-                let sampling = Sampling { repetition_penalty: penalty, ..sampled(3 + 7 * ((i + round) % 4), id) };
+                let stops = if i % 2 == 0 { (0..300).step_by(5).collect() } else { Vec::new() };
+                let sampling = Sampling {
+                    repetition_penalty: penalty,
+                    stop_token_ids: stops,
+                    ..sampled(3 + 7 * ((i + round) % 4), id)
+                };
                 e.add_request(id, Request::new(prompt, n, sampling)).unwrap();
                 id += 1;
             }
@@ -504,27 +512,29 @@ fn the_graph_paths_bucketed_shapes_change_no_sequence_and_move_rows_only_at_buck
                 outs.extend(e.step().unwrap());
             }
             if round == 1 {
-                outs.extend(e.abort(2).unwrap());
+                outs.extend(e.abort(3).unwrap());
             }
         }
         outs.extend(e.run_to_completion().unwrap());
         (by_request(outs), e.stats())
     };
     let (exact, exact_stats) = run(false);
-    let (bucketed, stats) = run(true);
-    assert_eq!(exact.len(), bucketed.len());
+    let (gpu, stats) = run(true);
+    assert_eq!(exact.len(), gpu.len());
     assert!(exact.iter().any(|o| o.finish == Finish::Aborted));
-    for (a, b) in exact.iter().zip(&bucketed) {
+    assert!(exact.iter().filter(|o| matches!(o.finish, Finish::StopToken(_))).count() >= 3, "stop tokens end some");
+    for (a, b) in exact.iter().zip(&gpu) {
         assert_eq!((a.request, a.index, &a.tokens, &a.finish), (b.request, b.index, &b.tokens, &b.finish));
         let d = diff_one(&a.logprobs, &b.logprobs);
         assert!(d.max <= 1e-5, "request {} sample {}: {d:?}", a.request, a.index);
+        assert_eq!(a.version_runs, b.version_runs);
     }
-    assert_eq!(exact_stats.generated_tokens, stats.generated_tokens);
+    assert_eq!(exact_stats.generated_tokens, stats.generated_tokens, "dropped tokens are not counted");
     // every sequence's first token comes from its prefill, the rest from decode steps; with exact shapes the only
     // slot decoded for nothing is one admitted that step below a decoding one (it samples from its prefill)
     let sequences = exact.iter().filter(|o| !o.tokens.is_empty()).count() as u64;
     assert_eq!(exact_stats.decoded_rows, exact_stats.generated_tokens - sequences);
-    assert_eq!(stats.decoded_rows, exact_stats.decoded_rows);
+    assert!(stats.decoded_rows > exact_stats.decoded_rows, "a late read decodes a stopped sequence once more");
     assert!(exact_stats.decoded_slots <= exact_stats.decoded_rows + sequences, "{exact_stats:?}");
     assert!(stats.decoded_slots > exact_stats.decoded_slots, "buckets pad: {stats:?}");
     assert!(

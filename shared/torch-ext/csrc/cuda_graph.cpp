@@ -33,8 +33,12 @@ struct jetrl_graph {
 
   jetrl_graph(c10::cuda::CUDAStream side, at::cuda::MempoolId_t pool) : side(side), pool(pool) {}
 };
+struct jetrl_event {
+  c10::Event event{c10::DeviceType::CUDA};
+};
 #else
 struct jetrl_graph {};
+struct jetrl_event {};
 #endif
 
 namespace {
@@ -196,6 +200,46 @@ int jetrl_graph_replay(jetrl_graph* g, char** err) {
   (void)g;
   return not_built(err);
 #endif
+}
+
+int jetrl_event_record(int64_t device, jetrl_event** out, char** err) {
+#ifdef JETRL_WITH_NCCL
+  if (out == nullptr) return fail(err, JETRL_ERR_INVALID_ARGUMENT, "jetrl_event_record: null out");
+  if (device < 0 || device >= c10::cuda::device_count()) {
+    return fail(err, JETRL_ERR_INVALID_ARGUMENT, "jetrl_event_record: no CUDA device " + std::to_string(device));
+  }
+  return guarded(err, [&] {
+    auto event = new jetrl_event();
+    try {
+      event->event.record(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).unwrap());
+    } catch (...) {
+      delete event;
+      throw;
+    }
+    *out = event;
+  });
+#else
+  (void)device;
+  (void)out;
+  return not_built(err);
+#endif
+}
+
+int jetrl_event_synchronize(jetrl_event* e, char** err) {
+#ifdef JETRL_WITH_NCCL
+  if (e == nullptr) return fail(err, JETRL_ERR_INVALID_ARGUMENT, "jetrl_event_synchronize: null event");
+  return guarded(err, [&] { e->event.synchronize(); });
+#else
+  (void)e;
+  return not_built(err);
+#endif
+}
+
+void jetrl_event_free(jetrl_event* event) {
+  try {
+    delete event;
+  } catch (...) {
+  }
 }
 
 }  // extern "C"

@@ -71,6 +71,12 @@ int jetrl_graph_leave_stream(jetrl_graph* graph, char** err);
 int jetrl_graph_capture_begin(jetrl_graph* graph, char** err);
 int jetrl_graph_capture_end(jetrl_graph* graph, char** err);
 int jetrl_graph_replay(jetrl_graph* graph, char** err);
+// A CUDA event recorded on the current stream of `device` now; synchronize waits (on the host) until the work queued
+// before it is done, and nothing queued after.
+typedef struct jetrl_event jetrl_event;
+int jetrl_event_record(int64_t device, jetrl_event** out, char** err);
+int jetrl_event_synchronize(jetrl_event* event, char** err);
+void jetrl_event_free(jetrl_event* event);
 
 // Creates a process group: connects to (rank 0: hosts) the TCPStore at host:port, optionally wraps it in a
 // PrefixStore, registers the rank (refusing a rank claimed twice) and rendezvouses the backend.

@@ -28,8 +28,17 @@ pub(crate) struct RawGraph {
     _private: [u8; 0],
 }
 
+/// `struct jetrl_event`: owned by the C++ side, freed with [`jetrl_event_free`].
+#[repr(C)]
+pub(crate) struct RawEvent {
+    _private: [u8; 0],
+}
+
 extern "C" {
     pub(crate) fn jetrl_cuda_graphs_built() -> c_int;
+    pub(crate) fn jetrl_event_record(device: i64, out: *mut *mut RawEvent, err: *mut *mut c_char) -> c_int;
+    pub(crate) fn jetrl_event_synchronize(event: *mut RawEvent, err: *mut *mut c_char) -> c_int;
+    pub(crate) fn jetrl_event_free(event: *mut RawEvent);
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn jetrl_fused_adamw(
         param: *mut c_void,

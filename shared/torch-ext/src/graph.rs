@@ -131,6 +131,56 @@ impl Drop for CudaGraph {
     }
 }
 
+/// A CUDA event: recorded on a device's current stream, waited for on the host (the work queued before it, not
+/// after), e.g. a device-to-host copy read one step later.
+#[derive(Debug)]
+pub struct CudaEvent {
+    raw: NonNull<ffi::RawEvent>,
+}
+
+#[allow(unsafe_code)]
+// SAFETY: a recorded CUDA event may be waited for from any thread.
+unsafe impl Send for CudaEvent {}
+
+impl CudaEvent {
+    /// Records an event on the current stream of CUDA device `device`.
+    pub fn record(device: usize) -> Result<Self, KernelError> {
+        let mut raw: *mut ffi::RawEvent = std::ptr::null_mut();
+        ffi::check(|err| {
+            #[allow(unsafe_code)]
+            // SAFETY: an integer in, a live out-pointer and the error out-pointer.
+            unsafe {
+                ffi::jetrl_event_record(device as i64, &mut raw, err)
+            }
+        })
+        .map_err(|e| KernelError { kernel: "cuda_event", message: e.message })?;
+        let raw = NonNull::new(raw).ok_or_else(|| KernelError { kernel: "cuda_event", message: "no event".into() })?;
+        Ok(CudaEvent { raw })
+    }
+
+    /// Blocks until the work queued before the event is done.
+    pub fn synchronize(&self) -> Result<(), KernelError> {
+        ffi::check(|err| {
+            #[allow(unsafe_code)]
+            // SAFETY: `raw` is the live event this value owns; `err` is a live out-pointer.
+            unsafe {
+                ffi::jetrl_event_synchronize(self.raw.as_ptr(), err)
+            }
+        })
+        .map_err(|e| KernelError { kernel: "cuda_event", message: e.message })
+    }
+}
+
+impl Drop for CudaEvent {
+    fn drop(&mut self) {
+        #[allow(unsafe_code)]
+        // SAFETY: the event is owned by this value and freed once.
+        unsafe {
+            ffi::jetrl_event_free(self.raw.as_ptr())
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -148,5 +198,7 @@ mod tests {
         assert_eq!(err.kernel, "cuda_graph");
         assert!(err.message.contains("1000000") || err.message.contains("without its CUDA part"), "{err}");
         assert_eq!(ran, 0, "nothing runs before the graph exists");
+        let err = CudaEvent::record(1_000_000).unwrap_err();
+        assert_eq!(err.kernel, "cuda_event");
     }
 }

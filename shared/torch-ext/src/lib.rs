@@ -24,7 +24,7 @@ mod graph;
 mod optim;
 
 pub use attention::{flash_attention_varlen, KernelError};
-pub use graph::{cuda_graphs_built, CudaGraph, GraphPool};
+pub use graph::{cuda_graphs_built, CudaEvent, CudaGraph, GraphPool};
 pub use optim::{fused_adamw, AdamWStep};
 
 pub use c10d::{

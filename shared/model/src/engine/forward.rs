@@ -167,6 +167,13 @@ impl DecodeInputs {
         Ok(())
     }
 
+    /// Overwrites the tokens of `slots` (int64 on the device) in a step over `b` slots with `tokens`, on the
+    /// device: the newest tokens of sequences whose last sample the host has not read yet.
+    pub(crate) fn set_ids(&mut self, b: i64, slots: &Tensor, tokens: &Tensor) -> Result<()> {
+        let _ = self.values.f_narrow(0, 0, b)?.f_index_copy_(0, slots, tokens)?;
+        Ok(())
+    }
+
     fn ids(&self, b: i64) -> Result<Tensor> {
         Ok(self.values.f_narrow(0, 0, b)?)
     }

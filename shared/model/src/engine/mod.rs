@@ -233,6 +233,10 @@ pub struct EngineConfig {
     /// A context longer than this is prefilled this many tokens at a time (its attention scores are `chunk ×
     /// context` per pass instead of `context²`).
     pub prefill_chunk: usize,
+    /// Read each step's sampled tokens on the host one step later, while the next step runs: a sequence that
+    /// stopped is found one step late and the token it sampled meanwhile is dropped (its outputs are unchanged).
+    /// `None`: on any device but the CPU, where the host reads tensors without waiting anyway.
+    pub defer_stop_checks: Option<bool>,
 }
 
 impl Default for EngineConfig {
@@ -247,6 +251,7 @@ impl Default for EngineConfig {
             enforce_eager: false,
             bucketed: None,
             prefill_chunk: 2048,
+            defer_stop_checks: None,
         }
     }
 }
@@ -321,6 +326,27 @@ struct Row {
     max_version: u64,
     version_runs: Vec<(u32, u64)>,
     first_token: Option<Duration>,
+    /// Which admission this is (unique per engine): how a pending token finds its sequence after slots change.
+    serial: u64,
+    /// Tokens sampled, those the host has not read yet included (`tokens.len()` when nothing is pending).
+    sampled: usize,
+    /// Its last sampled token ends it whatever it is (`max_tokens` reached, or the slot is full): it decodes no
+    /// more and leaves when that token is read.
+    closing: bool,
+}
+
+/// The tokens one step sampled, read by the host one step later when stop checks are deferred (on CUDA: the
+/// next step is already queued when the host waits for this one's copy), at once otherwise.
+struct Pending {
+    /// The serial of each sampled sequence, in sampling order.
+    serials: Vec<u64>,
+    /// `[B]` int64 on the device: the next step's input for sequences that keep decoding.
+    device_tokens: Tensor,
+    /// `[B]` int64 and f32 on the host (a non-blocking copy on CUDA, complete once `copied` is).
+    tokens: Tensor,
+    logprobs: Tensor,
+    copied: Option<jetrl_torch_ext::CudaEvent>,
+    version: u64,
 }
 
 /// The engine: a model, its slot cache, the running rows and the queue.
@@ -338,6 +364,10 @@ pub struct Engine {
     shapes: Shapes,
     /// On CUDA without `enforce_eager`: the decode step's graphs.
     graphs: Option<DecodeGraphs>,
+    /// Read sampled tokens one step late (see [`Pending`]).
+    defer: bool,
+    pending: Option<Pending>,
+    next_serial: u64,
     waiting: VecDeque<Waiting>,
     /// Outputs decided without a step (empty budgets, aborts), returned by the next `step`.
     ready: Vec<SequenceOutput>,
@@ -383,6 +413,7 @@ impl Engine {
             _ => None,
         };
         let shapes = if config.bucketed.unwrap_or(graphs.is_some()) { Shapes::Buckets } else { Shapes::Exact };
+        let defer = config.defer_stop_checks.unwrap_or(model.device() != tch::Device::Cpu);
         let stats =
             EngineStats { slots, kv_tokens_capacity: (slots * config.max_model_len) as u64, ..EngineStats::default() };
         Ok(Engine {
@@ -395,6 +426,9 @@ impl Engine {
             inputs,
             shapes,
             graphs,
+            defer,
+            pending: None,
+            next_serial: 1,
             waiting: VecDeque::new(),
             ready: Vec::new(),
             presence: None,
@@ -460,7 +494,7 @@ impl Engine {
 
     /// Whether a `step` would do anything.
     pub fn has_work(&self) -> bool {
-        self.running() > 0 || !self.waiting.is_empty() || !self.ready.is_empty()
+        self.running() > 0 || !self.waiting.is_empty() || !self.ready.is_empty() || self.pending.is_some()
     }
 
     pub fn stats(&self) -> EngineStats {
@@ -555,6 +589,7 @@ impl Engine {
     /// Removes a request wherever it is; returns its sequences with what they generated so far (finish
     /// [`Finish::Aborted`]; samples never admitted come back empty, or with their resumed prefix).
     pub fn abort(&mut self, id: RequestId) -> Result<Vec<SequenceOutput>> {
+        self.settle_into_ready()?;
         let mut out: Vec<SequenceOutput> = Vec::new();
         let mut i = 0;
         while i < self.ready.len() {
@@ -583,6 +618,8 @@ impl Engine {
     /// and leaves the queue as it is: samples not admitted yet hold no KV and wait for the next admission. With
     /// no row left, [`Engine::free_cache`] can release the cache (colocate_async's pause).
     pub fn preempt_running(&mut self) -> Result<Vec<SequenceOutput>> {
+        // sequences that ended in the last step (read now) are outputs of the next `step`, not prefixes
+        self.settle_into_ready()?;
         let version = self.version;
         let mut out: Vec<SequenceOutput> = self
             .rows
@@ -611,6 +648,7 @@ impl Engine {
     /// Releases the KV cache memory; it is allocated again when the next sequence is admitted. Only when no
     /// sequence is running (abort them first).
     pub fn free_cache(&mut self) -> Result<()> {
+        self.settle_into_ready()?;
         let running = self.running();
         if running > 0 {
             return Err(ModelError::Generation(format!("cannot free the KV cache while {running} sequences run")));
@@ -639,7 +677,8 @@ impl Engine {
     }
 
     /// Admits waiting sequences into free slots, runs one decode step over the running ones, samples one token
-    /// per sequence and returns the sequences that finished.
+    /// per sequence and returns the sequences that finished (with deferred stop checks: those whose stop the host
+    /// read this step, which ended one step earlier).
     pub fn step(&mut self) -> Result<Vec<SequenceOutput>> {
         let mut out = std::mem::take(&mut self.ready);
         if self.cache.is_none() && !self.waiting.is_empty() {
@@ -647,17 +686,15 @@ impl Engine {
         }
         self.admit()?;
         self.compact()?;
-        // Sequences admitted this step carry their prefill logits; the others decode.
-        let occupied = |s: &usize| self.rows[*s].is_some();
+        // Sequences admitted this step carry their prefill logits; the others decode, except those whose last
+        // token is sampled.
         let decoding: Vec<usize> = (0..self.slots)
-            .filter(occupied)
-            .filter(|&s| self.rows[s].as_ref().is_some_and(|r| r.fresh.is_none()))
+            .filter(|&s| self.rows[s].as_ref().is_some_and(|r| r.fresh.is_none() && !r.closing))
             .collect();
-        let fresh: Vec<usize> = (0..self.slots)
-            .filter(occupied)
-            .filter(|&s| self.rows[s].as_ref().is_some_and(|r| r.fresh.is_some()))
-            .collect();
+        let fresh: Vec<usize> =
+            (0..self.slots).filter(|&s| self.rows[s].as_ref().is_some_and(|r| r.fresh.is_some())).collect();
         if decoding.is_empty() && fresh.is_empty() {
+            self.settle(&mut out)?;
             return Ok(out);
         }
         let mut parts: Vec<Tensor> = Vec::with_capacity(2);
@@ -675,10 +712,16 @@ impl Engine {
         let logits = if parts.len() == 1 { parts.remove(0) } else { Tensor::f_cat(&parts, 0)? };
         let mut params: Vec<RowSampling> = Vec::with_capacity(b);
         let mut uniforms: Vec<f64> = Vec::with_capacity(b);
+        let mut serials: Vec<u64> = Vec::with_capacity(b);
+        let max_len = self.config.max_model_len as i64;
         for &s in &order {
             let row = self.rows[s].as_mut().ok_or_else(|| ModelError::Generation(format!("slot {s} is empty")))?;
             params.push(row.shared.row);
             uniforms.push(1.0 - row.rng.gen::<f64>());
+            serials.push(row.serial);
+            row.sampled += 1;
+            // the next decode would write position `cached`, which must exist
+            row.closing = row.sampled >= row.shared.max_tokens || row.cached >= max_len;
         }
         let order_index = match &self.presence {
             Some(p) => {
@@ -694,18 +737,79 @@ impl Engine {
         let (tokens, logprobs) =
             sampler::sample(&logits, &params, &uniforms, presence.as_ref(), self.config.logprobs_mode)?;
         if let (Some(presence), Some(index)) = (&mut self.presence, &order_index) {
-            let sampled = Tensor::from_slice(&tokens).f_to_device(presence.device())?;
             let yes = Tensor::f_ones([b as i64], (Kind::Bool, presence.device()))?;
-            let _ = presence.f_index_put_(&[Some(index), Some(&sampled)], &yes, false)?;
+            let _ = presence.f_index_put_(&[Some(index), Some(&tokens)], &yes, false)?;
         }
         self.stats.steps += 1;
-        self.stats.generated_tokens += b as u64;
+        let sampled = self.to_host(serials, tokens, logprobs)?;
+        // The previous step's tokens (deferred) or this step's.
+        let previous = self.pending.replace(sampled);
+        if self.defer {
+            self.settle_one(previous, &mut out)?;
+        } else {
+            self.settle(&mut out)?;
+        }
+        Ok(out)
+    }
 
+    /// Starts the copy of a step's samples to the host (on CUDA non-blocking, behind an event).
+    fn to_host(&self, serials: Vec<u64>, tokens: Tensor, logprobs: Tensor) -> Result<Pending> {
+        let version = self.version;
+        match tokens.device() {
+            tch::Device::Cuda(index) => {
+                let host = |t: &Tensor, kind: Kind| t.f_to_device_(tch::Device::Cpu, kind, true, false);
+                let (host_tokens, host_logprobs) = (host(&tokens, Kind::Int64)?, host(&logprobs, Kind::Float)?);
+                let copied = jetrl_torch_ext::CudaEvent::record(index)
+                    .map_err(|e| ModelError::Generation(format!("reading sampled tokens: {e}")))?;
+                Ok(Pending {
+                    serials,
+                    device_tokens: tokens,
+                    tokens: host_tokens,
+                    logprobs: host_logprobs,
+                    copied: Some(copied),
+                    version,
+                })
+            }
+            _ => {
+                Ok(Pending { serials, device_tokens: tokens.shallow_clone(), tokens, logprobs, copied: None, version })
+            }
+        }
+    }
+
+    /// Reads the pending samples now; sequences they finish are returned by the next `step`.
+    fn settle_into_ready(&mut self) -> Result<()> {
+        let mut finished = Vec::new();
+        self.settle(&mut finished)?;
+        self.ready.extend(finished);
+        Ok(())
+    }
+
+    /// Reads the pending samples, if any, into their sequences (see [`Self::settle_one`]).
+    fn settle(&mut self, out: &mut Vec<SequenceOutput>) -> Result<()> {
+        let pending = self.pending.take();
+        self.settle_one(pending, out)
+    }
+
+    /// Appends a step's samples to their sequences (those still running: a sequence that ended meanwhile drops
+    /// the token it sampled after its end) and moves the sequences that finished into `out`.
+    fn settle_one(&mut self, pending: Option<Pending>, out: &mut Vec<SequenceOutput>) -> Result<()> {
+        let Some(p) = pending else { return Ok(()) };
+        if let Some(copied) = &p.copied {
+            copied.synchronize().map_err(|e| ModelError::Generation(format!("reading sampled tokens: {e}")))?;
+        }
+        let tokens = Vec::<i64>::try_from(&p.tokens)?;
+        let logprobs = Vec::<f32>::try_from(&p.logprobs)?;
+        let slot_of: std::collections::HashMap<u64, usize> =
+            (0..self.slots).filter_map(|s| self.rows[s].as_ref().map(|r| (r.serial, s))).collect();
         let mut finished: Vec<(usize, Finish)> = Vec::new();
-        for (&s, (&token, &logprob)) in order.iter().zip(tokens.iter().zip(&logprobs)) {
+        for ((serial, &token), &logprob) in p.serials.iter().zip(&tokens).zip(&logprobs) {
+            let Some(&s) = slot_of.get(serial) else { continue };
+            if finished.iter().any(|(f, _)| *f == s) {
+                continue;
+            }
             let token = u32::try_from(token)
                 .map_err(|_| ModelError::Generation(format!("sampled an invalid token id {token}")))?;
-            let version = self.version;
+            let version = p.version;
             let row = self.rows[s].as_mut().ok_or_else(|| ModelError::Generation(format!("slot {s} is empty")))?;
             if row.version_runs.last().is_none_or(|&(_, v)| v != version) {
                 row.version_runs.push((row.tokens.len() as u32, version));
@@ -717,15 +821,16 @@ impl Engine {
             if row.first_token.is_none() {
                 row.first_token = Some(row.shared.added.elapsed());
             }
+            self.stats.generated_tokens += 1;
             if let Some(finish) = self.finish_of(s, token) {
                 finished.push((s, finish));
             }
         }
-        let indices: Vec<usize> = finished.iter().map(|(s, _)| *s).collect();
-        for (row, (_, finish)) in self.remove_rows(&indices).into_iter().zip(finished) {
+        let slots: Vec<usize> = finished.iter().map(|(s, _)| *s).collect();
+        for (row, (_, finish)) in self.remove_rows(&slots).into_iter().zip(finished) {
             out.push(row.into_output(finish, self.version));
         }
-        Ok(out)
+        Ok(())
     }
 
     /// One decode step for the sequences in `decoding` (ascending slots): the logits `[decoding.len(), V]`, in
@@ -738,14 +843,34 @@ impl Engine {
         let mut ids = vec![0i64; batch];
         let mut positions = vec![max_len - 1; batch];
         let mut furthest = 0;
+        // sequences whose newest token the host has not read: (slot, its index in the pending samples)
+        let mut unread: Vec<(i64, i64)> = Vec::new();
+        let pending_index: std::collections::HashMap<u64, usize> = match &self.pending {
+            Some(p) => p.serials.iter().enumerate().map(|(k, &serial)| (serial, k)).collect(),
+            None => std::collections::HashMap::new(),
+        };
         for &s in decoding {
             let row = self.rows[s].as_ref().ok_or_else(|| ModelError::Generation(format!("slot {s} is empty")))?;
-            ids[s] = i64::from(row.tokens.last().copied().unwrap_or(0));
+            if row.sampled > row.tokens.len() {
+                let k = pending_index.get(&row.serial).ok_or_else(|| {
+                    ModelError::Generation(format!("slot {s}: its newest token is neither read nor pending"))
+                })?;
+                unread.push((s as i64, *k as i64));
+            } else {
+                ids[s] = i64::from(row.tokens.last().copied().unwrap_or(0));
+            }
             positions[s] = row.cached;
             furthest = furthest.max(row.cached);
         }
         let width = self.shapes.width(furthest + 1, max_len);
         self.inputs.fill(&ids, &positions)?;
+        if let (false, Some(p)) = (unread.is_empty(), &self.pending) {
+            let (slots, picks): (Vec<i64>, Vec<i64>) = unread.into_iter().unzip();
+            let device = p.device_tokens.device();
+            let slots = Tensor::from_slice(&slots).f_to_device(device)?;
+            let picks = Tensor::from_slice(&picks).f_to_device(device)?;
+            self.inputs.set_ids(batch as i64, &slots, &p.device_tokens.f_index_select(0, &picks)?)?;
+        }
         let cache = self.cache.as_mut().ok_or_else(|| ModelError::Generation("the KV cache is freed".into()))?;
         let (b, w) = (batch as i64, width);
         let logits = match &mut self.graphs {
@@ -809,7 +934,11 @@ impl Engine {
             max_version,
             version_runs,
             first_token: None,
+            serial: 0,
+            sampled: 0,
+            closing: false,
         }
+        .with_sampled()
     }
 
     /// Fills free slots from the queue, lowest first: a request's first admitted sample is prefilled, the others
@@ -845,6 +974,8 @@ impl Engine {
                 cache.copy_row(source as i64, slot as i64, context_len)?;
                 let mut row = Self::new_row(&waiting.shared, waiting.first_sample + waiting.next + i, context_len);
                 row.fresh = Some(logits.shallow_clone());
+                row.serial = self.next_serial;
+                self.next_serial += 1;
                 self.rows[slot] = Some(row);
             }
             if waiting.shared.row.repetition_penalty != 1.0 || self.presence.is_some() {
@@ -930,8 +1061,8 @@ impl Engine {
                 }
             }
         }
-        // The next decode would write position `cached`, which must exist.
-        if row.tokens.len() >= shared.max_tokens || row.cached >= self.config.max_model_len as i64 {
+        // `max_tokens` reached or the slot full (decided when the token was sampled)
+        if row.closing && row.tokens.len() == row.sampled {
             return Some(Finish::Length);
         }
         None
@@ -944,6 +1075,11 @@ impl Engine {
 }
 
 impl Row {
+    fn with_sampled(mut self) -> Self {
+        self.sampled = self.tokens.len();
+        self
+    }
+
     fn into_output(self, finish: Finish, version: u64) -> SequenceOutput {
         SequenceOutput {
             request: self.shared.id,

@@ -33,15 +33,17 @@ impl RowSampling {
     }
 }
 
-/// Picks one token per row of f32 `logits` `[B, V]`. `uniforms[r]` in (0, 1] drives row r's draw; `presence`
-/// `[B, V]` bool marks tokens already in row r's context (needed only when some row has a penalty).
+/// Picks one token per row of f32 `logits` `[B, V]`: int64 tokens and f32 log-probs `[B]`, left on the logits'
+/// device (the engine reads them when it needs them, not at every step). `uniforms[r]` in (0, 1] drives row r's
+/// draw; `presence` `[B, V]` bool marks tokens already in row r's context (needed only when some row has a
+/// penalty).
 pub(crate) fn sample(
     logits: &Tensor,
     rows: &[RowSampling],
     uniforms: &[f64],
     presence: Option<&Tensor>,
     mode: LogprobsMode,
-) -> Result<(Vec<i64>, Vec<f32>)> {
+) -> Result<(Tensor, Tensor)> {
     let b = rows.len() as i64;
     let (_, vocab) = logits.size2()?;
     let device = logits.device();
@@ -107,9 +109,7 @@ pub(crate) fn sample(
         LogprobsMode::Processed => chosen,
         LogprobsMode::Raw => raw.f_log_softmax(-1, Kind::Float)?.f_gather(1, &tokens, false)?,
     };
-    let tokens = Vec::<i64>::try_from(tokens.f_view([b])?.f_to_device(Device::Cpu)?)?;
-    let chosen = Vec::<f32>::try_from(chosen.f_view([b])?.f_to_device(Device::Cpu)?)?;
-    Ok((tokens, chosen))
+    Ok((tokens.f_view([b])?, chosen.f_view([b])?))
 }
 
 /// Inverse-CDF draw `[B, 1]`: the first index whose cumulative probability reaches `u × total`. Tokens of zero
