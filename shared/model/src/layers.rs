@@ -132,6 +132,18 @@ pub struct LayerKv {
     pub(crate) v: Tensor,
 }
 
+/// Where a forward pass writes its keys and values (the rollout engine's KV cache).
+#[derive(Debug)]
+pub enum KvWrite<'a> {
+    /// At positions `offset..offset + T` of this cache view (one row); attention runs over positions
+    /// `0..offset + T` of it (with [`Attend::Mask`]).
+    At(&'a mut LayerKv, i64),
+    /// A packed row ([`Attend::Packed`]): the keys and values of token `t`, kv head `h` go to row
+    /// `rows[t * kv_heads + h]` of the whole cache viewed as `[slots * kv_heads * max_len, head_dim]`; attention
+    /// stays within the packed row.
+    Scatter(&'a mut LayerKv, &'a Tensor),
+}
+
 /// Which keys each query of a forward pass attends to.
 #[derive(Debug, Clone, Copy)]
 pub enum Attend<'a> {
@@ -184,15 +196,15 @@ impl Attention {
     }
 
     /// `x`: `[B, T, H]`; `attend`: a mask `[B, 1, T, S]` (true = may attend) or the lengths of the sequences
-    /// packed into one row (`B` = 1). With a cache (masks only), this call's keys and values are written at
-    /// slots `offset..offset+T` and attention runs over slots `0..offset+T` (`S`).
+    /// packed into one row (`B` = 1). With a cache, this call's keys and values are also written there (see
+    /// [`KvWrite`]).
     pub fn forward(
         &self,
         x: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
         attend: Attend<'_>,
-        cache: Option<(&mut LayerKv, i64)>,
+        cache: Option<KvWrite<'_>>,
     ) -> Result<Tensor> {
         let (b, t, _) = x.size3()?;
         let q = self.q_proj.forward(x)?.f_view([b, t, self.num_heads, self.head_dim])?;
@@ -211,10 +223,20 @@ impl Attention {
         let v = v.f_transpose(1, 2)?;
         let (k, v) = match cache {
             None => (k, v),
-            Some((kv, offset)) => {
+            Some(KvWrite::At(kv, offset)) => {
                 kv.k.f_narrow(2, offset, t)?.f_copy_(&k)?;
                 kv.v.f_narrow(2, offset, t)?.f_copy_(&v)?;
                 (kv.k.f_narrow(2, 0, offset + t)?, kv.v.f_narrow(2, 0, offset + t)?)
+            }
+            Some(KvWrite::Scatter(kv, rows)) => {
+                let d = self.head_dim;
+                for (cache, new) in [(&mut kv.k, &k), (&mut kv.v, &v)] {
+                    let (slots, heads, len, _) = cache.size4()?;
+                    let mut flat = cache.f_view([slots * heads * len, d])?;
+                    // [1, kv_heads, T, D] → token-major rows (t, h)
+                    let _ = flat.f_index_copy_(0, rows, &new.f_transpose(1, 2)?.f_reshape([t * heads, d])?)?;
+                }
+                (k, v)
             }
         };
         let scale = 1.0 / (self.head_dim as f64).sqrt();
@@ -338,7 +360,7 @@ impl DecoderLayer {
         cos: &Tensor,
         sin: &Tensor,
         attend: Attend<'_>,
-        cache: Option<(&mut LayerKv, i64)>,
+        cache: Option<KvWrite<'_>>,
     ) -> Result<Tensor> {
         let attn = self.self_attn.forward(&self.input_layernorm.forward(x)?, cos, sin, attend, cache)?;
         let x = x.f_add(&attn)?;

@@ -547,22 +547,33 @@ fn the_gpu_paths_bucketed_shapes_and_deferred_stop_checks_change_no_sequence() {
 }
 
 #[test]
-fn a_long_context_prefilled_in_chunks_samples_what_one_pass_samples() {
+fn contexts_prefilled_together_or_in_chunks_sample_what_one_at_a_time_samples() {
+    // 2048: the five contexts admitted in the first step share one packed pass (the last request gets one of its
+    // two slots), and its second sample is prefilled again once its sibling has left; 16: the long context alone
+    // in chunks of 16, the others packed up to 16 tokens; 4: every context alone, in chunks of 4.
     let run = |prefill_chunk: usize| {
         let config =
-            EngineConfig { max_num_seqs: 3, max_model_len: 96, seed: 11, prefill_chunk, ..EngineConfig::default() };
+            EngineConfig { max_num_seqs: 6, max_model_len: 96, seed: 11, prefill_chunk, ..EngineConfig::default() };
         let mut e = Engine::new(model(), config).unwrap();
         let long: Vec<u32> = (0..50u32).map(|i| 3 + (i * 37) % 250).collect();
         e.add_request(0, Request::new(long, 2, sampled(12, 5))).unwrap();
-        e.add_request(1, Request::new(prompts()[2].clone(), 1, sampled(12, 6))).unwrap();
+        for (i, prompt) in prompts().into_iter().take(3).enumerate() {
+            e.add_request(1 + i as u64, Request::new(prompt, 1, sampled(12, 6 + i as u64))).unwrap();
+        }
+        e.add_request(9, Request::new(prompts()[3].clone(), 2, sampled(12, 9))).unwrap();
         (by_request(e.run_to_completion().unwrap()), e.stats())
     };
-    let (whole, stats) = run(2048);
-    let (chunked, chunked_stats) = run(16);
-    assert_eq!(stats.prefill_tokens, chunked_stats.prefill_tokens);
-    for (a, b) in whole.iter().zip(&chunked) {
-        assert_eq!(a.tokens, b.tokens, "request {} sample {}", a.request, a.index);
-        let d = diff_one(&a.logprobs, &b.logprobs);
-        assert!(d.max <= 1e-5, "{d:?}");
+    let (packed, stats) = run(2048);
+    assert_eq!(stats.prefill_passes, 2, "{stats:?}");
+    for chunk in [16, 4] {
+        let (other, other_stats) = run(chunk);
+        assert_eq!(stats.prefill_tokens, other_stats.prefill_tokens);
+        assert!(other_stats.prefill_passes > stats.prefill_passes, "chunk {chunk}: {other_stats:?}");
+        assert_eq!(packed.len(), other.len());
+        for (a, b) in packed.iter().zip(&other) {
+            assert_eq!(a.tokens, b.tokens, "chunk {chunk}: request {} sample {}", a.request, a.index);
+            let d = diff_one(&a.logprobs, &b.logprobs);
+            assert!(d.max <= 1e-5, "chunk {chunk}: {d:?}");
+        }
     }
 }

@@ -3,33 +3,15 @@
 // training forward uses on CUDA. The op is differentiable (autograd's FlashAttentionBackward0); it exists for
 // CUDA tensors in bf16 or fp16 only, and any other input comes back as an error, not an abort.
 
-#include <cstdlib>
-#include <cstring>
-#include <exception>
 #include <optional>
-#include <string>
 #include <tuple>
 
 #include <ATen/ATen.h>
 #include <ATen/ops/_flash_attention_forward.h>
 
-#include "torch_ext.h"
+#include "shim_util.hpp"
 
-namespace {
-
-int fail(char** err, int code, const std::string& message) {
-  if (err != nullptr) {
-    char* out = static_cast<char*>(std::malloc(message.size() + 1));
-    if (out != nullptr) {
-      std::memcpy(out, message.data(), message.size());
-      out[message.size()] = '\0';
-    }
-    *err = out;
-  }
-  return code;
-}
-
-}  // namespace
+using jetrl_shim::fail;
 
 extern "C" int jetrl_flash_attention_varlen(const jetrl_tensor* q, const jetrl_tensor* k, const jetrl_tensor* v,
                                             const jetrl_tensor* cu_seqlens, int64_t max_len, double scale,
@@ -37,17 +19,10 @@ extern "C" int jetrl_flash_attention_varlen(const jetrl_tensor* q, const jetrl_t
   if (q == nullptr || k == nullptr || v == nullptr || cu_seqlens == nullptr || out == nullptr) {
     return fail(err, JETRL_ERR_INVALID_ARGUMENT, "jetrl_flash_attention_varlen: null argument");
   }
-  try {
+  return jetrl_shim::guarded(err, [&] {
     auto result = at::_ops::_flash_attention_forward::call(*q, *k, *v, *cu_seqlens, *cu_seqlens, max_len, max_len,
                                                            0.0, true, false, scale, std::nullopt, std::nullopt,
                                                            std::nullopt, std::nullopt);
     *out = new at::Tensor(std::get<0>(result));
-    return JETRL_OK;
-  } catch (const c10::Error& e) {
-    return fail(err, JETRL_ERR, e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return fail(err, JETRL_ERR, e.what());
-  } catch (...) {
-    return fail(err, JETRL_ERR, "unknown C++ exception");
-  }
+  });
 }

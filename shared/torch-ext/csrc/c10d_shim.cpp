@@ -4,6 +4,7 @@
 // Compiled with -DUSE_C10D_GLOO (the wheel's libtorch_cpu is built with it) against the gloo headers vendored in
 // third_party/gloo (the commit PyTorch v2.11.0 pins; see README.md).
 
+#include "shim_util.hpp"
 #include "torch_ext.h"
 
 #include <algorithm>
@@ -51,14 +52,7 @@ struct ShimError : std::runtime_error {
   ShimError(int code, const std::string& message) : std::runtime_error(message), code(code) {}
 };
 
-char* dup_string(const std::string& s) {
-  char* out = static_cast<char*>(std::malloc(s.size() + 1));
-  if (out != nullptr) {
-    std::memcpy(out, s.data(), s.size());
-    out[s.size()] = '\0';
-  }
-  return out;
-}
+char* dup_string(const std::string& s) { return jetrl_shim::copy_message(s); }
 
 bool mentions_timeout(std::string message) {
   std::transform(message.begin(), message.end(), message.begin(),

@@ -8,15 +8,10 @@
 // run on the caller's current stream. Compiled with the CUDA part of the shim (build.rs); without it every call
 // reports JETRL_ERR_NOT_BUILT.
 
-#include <cstdlib>
-#include <cstring>
-#include <exception>
 #include <optional>
 #include <string>
 
-#include <c10/util/Exception.h>
-
-#include "torch_ext.h"
+#include "shim_util.hpp"
 
 #ifdef JETRL_WITH_NCCL
 #include <c10/core/Event.h>
@@ -43,31 +38,8 @@ struct jetrl_event {};
 
 namespace {
 
-int fail(char** err, int code, const std::string& message) {
-  if (err != nullptr) {
-    char* out = static_cast<char*>(std::malloc(message.size() + 1));
-    if (out != nullptr) {
-      std::memcpy(out, message.data(), message.size());
-      out[message.size()] = '\0';
-    }
-    *err = out;
-  }
-  return code;
-}
-
-template <typename F>
-int guarded(char** err, F&& body) {
-  try {
-    body();
-    return JETRL_OK;
-  } catch (const c10::Error& e) {
-    return fail(err, JETRL_ERR, e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return fail(err, JETRL_ERR, e.what());
-  } catch (...) {
-    return fail(err, JETRL_ERR, "unknown C++ exception");
-  }
-}
+using jetrl_shim::fail;
+using jetrl_shim::guarded;
 
 #ifndef JETRL_WITH_NCCL
 int not_built(char** err) {

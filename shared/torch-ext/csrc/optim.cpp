@@ -3,32 +3,14 @@
 // same update written with separate tensor ops reads and writes the whole state several times. CPU and CUDA
 // kernels exist; the step count is a float32 scalar tensor on the parameter's device, read by the kernel.
 
-#include <cstdlib>
-#include <cstring>
-#include <exception>
 #include <optional>
-#include <string>
 
 #include <ATen/ATen.h>
 #include <ATen/ops/_fused_adamw.h>
 
-#include "torch_ext.h"
+#include "shim_util.hpp"
 
-namespace {
-
-int fail(char** err, int code, const std::string& message) {
-  if (err != nullptr) {
-    char* out = static_cast<char*>(std::malloc(message.size() + 1));
-    if (out != nullptr) {
-      std::memcpy(out, message.data(), message.size());
-      out[message.size()] = '\0';
-    }
-    *err = out;
-  }
-  return code;
-}
-
-}  // namespace
+using jetrl_shim::fail;
 
 extern "C" int jetrl_fused_adamw(jetrl_tensor* param, const jetrl_tensor* grad, jetrl_tensor* exp_avg,
                                  jetrl_tensor* exp_avg_sq, const jetrl_tensor* step, double lr, double beta1,
@@ -36,7 +18,7 @@ extern "C" int jetrl_fused_adamw(jetrl_tensor* param, const jetrl_tensor* grad, 
   if (param == nullptr || grad == nullptr || exp_avg == nullptr || exp_avg_sq == nullptr || step == nullptr) {
     return fail(err, JETRL_ERR_INVALID_ARGUMENT, "jetrl_fused_adamw: null argument");
   }
-  try {
+  return jetrl_shim::guarded(err, [&] {
     at::Tensor params[] = {*param};
     at::Tensor grads[] = {*grad};
     at::Tensor avgs[] = {*exp_avg};
@@ -44,12 +26,5 @@ extern "C" int jetrl_fused_adamw(jetrl_tensor* param, const jetrl_tensor* grad, 
     at::Tensor steps[] = {*step};
     at::_ops::_fused_adamw_::call(params, grads, avgs, avg_sqs, {}, steps, lr, beta1, beta2, weight_decay, eps,
                                   false, false, std::nullopt, std::nullopt);
-    return JETRL_OK;
-  } catch (const c10::Error& e) {
-    return fail(err, JETRL_ERR, e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    return fail(err, JETRL_ERR, e.what());
-  } catch (...) {
-    return fail(err, JETRL_ERR, "unknown C++ exception");
-  }
+  });
 }

@@ -12,7 +12,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::engine::cache::SlotCache;
 use crate::error::{ModelError, Result};
-use crate::layers::{Attend, Attention, LayerKv, RmsNorm};
+use crate::layers::{Attend, Attention, KvWrite, LayerKv, RmsNorm};
 use crate::model::CausalLm;
 
 /// Runs `ids` through the model into slot `slot` (positions `0..len`) and returns the f32 logits `[1, V]` of the
@@ -45,7 +45,7 @@ pub(crate) fn prefill(model: &CausalLm, cache: &mut SlotCache, slot: i64, ids: &
             for (layer, kv) in model.layers.iter().zip(cache.layers.iter_mut()) {
                 // A one-row view of the slot: the layer writes positions start..start + c of this row in place.
                 let mut row = LayerKv { k: kv.k.f_narrow(0, slot, 1)?, v: kv.v.f_narrow(0, slot, 1)? };
-                x = layer.forward(&x, &cos, &sin, Attend::Mask(&mask), Some((&mut row, start)))?;
+                x = layer.forward(&x, &cos, &sin, Attend::Mask(&mask), Some(KvWrite::At(&mut row, start)))?;
             }
             start += c;
             if start == t {
@@ -53,6 +53,56 @@ pub(crate) fn prefill(model: &CausalLm, cache: &mut SlotCache, slot: i64, ids: &
                 return Ok(model.lm_head(&last)?.f_squeeze_dim(1)?);
             }
         }
+    })
+}
+
+/// Prefills several contexts in one forward pass: packed end to end in one row (positions restarting at 0 with
+/// each, attention within each), each one's keys and values written into its own slot (`slots[i]`, positions
+/// `0..len`). Returns each context's f32 logits `[1, V]` at its last position. The caller keeps the total within
+/// the prefill chunk; each context must fit its slot.
+pub(crate) fn prefill_packed(
+    model: &CausalLm,
+    cache: &mut SlotCache,
+    slots: &[i64],
+    contexts: &[&[u32]],
+) -> Result<Vec<Tensor>> {
+    let lens: Vec<i64> = contexts.iter().map(|c| c.len() as i64).collect();
+    if slots.len() != contexts.len() || lens.iter().any(|&l| l == 0 || l > cache.max_len) {
+        return Err(ModelError::Generation(format!(
+            "a packed prefill of contexts {lens:?} into slots {slots:?} does not fit slots of {} positions",
+            cache.max_len
+        )));
+    }
+    let total: i64 = lens.iter().sum();
+    let kv_heads = model.config().num_key_value_heads;
+    let device = model.device();
+    let ids: Vec<i64> = contexts.iter().flat_map(|c| c.iter().map(|&id| i64::from(id))).collect();
+    let positions: Vec<i64> = lens.iter().flat_map(|&l| 0..l).collect();
+    let mut rows: Vec<i64> = Vec::with_capacity((total * kv_heads) as usize);
+    for (&slot, &len) in slots.iter().zip(&lens) {
+        for p in 0..len {
+            rows.extend((0..kv_heads).map(|h| (slot * kv_heads + h) * cache.max_len + p));
+        }
+    }
+    let mut last = Vec::with_capacity(lens.len());
+    let mut end = 0;
+    for &len in &lens {
+        end += len;
+        last.push(end - 1);
+    }
+    tch::no_grad(|| {
+        let input = Tensor::from_slice(&ids).f_view([1, total])?.f_to_device(device)?;
+        let positions = Tensor::from_slice(&positions).f_view([1, total])?.f_to_device(device)?;
+        let rows = Tensor::from_slice(&rows).f_to_device(device)?;
+        let (cos, sin) = model.rotary.cos_sin(&positions, model.dtype().kind())?;
+        let mut x = Tensor::f_embedding(&model.embed_tokens, &input, -1, false, false)?;
+        for (layer, kv) in model.layers.iter().zip(cache.layers.iter_mut()) {
+            x = layer.forward(&x, &cos, &sin, Attend::Packed(&lens), Some(KvWrite::Scatter(kv, &rows)))?;
+        }
+        let last = Tensor::from_slice(&last).f_to_device(device)?;
+        let ends = model.norm.forward(&x.f_index_select(1, &last)?)?;
+        let logits = model.lm_head(&ends)?.f_squeeze_dim(0)?;
+        Ok((0..lens.len() as i64).map(|i| logits.f_narrow(0, i, 1)).collect::<std::result::Result<Vec<_>, _>>()?)
     })
 }
 

@@ -276,6 +276,8 @@ pub struct EngineStats {
     /// difference is what padding a batch up to its bucket costs); sequences moved to a lower slot.
     pub decoded_slots: u64,
     pub decoded_rows: u64,
+    /// Forward passes prefill took (several contexts share one, up to `prefill_chunk` tokens).
+    pub prefill_passes: u64,
     pub moved_rows: u64,
     /// CUDA graphs captured (0 when decoding eagerly).
     pub graphs: usize,
@@ -348,6 +350,9 @@ struct Pending {
     copied: Option<jetrl_torch_ext::CudaEvent>,
     version: u64,
 }
+
+/// A context to prefill: its slot, its request, and where its `(slot, first-token logits)` go.
+type PrefillJob<'a> = (usize, Arc<Shared>, &'a mut Option<(usize, Tensor)>);
 
 /// The engine: a model, its slot cache, the running rows and the queue.
 pub struct Engine {
@@ -941,35 +946,43 @@ impl Engine {
         .with_sampled()
     }
 
-    /// Fills free slots from the queue, lowest first: a request's first admitted sample is prefilled, the others
-    /// fork its slot.
+    /// Fills free slots from the queue, lowest first: each request's first admitted sample is prefilled (the
+    /// contexts of all requests admitted in this step packed into as few forward passes as the prefill chunk
+    /// allows), the others fork its slot.
     fn admit(&mut self) -> Result<()> {
-        loop {
-            let free: Vec<usize> = (0..self.slots).filter(|&s| self.rows[s].is_none()).collect();
-            if free.is_empty() {
-                break;
-            }
+        struct Admission {
+            waiting: Waiting,
+            targets: Vec<usize>,
+            /// the slot whose keys and values the samples copy, and the first token's logits
+            source: Option<(usize, Tensor)>,
+        }
+        let mut free: VecDeque<usize> = (0..self.slots).filter(|&s| self.rows[s].is_none()).collect();
+        let mut admissions: Vec<Admission> = Vec::new();
+        while !free.is_empty() {
             let Some(mut waiting) = self.waiting.pop_front() else { break };
             let take = free.len().min(waiting.n - waiting.next);
-            let targets = &free[..take];
-            let context_len = waiting.shared.context.len() as i64;
+            let targets: Vec<usize> = free.drain(..take).collect();
             // A running sibling already holds the context's keys and values.
             let sibling = self.rows.iter().position(|r| r.as_ref().is_some_and(|r| r.shared.id == waiting.shared.id));
-            let cache = self.cache.as_mut().ok_or_else(|| ModelError::Generation("the KV cache is freed".into()))?;
-            let (source, logits) = match (sibling, waiting.first_logits.take()) {
-                (Some(src), Some(logits)) => (src, logits),
-                _ => {
-                    let logits = forward::prefill(
-                        &self.model,
-                        cache,
-                        targets[0] as i64,
-                        &waiting.shared.context,
-                        self.config.prefill_chunk,
-                    )?;
-                    self.stats.prefill_tokens += context_len as u64;
-                    (targets[0], logits)
-                }
+            let source = match (sibling, waiting.first_logits.take()) {
+                (Some(src), Some(logits)) => Some((src, logits)),
+                _ => None,
             };
+            let partial = waiting.next + take < waiting.n;
+            admissions.push(Admission { waiting, targets, source });
+            if partial {
+                break;
+            }
+        }
+        self.prefill_admissions(admissions.iter_mut().filter(|a| a.source.is_none()).map(|a| {
+            let slot = a.targets[0];
+            (slot, a.waiting.shared.clone(), &mut a.source)
+        }))?;
+        for Admission { mut waiting, targets, source } in admissions {
+            let (source, logits) =
+                source.ok_or_else(|| ModelError::Generation("an admitted request was not prefilled".into()))?;
+            let context_len = waiting.shared.context.len() as i64;
+            let cache = self.cache.as_mut().ok_or_else(|| ModelError::Generation("the KV cache is freed".into()))?;
             for (i, &slot) in targets.iter().enumerate() {
                 cache.copy_row(source as i64, slot as i64, context_len)?;
                 let mut row = Self::new_row(&waiting.shared, waiting.first_sample + waiting.next + i, context_len);
@@ -979,15 +992,58 @@ impl Engine {
                 self.rows[slot] = Some(row);
             }
             if waiting.shared.row.repetition_penalty != 1.0 || self.presence.is_some() {
-                self.mark_presence(targets)?;
+                self.mark_presence(&targets)?;
             }
-            waiting.next += take;
+            waiting.next += targets.len();
             if waiting.next < waiting.n {
                 waiting.first_logits = Some(logits);
                 self.waiting.push_front(waiting);
-                break;
             }
         }
+        Ok(())
+    }
+
+    /// Prefills each `(slot, request)` and stores `(slot, logits)` in its place: contexts packed together up to
+    /// `prefill_chunk` tokens a pass; a longer context alone, chunk by chunk.
+    fn prefill_admissions<'a>(&mut self, jobs: impl Iterator<Item = PrefillJob<'a>>) -> Result<()> {
+        let chunk = self.config.prefill_chunk.max(1);
+        let cache = self.cache.as_mut().ok_or_else(|| ModelError::Generation("the KV cache is freed".into()))?;
+        let mut group: Vec<PrefillJob<'a>> = Vec::new();
+        let mut group_tokens = 0;
+        let flush = |group: &mut Vec<PrefillJob<'a>>, cache: &mut SlotCache| -> Result<(u64, u64)> {
+            if group.is_empty() {
+                return Ok((0, 0));
+            }
+            let slots: Vec<i64> = group.iter().map(|(slot, _, _)| *slot as i64).collect();
+            let contexts: Vec<&[u32]> = group.iter().map(|(_, shared, _)| shared.context.as_slice()).collect();
+            let logits = forward::prefill_packed(&self.model, cache, &slots, &contexts)?;
+            let tokens = contexts.iter().map(|c| c.len() as u64).sum();
+            for ((slot, _, place), logits) in group.drain(..).zip(logits) {
+                *place = Some((slot, logits));
+            }
+            Ok((tokens, 1))
+        };
+        for (slot, shared, place) in jobs {
+            let len = shared.context.len();
+            if len > chunk {
+                let logits = forward::prefill(&self.model, cache, slot as i64, &shared.context, chunk)?;
+                self.stats.prefill_tokens += len as u64;
+                self.stats.prefill_passes += len.div_ceil(chunk) as u64;
+                *place = Some((slot, logits));
+                continue;
+            }
+            if group_tokens + len > chunk {
+                let (tokens, passes) = flush(&mut group, cache)?;
+                self.stats.prefill_tokens += tokens;
+                self.stats.prefill_passes += passes;
+                group_tokens = 0;
+            }
+            group_tokens += len;
+            group.push((slot, shared, place));
+        }
+        let (tokens, passes) = flush(&mut group, cache)?;
+        self.stats.prefill_tokens += tokens;
+        self.stats.prefill_passes += passes;
         Ok(())
     }
 
