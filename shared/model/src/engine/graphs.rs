@@ -6,7 +6,7 @@
 //! (at least [`MIN_WIDTH`], capped at `max_model_len`). All graphs share one memory pool; each replay's logits are
 //! consumed (gathered into a fresh tensor) before the next replay.
 //!
-//! A graph reads the KV cache, the weights and [`DecodeInputs`] at the addresses it was captured with: weight
+//! A graph reads the KV cache, the weights and the decode inputs (`forward::DecodeInputs`) at the addresses it was captured with: weight
 //! swaps copy in place, and freeing the cache drops every graph.
 
 use std::collections::HashMap;
@@ -14,10 +14,7 @@ use std::collections::HashMap;
 use jetrl_torch_ext::{CudaGraph, GraphPool};
 use tch::Tensor;
 
-use crate::engine::cache::SlotCache;
-use crate::engine::forward::{self, DecodeInputs, Fused};
 use crate::error::{ModelError, Result};
-use crate::model::CausalLm;
 
 /// The narrowest attention width a graph is captured at.
 pub(crate) const MIN_WIDTH: i64 = 32;
@@ -79,25 +76,16 @@ impl DecodeGraphs {
         self.graphs.len()
     }
 
-    /// Runs one decode step at `(batch, width)`: replays its graph, capturing it first if this shape is new.
-    /// Returns the graph's logits `[batch, V]`, valid until the next replay.
-    pub(crate) fn decode(
-        &mut self,
-        model: &CausalLm,
-        fused: &Fused,
-        cache: &mut SlotCache,
-        inputs: &DecodeInputs,
-        batch: i64,
-        width: i64,
-    ) -> Result<Tensor> {
+    /// Runs one decode step at `(batch, width)`: replays its graph, capturing `step` first if this shape is new
+    /// (the step must read and write only memory that outlives the graph). Returns the graph's logits `[batch, V]`,
+    /// valid until the next replay.
+    pub(crate) fn replay(&mut self, batch: i64, width: i64, step: impl FnMut() -> Result<Tensor>) -> Result<Tensor> {
         let key = (batch, width);
         if !self.graphs.contains_key(&key) {
             // The warm-up passes run this step for real; the replay below repeats it with the same inputs and
             // writes the same keys and values.
-            let captured = CudaGraph::capture(self.device, self.pool, WARMUP, || {
-                forward::decode(model, fused, cache, inputs, batch, width)
-            })
-            .map_err(|e| ModelError::Generation(format!("capturing the decode graph ({batch} x {width}): {e}")))?;
+            let captured = CudaGraph::capture(self.device, self.pool, WARMUP, step)
+                .map_err(|e| ModelError::Generation(format!("capturing the decode graph ({batch} x {width}): {e}")))?;
             self.graphs.insert(key, captured);
         }
         let (graph, logits) = self

@@ -878,9 +878,11 @@ impl Engine {
         }
         let cache = self.cache.as_mut().ok_or_else(|| ModelError::Generation("the KV cache is freed".into()))?;
         let (b, w) = (batch as i64, width);
+        let (model, fused, inputs) = (&self.model, &self.fused, &self.inputs);
+        let mut step = || forward::decode(model, fused, cache, inputs, b, w);
         let logits = match &mut self.graphs {
-            Some(graphs) => graphs.decode(&self.model, &self.fused, cache, &self.inputs, b, w)?,
-            None => forward::decode(&self.model, &self.fused, cache, &self.inputs, b, w)?,
+            Some(graphs) => graphs.replay(b, w, step)?,
+            None => step()?,
         };
         for &s in decoding {
             if let Some(row) = self.rows[s].as_mut() {
