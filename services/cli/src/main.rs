@@ -11,6 +11,7 @@ mod threads;
 
 use std::path::PathBuf;
 
+use anyhow::Context;
 use clap::{Parser, Subcommand};
 use jetrl_cli::logprobs;
 
@@ -25,17 +26,34 @@ struct Cli {
 enum Command {
     /// Run a training job: start NATS (unless --nats-url), create the model if needed, start the five
     /// services as processes, show progress, write the run directory.
+    ///
+    /// `jetrl run FILE.yaml [section.key=value …]` reads a job in jetrl's tree; `jetrl run --verl [FILE.yaml]
+    /// [key=value …]` reads verl's tree and Hydra's overrides as `python3 -m verl.trainer.main_ppo` takes them.
     Run {
-        /// job configuration (YAML)
-        config: PathBuf,
-        /// overrides, `section.key=value`
-        overrides: Vec<String>,
+        /// the job file (YAML), then overrides (`section.key=value`); with --verl the file is optional and the
+        /// overrides are Hydra's (`a.b=1`, `+a.b=1`, `~a.b`)
+        #[arg(required = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+        /// read verl's configuration (its key tree, defaults and Hydra overrides): see docs/configuration.md
+        #[arg(long)]
+        verl: bool,
+        /// Hydra's `--config-path` (with --verl): the directory of --config-name's file
+        #[arg(long, requires = "verl")]
+        config_path: Option<PathBuf>,
+        /// Hydra's `--config-name` (with --verl): a YAML file in --config-path, `.yaml` optional
+        #[arg(long, requires = "verl")]
+        config_name: Option<String>,
         /// use this NATS server instead of starting one
         #[arg(long)]
         nats_url: Option<String>,
         /// no progress bar (log lines instead)
         #[arg(long)]
         quiet: bool,
+    },
+    /// Print a job as the services will read it (jetrl's tree, every default filled in).
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
     },
     /// Write a random-init model directory in HF format.
     InitModel {
@@ -112,13 +130,54 @@ enum Command {
     },
 }
 
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// The resolved job: `jetrl config show FILE [overrides]`, or `jetrl config show --verl [FILE] [overrides]` for
+    /// verl's tree (what was ignored goes to stderr)
+    Show {
+        /// the job file, then overrides (as for `jetrl run`)
+        #[arg(allow_hyphen_values = true)]
+        args: Vec<String>,
+        #[arg(long)]
+        verl: bool,
+        #[arg(long, requires = "verl")]
+        config_path: Option<PathBuf>,
+        #[arg(long, requires = "verl")]
+        config_name: Option<String>,
+    },
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Command::Run { config, overrides, nats_url, quiet } => {
+        Command::Run { args, verl, config_path, config_name, nats_url, quiet } => {
+            let job = JobArgs::parse(args, verl, config_path, config_name)?;
+            let (config, overrides) = match job.verl_translation()? {
+                Some((translated, ignored)) => {
+                    if let Some(line) = ignored {
+                        eprintln!("{line}");
+                    }
+                    (translated, Vec::new())
+                }
+                None => (job.file.context("jetrl run needs a job file (or --verl)")?, job.overrides),
+            };
             let runtime = tokio::runtime::Runtime::new()?;
             let code = runtime.block_on(run::run(&config, overrides, nats_url, quiet))?;
             std::process::exit(code);
+        }
+        Command::Config { command: ConfigCommand::Show { args, verl, config_path, config_name } } => {
+            let job = JobArgs::parse(args, verl, config_path, config_name)?;
+            let cfg = if verl {
+                let translated = jetrl_config::load_verl(job.file.as_deref(), &job.overrides)?;
+                if let Some(line) = translated.ignored_line() {
+                    eprintln!("{line}");
+                }
+                translated.typed()?
+            } else {
+                jetrl_config::JobConfig::load(job.file.as_deref(), &job.overrides)?
+            };
+            print!("{}", serde_yaml::to_string(&cfg)?);
+            Ok(())
         }
         Command::InitModel { preset, out, seed } => {
             jetrl_model::init_model(&preset, &out, seed)?;
@@ -149,5 +208,54 @@ fn main() -> anyhow::Result<()> {
             let runtime = tokio::runtime::Runtime::new()?;
             runtime.block_on(status::status(&target, status::Options { ledger, uids: uid, json, watch }))
         }
+    }
+}
+
+/// A job named on the command line: a file (optional with --verl) and overrides.
+struct JobArgs {
+    file: Option<PathBuf>,
+    overrides: Vec<String>,
+    verl: bool,
+}
+
+impl JobArgs {
+    /// The first argument is the file unless it reads as an override (`key=value`, `+key…`, `~key`); Hydra's
+    /// `--config-path`/`--config-name` name the file instead.
+    fn parse(
+        mut args: Vec<String>,
+        verl: bool,
+        config_path: Option<PathBuf>,
+        config_name: Option<String>,
+    ) -> anyhow::Result<Self> {
+        let first_is_file =
+            args.first().is_some_and(|a| !a.contains('=') && !a.starts_with('~') && !a.starts_with('+'));
+        let mut file = first_is_file.then(|| PathBuf::from(args.remove(0)));
+        if let Some(name) = config_name {
+            anyhow::ensure!(file.is_none(), "give the job file either as an argument or with --config-name, not both");
+            let name = if name.ends_with(".yaml") || name.ends_with(".yml") { name } else { format!("{name}.yaml") };
+            file = Some(config_path.unwrap_or_default().join(name));
+        } else {
+            anyhow::ensure!(
+                config_path.is_none(),
+                "--config-path names the directory of --config-name's file: give both"
+            );
+        }
+        Ok(Self { file, overrides: args, verl })
+    }
+
+    /// With --verl: the job translated into jetrl's tree, written to `<run.dir>/verl_job.yaml` (after its checks
+    /// pass), and the line saying what was ignored.
+    fn verl_translation(&self) -> anyhow::Result<Option<(PathBuf, Option<String>)>> {
+        if !self.verl {
+            return Ok(None);
+        }
+        let job = jetrl_config::load_verl(self.file.as_deref(), &self.overrides)?;
+        let cfg = job.typed()?;
+        let dir = PathBuf::from(&cfg.run.dir);
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let path = dir.join("verl_job.yaml");
+        std::fs::write(&path, serde_yaml::to_string(&job.value)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        Ok(Some((path, job.ignored_line())))
     }
 }

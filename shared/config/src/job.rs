@@ -883,6 +883,10 @@ impl Default for CheckpointConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainerConfig {
+    /// verl `trainer.project_name`: the trackers' project (MLflow experiment, wandb project)
+    pub project_name: String,
+    /// verl `trainer.experiment_name`: the trackers' run name; null = `run.name`
+    pub experiment_name: Option<String>,
     pub mode: TrainerMode,
     /// colocate_async settings (verl `trainer.v1.colocate_async.*`)
     pub colocate_async: ColocateAsyncConfig,
@@ -968,6 +972,8 @@ impl Default for DistConfig {
 impl Default for TrainerConfig {
     fn default() -> Self {
         Self {
+            project_name: "jetrl".into(),
+            experiment_name: None,
             mode: TrainerMode::Sync,
             colocate_async: ColocateAsyncConfig::default(),
             separate_async: SeparateAsyncConfig::default(),

@@ -15,12 +15,14 @@ mod job;
 mod load;
 mod reward;
 mod values;
+pub mod verl;
 
 pub use algo::*;
 pub use job::*;
 pub use load::{from_value, load, load_value, section_overrides, ConfigError};
 pub use reward::*;
 pub use values::*;
+pub use verl::{load_verl, VerlJob};
 
 /// Returns `Err(ConfigError::Invalid)` naming `path` unless `ok`.
 pub fn ensure(ok: bool, path: &str, message: impl Into<String>) -> Result<(), ConfigError> {

@@ -82,7 +82,7 @@ pub fn section_overrides(path: &Path, section: &str) -> Result<Vec<String>, Conf
 /// collections nested deeper than 255 levels at once and does not expand aliases. serde_yaml's parser (libyaml)
 /// takes time quadratic in that nesting before its own recursion limit refuses it (`[[[…` 100,000 deep took
 /// 80 s), so it runs second, and refuses the alias bombs that yaml-rust2's loader would expand.
-fn check_nesting(text: &str) -> Result<(), String> {
+pub(crate) fn check_nesting(text: &str) -> Result<(), String> {
     let mut parser = yaml_rust2::parser::Parser::new_from_str(text);
     loop {
         match parser.next_token() {

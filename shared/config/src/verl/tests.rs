@@ -1,0 +1,285 @@
+#![allow(clippy::unwrap_used)]
+
+use super::*;
+use crate::{AdvantageEstimator, Logger, TrainerMode};
+
+/// verl's GRPO example (`examples/grpo_trainer/run_qwen2-7b_seq_balance.sh`), its argument list as the shell
+/// hands it to `python3 -m verl.trainer.main_ppo`, with the paths of this test.
+fn seq_balance_example(model: &str, data: &str) -> Vec<String> {
+    [
+        "algorithm.adv_estimator=grpo",
+        &format!("data.train_files={data}/train.parquet"),
+        &format!("data.val_files={data}/test.parquet"),
+        "data.return_raw_chat=True",
+        "data.train_batch_size=1024",
+        "data.max_prompt_length=512",
+        "data.max_response_length=1024",
+        "data.filter_overlong_prompts=True",
+        "data.truncation=error",
+        &format!("actor_rollout_ref.model.path={model}"),
+        "actor_rollout_ref.actor.optim.lr=1e-6",
+        "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=256",
+        "actor_rollout_ref.actor.use_dynamic_bsz=True",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.name=sglang",
+        "actor_rollout_ref.rollout.mode=async",
+        "actor_rollout_ref.rollout.multi_turn.format=hermes",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+        "actor_rollout_ref.rollout.n=5",
+        "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+        "algorithm.use_kl_in_reward=False",
+        "trainer.critic_warmup=0",
+        "trainer.logger=[console,wandb]",
+        "trainer.project_name=verl_grpo_example_gsm8k",
+        "trainer.experiment_name=qwen2_7b_function_rm_kl1e-3",
+        "trainer.val_before_train=False",
+        "trainer.n_gpus_per_node=8",
+        "trainer.nnodes=1",
+        "trainer.save_freq=20",
+        "trainer.test_freq=5",
+        "trainer.total_epochs=15",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+fn load(args: &[String]) -> Result<(VerlJob, JobConfig), ConfigError> {
+    let job = load_verl(None, args)?;
+    let cfg = job.typed()?;
+    Ok((job, cfg))
+}
+
+fn with(mut args: Vec<String>, more: &[&str]) -> Vec<String> {
+    args.extend(more.iter().map(|s| s.to_string()));
+    args
+}
+
+fn error(args: &[String]) -> String {
+    match load(args) {
+        Ok(_) => panic!("{args:?} loaded"),
+        Err(err) => err.to_string(),
+    }
+}
+
+#[test]
+fn every_default_has_a_fate() {
+    for (path, _) in hydra::leaves(&defaults()) {
+        let key = keys::lookup(&path).unwrap_or_else(|| panic!("{path} has no entry in keys.rs"));
+        assert!(!matches!(key.fate, Fate::Jetrl), "{path}");
+    }
+}
+
+#[test]
+fn every_mapped_key_is_a_jetrl_key() {
+    let jetrl = serde_json::to_value(JobConfig::default()).unwrap();
+    let has = |path: &str| {
+        let mut node = &jetrl;
+        for part in path.split('.') {
+            match node.get(part) {
+                Some(next) => node = next,
+                // an optional section (null by default) holds any of its keys
+                None => return node.is_null(),
+            }
+        }
+        true
+    };
+    for key in keys::KEYS {
+        if let Fate::Map(to) | Fate::Convert(to, _) = key.fate {
+            assert!(has(to), "{} maps to {to}, which jetrl does not have", key.verl);
+        }
+    }
+}
+
+#[test]
+fn verls_grpo_example_runs_with_only_the_launcher_replaced() {
+    let (job, cfg) = load(&seq_balance_example("/m/qwen", "/d/gsm8k")).unwrap();
+    assert_eq!(cfg.algorithm.adv_estimator, AdvantageEstimator::Grpo);
+    assert_eq!(cfg.data.train_files, vec!["/d/gsm8k/train.parquet".to_string()]);
+    assert_eq!(cfg.data.max_response_length, 1024);
+    assert_eq!(cfg.model.path, "/m/qwen");
+    assert!(cfg.model.use_remove_padding && cfg.model.enable_gradient_checkpointing);
+    assert_eq!(cfg.actor.optim.lr, 1e-6);
+    assert_eq!(cfg.actor.ppo_mini_batch_size, Some(256));
+    assert_eq!(cfg.actor.ppo_max_token_len, 24_000);
+    assert!(cfg.actor.use_kl_loss);
+    assert_eq!(cfg.rollout.n, 5);
+    assert_eq!(cfg.trainer.logger, vec![Logger::Console, Logger::Wandb]);
+    assert_eq!(cfg.trainer.project_name, "verl_grpo_example_gsm8k");
+    assert_eq!(cfg.run.name, "qwen2_7b_function_rm_kl1e-3");
+    assert_eq!(cfg.run.dir, "runs/verl_grpo_example_gsm8k/qwen2_7b_function_rm_kl1e-3");
+    assert_eq!(cfg.trainer.n_gpus_per_node, 8);
+    assert_eq!(cfg.trainer.save_freq, 20);
+    assert_eq!(cfg.trainer.mode, TrainerMode::Sync);
+    assert!(cfg.model.device.to_string().starts_with("cuda"));
+    // verl's defaults where the example says nothing, not jetrl's
+    assert_eq!(cfg.actor.optim.weight_decay, 0.01);
+    assert_eq!(cfg.actor.clip_ratio_high(), 0.2);
+    assert_eq!(
+        cfg.trainer.default_local_dir.as_deref(),
+        Some("checkpoints/verl_grpo_example_gsm8k/qwen2_7b_function_rm_kl1e-3")
+    );
+    let line = job.ignored_line().unwrap();
+    for key in [
+        "actor_rollout_ref.rollout.name",
+        "actor_rollout_ref.rollout.gpu_memory_utilization",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size",
+        "actor_rollout_ref.actor.fsdp_config.param_offload",
+        "data.return_raw_chat",
+    ] {
+        assert!(line.contains(key), "{key} not in {line}");
+    }
+    // a key verl's default set but the user did not is not listed
+    assert!(!line.contains("max_num_batched_tokens"), "{line}");
+}
+
+#[test]
+fn unset_keys_take_verls_defaults() {
+    let args = vec![
+        "trainer.device=cpu".to_string(),
+        "data.train_files=x.parquet".into(),
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4".into(),
+        "critic.ppo_micro_batch_size_per_gpu=4".into(),
+    ];
+    let (_, cfg) = load(&args).unwrap();
+    assert_eq!(cfg.actor.ppo_mini_batch_size, Some(256));
+    assert_eq!(cfg.data.train_batch_size, 1024);
+    assert_eq!(cfg.algorithm.adv_estimator, AdvantageEstimator::Gae);
+    assert_eq!(cfg.trainer.total_epochs, 30);
+    assert!(cfg.trainer.val_before_train);
+    // 4 responses of at most 512 + 512 tokens per micro-batch
+    assert_eq!(cfg.actor.ppo_max_token_len, 4 * 1024);
+    assert_eq!(cfg.critic.ppo_max_token_len, Some(4 * 1024));
+    assert_eq!(cfg.model.device.to_string(), "cpu");
+}
+
+#[test]
+fn a_file_in_verls_tree_with_jetrl_sections_and_overrides_over_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("job.yaml");
+    std::fs::write(
+        &file,
+        "defaults:\n  - ppo_trainer\n  - _self_\nactor_rollout_ref:\n  actor:\n    ppo_micro_batch_size_per_gpu: 8\n    \
+         optim:\n      lr: 3e-6\n  rollout:\n    n: 4\n    workers: 2\ndata:\n  train_files: [a.parquet, b.parquet]\n\
+         algorithm:\n  adv_estimator: grpo\ntrainer:\n  device: cpu\n  v1:\n    trainer_mode: separate_async\n    \
+         separate_async:\n      parameter_sync_step: 4\nnats:\n  url: nats://10.0.0.1:4222\nbuffer:\n  reread_after_s: 5\n",
+    )
+    .unwrap();
+    let job =
+        load_verl(Some(&file), &["actor_rollout_ref.actor.optim.lr=1e-5".into(), "~data.val_files".into()]).unwrap();
+    let cfg = job.typed().unwrap();
+    assert_eq!(cfg.actor.optim.lr, 1e-5);
+    assert_eq!(cfg.rollout.n, 4);
+    assert_eq!(cfg.rollout.workers, 2);
+    assert_eq!(cfg.data.train_files.len(), 2);
+    assert!(cfg.data.val_files.is_empty());
+    assert_eq!(cfg.trainer.mode, TrainerMode::SeparateAsync);
+    assert_eq!(cfg.trainer.separate_async.parameter_sync_step, 4);
+    assert_eq!(cfg.nats.url, "nats://10.0.0.1:4222");
+    assert_eq!(cfg.buffer.reread_after_s, 5.0);
+    assert!(job.ignored_line().unwrap().contains("defaults"));
+}
+
+#[test]
+fn refusals_name_the_key_the_value_and_why() {
+    let base = vec![
+        "trainer.device=cpu".to_string(),
+        "algorithm.adv_estimator=grpo".into(),
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4".into(),
+    ];
+    let err = error(&with(base.clone(), &["actor_rollout_ref.actor.strategy=megatron"]));
+    assert!(
+        err.contains("actor_rollout_ref.actor.strategy") && err.contains("megatron") && err.contains("data parallel"),
+        "{err}"
+    );
+    let err = error(&with(base.clone(), &["reward_model.enable=True"]));
+    assert!(err.contains("reward_model.enable") && err.contains("reward.reward_model.url"), "{err}");
+    let err = error(&with(base.clone(), &["trainer.device=npu"]));
+    assert!(err.contains("trainer.device") && err.contains("npu"), "{err}");
+    // a typo in a section jetrl shares is named as the user wrote it
+    let err = error(&with(base.clone(), &["actor_rollout_ref.rollout.wrkers=2"]));
+    assert!(err.contains("actor_rollout_ref.rollout.wrkers"), "{err}");
+    let err = error(&with(base.clone(), &["actor_rollout_ref.actor.clip_ratio_c=0.5"]));
+    assert!(err.contains("actor_rollout_ref.actor.clip_ratio_c"), "{err}");
+    let err = error(&with(base.clone(), &["bogus.key=1"]));
+    assert!(err.contains("bogus.key") && err.contains("without --verl"), "{err}");
+    assert!(matches!(load_verl(None, &["actor_rollout_ref.actor.lr".into()]), Err(ConfigError::BadOverride(_))));
+}
+
+#[test]
+fn a_mode_key_set_in_another_mode_is_refused_with_the_key_to_set() {
+    let base = vec![
+        "trainer.device=cpu".to_string(),
+        "algorithm.adv_estimator=grpo".into(),
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4".into(),
+        "data.train_batch_size=1024".into(),
+    ];
+    let err = error(&with(
+        base.clone(),
+        &["trainer.v1.trainer_mode=separate_async", "trainer.v1.colocate_async.num_warmup_batches=2"],
+    ));
+    assert!(
+        err.contains("trainer.v1.colocate_async.num_warmup_batches")
+            && err.contains("trainer.v1.separate_async.num_warmup_batches"),
+        "{err}"
+    );
+    let err = error(&with(
+        base.clone(),
+        &["trainer.v1.trainer_mode=colocate_async", "trainer.v1.separate_async.num_warmup_batches=2"],
+    ));
+    assert!(err.contains("trainer.v1.colocate_async.num_warmup_batches"), "{err}");
+    let (_, cfg) = load(&with(
+        base,
+        &["trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.num_warmup_batches=2"],
+    ))
+    .unwrap();
+    assert_eq!(cfg.trainer.separate_async.num_warmup_batches, 2);
+}
+
+#[test]
+fn batch_checks_name_every_key_involved() {
+    let base = vec!["trainer.device=cpu".to_string(), "algorithm.adv_estimator=grpo".into()];
+    let err = error(&base);
+    assert!(err.contains("ppo_micro_batch_size_per_gpu") && err.contains("use_dynamic_bsz"), "{err}");
+    let err = error(&with(
+        base.clone(),
+        &["actor_rollout_ref.actor.ppo_micro_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"],
+    ));
+    assert!(err.contains("both"), "{err}");
+    let err = error(&with(
+        base.clone(),
+        &["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3", "actor_rollout_ref.rollout.n=1"],
+    ));
+    for key in [
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+        "actor_rollout_ref.rollout.n",
+        "trainer.n_gpus_per_node",
+        "ppo_micro_batch_size_per_gpu",
+    ] {
+        assert!(err.contains(key), "{key}: {err}");
+    }
+    let err =
+        error(&with(base.clone(), &["actor_rollout_ref.actor.use_dynamic_bsz=True", "data.train_batch_size=128"]));
+    assert!(err.contains("data.train_batch_size (128)") && err.contains("ppo_mini_batch_size (256)"), "{err}");
+    let err = error(&with(base, &["actor_rollout_ref.actor.use_dynamic_bsz=True", "data.train_batch_size=3"]));
+    assert!(err.contains("data.train_batch_size (3)") && err.contains("ranks"), "{err}");
+}
+
+#[test]
+fn the_docs_table_is_the_codes() {
+    let docs = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/configuration.md")).unwrap();
+    let table = table_markdown();
+    assert!(
+        docs.contains(&table),
+        "docs/configuration.md lacks the current verl key table; paste the output of table_markdown():\n{table}"
+    );
+}
