@@ -32,7 +32,7 @@ enum Command {
     Run {
         /// the job file (YAML), then overrides (`section.key=value`); with --verl the file is optional and the
         /// overrides are Hydra's (`a.b=1`, `+a.b=1`, `~a.b`)
-        #[arg(required = true, allow_hyphen_values = true)]
+        #[arg(required = true)]
         args: Vec<String>,
         /// read verl's configuration (its key tree, defaults and Hydra overrides): see docs/configuration.md
         #[arg(long)]
@@ -136,7 +136,6 @@ enum ConfigCommand {
     /// verl's tree (what was ignored goes to stderr)
     Show {
         /// the job file, then overrides (as for `jetrl run`)
-        #[arg(allow_hyphen_values = true)]
         args: Vec<String>,
         #[arg(long)]
         verl: bool,
