@@ -42,6 +42,13 @@ pub async fn run(
     // only repeat it (and break the progress bar).
     let level = if quiet { cfg.log.level.as_str() } else { "warn" };
     jetrl_telemetry::init_tracing(&format!("{level},async_nats=warn,jetrl_bus::connect=error"), cfg.log.format);
+    // A dataset that is not there is a permanent error: said once, before any service starts (the trainer would
+    // fail on it at every restart).
+    for (key, files) in [("data.train_files", &cfg.data.train_files), ("data.val_files", &cfg.data.val_files)] {
+        if let Some(missing) = files.iter().find(|f| !Path::new(f).exists()) {
+            anyhow::bail!("{key}: {missing} does not exist");
+        }
+    }
     let run_dir = PathBuf::from(&cfg.run.dir);
     std::fs::create_dir_all(run_dir.join("logs")).with_context(|| format!("creating {}", run_dir.display()))?;
 
