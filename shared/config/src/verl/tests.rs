@@ -283,3 +283,35 @@ fn the_docs_table_is_the_codes() {
         "docs/configuration.md lacks the current verl key table; paste the output of table_markdown():\n{table}"
     );
 }
+
+/// verl's other GRPO example (`examples/grpo_trainer/run_qwen2-7b.sh`): the older, global micro-batch keys and
+/// FSDP keys verl has since dropped (`grad_offload`) load as verl reads them.
+#[test]
+fn verls_older_example_with_global_micro_batches_loads() {
+    let args: Vec<String> = "algorithm.adv_estimator=grpo data.train_files=/d/train.parquet data.val_files=/d/test.parquet \
+        data.train_batch_size=1024 data.val_batch_size=1312 data.max_prompt_length=512 data.max_response_length=512 \
+        actor_rollout_ref.model.path=/m/Qwen2-7B-Instruct actor_rollout_ref.actor.optim.lr=1e-6 \
+        actor_rollout_ref.actor.ppo_mini_batch_size=256 actor_rollout_ref.actor.ppo_micro_batch_size=128 \
+        actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.model.enable_gradient_checkpointing=True \
+        actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.grad_offload=False \
+        actor_rollout_ref.actor.fsdp_config.optimizer_offload=False actor_rollout_ref.rollout.log_prob_micro_batch_size=128 \
+        actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.rollout.name=vllm \
+        actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=5 \
+        actor_rollout_ref.ref.log_prob_micro_batch_size=128 actor_rollout_ref.ref.fsdp_config.param_offload=True \
+        algorithm.kl_ctrl.kl_coef=0.001 trainer.critic_warmup=0 trainer.logger=[console,wandb] \
+        trainer.project_name=verl_grpo_example_gsm8k trainer.experiment_name=deepseek_llm_7b_function_rm \
+        trainer.n_gpus_per_node=8 trainer.nnodes=1 trainer.save_freq=-1 trainer.total_epochs=15"
+        .split_whitespace()
+        .map(str::to_string)
+        .collect();
+    let (job, cfg) = load(&args).unwrap();
+    // 128 responses a micro-batch over 8 ranks: 16 per rank, of at most 512 + 512 tokens
+    assert_eq!(cfg.actor.ppo_max_token_len, 16 * 1024);
+    assert_eq!(cfg.data.val_batch_size, Some(1312));
+    let line = job.ignored_line().unwrap();
+    assert!(line.contains("fsdp_config.grad_offload") && line.contains("ref.log_prob_micro_batch_size"), "{line}");
+    // at this machine's sizes the global micro-batch no longer divides a rank's mini-batch: verl's check, named
+    let small = with(args, &["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.n_gpus_per_node=1"]);
+    let err = error(&small);
+    assert!(err.contains("actor_rollout_ref.actor.ppo_micro_batch_size") && err.contains("20 responses per rank"), "{err}");
+}
