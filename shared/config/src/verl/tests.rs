@@ -311,7 +311,13 @@ fn verls_older_example_with_global_micro_batches_loads() {
     let line = job.ignored_line().unwrap();
     assert!(line.contains("fsdp_config.grad_offload") && line.contains("ref.log_prob_micro_batch_size"), "{line}");
     // at this machine's sizes the global micro-batch no longer divides a rank's mini-batch: verl's check, named
-    let small = with(args, &["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.n_gpus_per_node=1"]);
+    let small = with(
+        args,
+        &["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.n_gpus_per_node=1"],
+    );
     let err = error(&small);
-    assert!(err.contains("actor_rollout_ref.actor.ppo_micro_batch_size") && err.contains("20 responses per rank"), "{err}");
+    assert!(
+        err.contains("actor_rollout_ref.actor.ppo_micro_batch_size") && err.contains("20 responses per rank"),
+        "{err}"
+    );
 }
