@@ -166,6 +166,10 @@ impl Bus {
             self.check_own_blobs(bucket, location)?;
             let store = self.object_store(bucket).await?;
             let info = store.info(name).await.map_err(|e| obj_err(bucket, name, Cause::of(e)))?;
+            // the store keeps a deleted object's info, marked deleted: its blob is gone
+            if info.deleted {
+                return Err(blob_err(location, "deleted (an old version collected by checkpoint-sync)"));
+            }
             Ok(info.size as u64)
         } else if let Some(path) = location.strip_prefix("file://") {
             let meta = tokio::fs::metadata(path).await.map_err(|e| file_err(location, e))?;
