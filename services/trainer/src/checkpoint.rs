@@ -82,10 +82,10 @@ const STEP_PREFIX: &str = "global_step_";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
-    #[error("checkpoint {path}: {message}")]
-    Io { path: String, message: String },
-    #[error("checkpoint {path}: {message}")]
-    Format { path: String, message: String },
+    #[error("checkpoint {path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("checkpoint {path}: {source}")]
+    Format { path: String, source: Box<dyn std::error::Error + Send + Sync> },
     #[error("resume: {0}")]
     Resume(String),
     #[error("torch: {0}")]
@@ -93,12 +93,12 @@ pub enum CheckpointError {
 }
 
 impl CheckpointError {
-    pub fn io(path: &Path, e: impl std::fmt::Display) -> Self {
-        Self::Io { path: path.display().to_string(), message: e.to_string() }
+    pub fn io(path: &Path, source: std::io::Error) -> Self {
+        Self::Io { path: path.display().to_string(), source }
     }
 
-    pub fn format(path: &Path, e: impl std::fmt::Display) -> Self {
-        Self::Format { path: path.display().to_string(), message: e.to_string() }
+    pub fn format(path: &Path, source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self::Format { path: path.display().to_string(), source: source.into() }
     }
 }
 
@@ -362,7 +362,7 @@ pub const LORA_ADAPTER_DIR: &str = "lora_adapter";
 pub fn copy_model_side_files(model_dir: &Path, out: &Path) -> Result<(), CheckpointError> {
     jetrl_model::copy_side_files(model_dir, out).map_err(|e| match e {
         jetrl_model::ModelError::Io { path, source } => CheckpointError::io(&path, source),
-        other => CheckpointError::io(model_dir, std::io::Error::other(other.to_string())),
+        other => CheckpointError::io(model_dir, std::io::Error::other(other)),
     })
 }
 
@@ -410,7 +410,8 @@ pub fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), Ch
         })
         .collect::<Result<Vec<_>, _>>()?;
     let metadata: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-    safetensors::tensor::serialize_to_file(views, Some(metadata), path).map_err(|e| CheckpointError::io(path, e))
+    safetensors::tensor::serialize_to_file(views, Some(metadata), path)
+        .map_err(|e| CheckpointError::io(path, std::io::Error::other(e)))
 }
 
 /// Reads every tensor of a safetensors file onto the CPU, in file order.
