@@ -11,6 +11,7 @@ use async_nats::jetstream;
 use async_nats::rustls;
 use jetrl_config::{JobConfig, NatsConfig};
 use jetrl_wire::subjects::Names;
+use tokio::sync::watch;
 
 use crate::{BusError, Cause};
 
@@ -35,6 +36,9 @@ pub struct Bus {
     replicas: usize,
     /// how long a service waits for the job's topology to be declared (`nats.connect_timeout_s`)
     topology_wait: Duration,
+    /// whether the connection is up, as the client's connect and disconnect events say (`None` for a client not
+    /// made by [`Bus::connect`], whose state is read from the client when asked)
+    connected: Option<watch::Receiver<bool>>,
 }
 
 impl Bus {
@@ -64,9 +68,11 @@ impl Bus {
         let mut delay = Duration::from_millis(200);
         let mut attempts = 0u32;
         let refusals = Refusals::default();
+        let (up, connected) = watch::channel(false);
+        let up = Arc::new(up);
         loop {
             attempts += 1;
-            let options = Self::options(cfg, client_name, &refusals).await?;
+            let options = Self::options(cfg, client_name, &refusals, &up).await?;
             match options.connect(servers.as_slice()).await {
                 Ok(client) => {
                     // exported from the start (at zero), so a dashboard shows "none" rather than "no data"
@@ -76,6 +82,8 @@ impl Bus {
                     let request_timeout = Duration::from_secs_f64(cfg.request_timeout_s);
                     let mut bus = Self::from_client(client, request_timeout, names.clone());
                     bus.refusals = refusals;
+                    up.send_replace(bus.client.connection_state() == async_nats::connection::State::Connected);
+                    bus.connected = Some(connected);
                     bus.replicas = usize::from(cfg.replicas.max(1));
                     bus.topology_wait = deadline;
                     return Ok(bus);
@@ -109,6 +117,7 @@ impl Bus {
         cfg: &NatsConfig,
         client_name: &str,
         refusals: &Refusals,
+        up: &Arc<watch::Sender<bool>>,
     ) -> Result<async_nats::ConnectOptions, BusError> {
         let invalid = |message: String| BusError::Connect { url: cfg.url.clone(), attempts: 0, waited_s: 0.0, message };
         let mut options = match &cfg.creds_file {
@@ -121,7 +130,7 @@ impl Bus {
             .name(client_name)
             .connection_timeout(Duration::from_secs(5))
             .max_reconnects(None)
-            .event_callback(connection_events(cfg.url.clone(), identity(cfg), refusals.clone()));
+            .event_callback(connection_events(cfg.url.clone(), identity(cfg), refusals.clone(), up.clone()));
         match (&cfg.user, &cfg.password, &cfg.password_file) {
             (Some(_), Some(_), Some(_)) => {
                 return Err(invalid("set nats.password or nats.password_file, not both".into()));
@@ -209,6 +218,7 @@ impl Bus {
             names: Arc::new(names),
             replicas: 1,
             topology_wait: Duration::from_secs(30),
+            connected: None,
         }
     }
 
@@ -245,28 +255,47 @@ impl Bus {
         self.request_timeout
     }
 
-    /// Whether the connection is up now, or comes back within `within` (checked every 100 ms). A service that is
-    /// stopping asks this before the broker work it would do on the way out (nak, final heartbeat, ledger, lease
-    /// release): with the broker gone, each of those would wait out its own patience, and a stop would take
+    /// Whether the connection is up now, or comes back within `within` (told by the client's events). A service
+    /// that is stopping asks this before the broker work it would do on the way out (nak, final heartbeat, ledger,
+    /// lease release): with the broker gone, each of those would wait out its own patience, and a stop would take
     /// longer than a supervisor's grace ([`SETTLE_RECONNECT`]).
     pub async fn wait_connected(&self, within: Duration) -> bool {
-        let deadline = Instant::now() + within;
-        loop {
-            if self.client.connection_state() == async_nats::connection::State::Connected {
-                return true;
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        tokio::time::timeout(within, self.state_becomes(true)).await.is_ok() || self.is_connected()
     }
 
     /// Resolves once the connection has been down for `within` without a break: raced against the broker work of
     /// a service's way out (batches settling, groups draining), which cannot finish without the broker.
     pub async fn unreachable_for(&self, within: Duration) {
-        while self.wait_connected(within).await {
-            tokio::time::sleep(Duration::from_millis(100)).await;
+        loop {
+            self.state_becomes(false).await;
+            if tokio::time::timeout(within, self.state_becomes(true)).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    fn is_connected(&self) -> bool {
+        self.client.connection_state() == async_nats::connection::State::Connected
+    }
+
+    /// Resolves when the connection is up (`true`) or down (`false`): at once when it is, else at the event that
+    /// makes it so. The client's own state decides (its events are told a moment after it changes); a client not
+    /// made by [`Bus::connect`] is read every 100 ms.
+    async fn state_becomes(&self, up: bool) {
+        let mut events = self.connected.clone();
+        loop {
+            if self.is_connected() == up {
+                return;
+            }
+            match events.as_mut() {
+                Some(events) => {
+                    // a closed channel (the client is gone) leaves only the client's state to read
+                    if events.changed().await.is_err() {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+                None => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
         }
     }
 
@@ -452,14 +481,17 @@ fn connection_events(
     url: String,
     identity: String,
     refusals: Refusals,
+    up: Arc<watch::Sender<bool>>,
 ) -> impl Fn(async_nats::Event) -> futures::future::Ready<()> + Send + Sync + 'static {
     move |event| {
         match &event {
             async_nats::Event::Disconnected => {
+                up.send_replace(false);
                 metrics::counter!("jetrl_bus_connection_events_total", "event" => "disconnected").increment(1);
                 tracing::warn!(%url, "disconnected from NATS; reconnecting");
             }
             async_nats::Event::Connected => {
+                up.send_replace(true);
                 metrics::counter!("jetrl_bus_connection_events_total", "event" => "connected").increment(1);
                 tracing::info!(%url, "NATS connection (re)established");
             }

@@ -784,3 +784,25 @@ async fn a_stored_read_short_of_the_leaders_last_message_fails_instead_of_passin
     assert_eq!(err.recovery(), Recovery::Transient, "{err}");
     assert!(err.to_string().contains(&format!("#{} expected", last + 5)), "{err}");
 }
+
+/// The connection state a stopping service asks for comes from the client's events: up at once while connected,
+/// `unreachable_for` resolves after the broker has been gone that long, and `wait_connected` sees it come back.
+#[tokio::test]
+async fn connection_state_follows_the_clients_events() {
+    let mut server = NatsServer::start().unwrap();
+    let bus = bus(&server).await;
+    assert!(bus.wait_connected(Duration::ZERO).await);
+    server.kill();
+    let started = std::time::Instant::now();
+    tokio::time::timeout(Duration::from_secs(10), bus.unreachable_for(Duration::from_millis(500)))
+        .await
+        .expect("unreachable_for resolves once the broker is gone");
+    assert!(started.elapsed() >= Duration::from_millis(500), "{:?}", started.elapsed());
+    assert!(!bus.wait_connected(Duration::from_millis(200)).await);
+    server.restart().unwrap();
+    assert!(bus.wait_connected(Duration::from_secs(20)).await, "the reconnect was not seen");
+    // back and staying up: unreachable_for does not resolve
+    assert!(tokio::time::timeout(Duration::from_millis(700), bus.unreachable_for(Duration::from_millis(300)))
+        .await
+        .is_err());
+}
