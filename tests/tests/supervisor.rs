@@ -237,7 +237,7 @@ fn the_embedded_nats_server_lets_in_only_the_runs_own_users() {
     }
 }
 
-/// With two rollout workers, killing one used to end the whole job; now it is restarted and the run completes.
+/// With two rollout workers, one killed is restarted and the run completes: the job does not end with it.
 #[test]
 #[ignore = "slow tier: jetrl run supervising real processes and a broker that dies"]
 fn a_killed_rollout_worker_is_restarted_and_the_run_completes() {

@@ -1225,8 +1225,8 @@ mod tests {
         }
     }
 
-    /// A heartbeat interval of 10 s used to make every weight sync time out (a fixed 10 s liveness window); the
-    /// interval, the liveness window and the sync deadline are now one set of keys checked together.
+    /// The heartbeat interval, the liveness window and the sync deadline are one set of keys checked together: an
+    /// interval as long as the liveness window would make every weight sync time out.
     #[test]
     fn heartbeat_interval_liveness_window_and_sync_deadline_are_validated_together() {
         let err = load_copy_task(&["rollout.heartbeat_interval_s=10"]).unwrap_err().to_string();

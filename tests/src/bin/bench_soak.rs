@@ -80,13 +80,10 @@ const GROWTH_LIMIT_PCT: f64 = 5.0;
 const RSS_EVERY: Duration = Duration::from_secs(1);
 /// The broker's `GOMEMLIMIT` unless `SOAK_NATS_GOMEMLIMIT` says otherwise (`off`: none). Go collects when its
 /// heap reaches twice what the last collection kept, so without a limit the broker's RSS follows the highest
-/// live heap it has had (here 65–110 MiB: the ids of the one-minute duplicate window, the stores' block
-/// buffers) doubled, and rises for minutes after the first. A limit about 1.5× that peak, as a deployment sets
-/// one (docs/operations.md), keeps the collector ahead of it. A run whose first minute ends before the heap has
-/// reached the limit still grows up to it afterwards. Judged on one reading at each minute's end, 5–7% in three
-/// of seven runs under 160MiB or 144MiB, and `SOAK_NATS_GOGC=off` (collect only at the limit) did not settle it
-/// (3 of 4 runs within 5%): that reading says where in the collector's band it fell (one run's first minute: 148.9
-/// MiB at its end, 168.8 its peak). The growth judged is the peak's (docs/operations.md).
+/// live heap it has had (the ids of the one-minute duplicate window, the stores' block buffers) doubled, and
+/// rises for minutes after the first. A limit about 1.5× that peak, as a deployment sets one (docs/operations.md,
+/// "The broker's memory", with the measurements), keeps the collector ahead of it. One reading at a minute's end
+/// says only where in the collector's band it fell, so the growth judged is the peak's.
 const NATS_MEMORY_LIMIT: &str = "160MiB";
 
 fn main() {
