@@ -16,7 +16,8 @@ use jetrl_config::{JobConfig, NatsConfig};
 use jetrl_wire::subjects::{self, Names};
 use jetrl_wire::v1::{GroupState, Heartbeat, LedgerRequest, LedgerResponse, WorkerState};
 use jetrl_wire::Message;
-use serde_json::{json, Value};
+use serde::Serialize;
+use serde_json::json;
 
 /// Whom to ask, and how to judge what they say.
 pub struct Target {
@@ -97,17 +98,161 @@ pub async fn status(target: &Target, options: Options) -> anyhow::Result<()> {
     }
 }
 
-fn print(snapshot: &Value, options: &Options) {
+fn print(snapshot: &Snapshot, options: &Options) {
     if options.json {
         // one line per snapshot: `--json --watch` is a JSON-lines stream
-        println!("{snapshot}");
+        println!("{}", serde_json::to_string(snapshot).unwrap_or_default());
     } else {
         print!("{}", render(snapshot));
     }
 }
 
-/// Everything `jetrl status` shows, as one JSON object.
-async fn snapshot(bus: &Bus, target: &Target, options: &Options) -> anyhow::Result<Value> {
+/// Everything `jetrl status` shows (`--json` prints it as one object).
+#[derive(Debug, Serialize)]
+struct Snapshot {
+    job: String,
+    server: String,
+    unix_ms: i64,
+    trainer: Option<TrainerView>,
+    weights: Option<WeightsView>,
+    services: Vec<ServiceView>,
+    health: Health,
+    /// groups by state (null when the replay buffer did not answer)
+    groups: Option<BTreeMap<String, u64>>,
+    staleness: Option<Staleness>,
+    buffer_error: Option<String>,
+    /// rollout workers by the weight version they hold
+    weight_versions: BTreeMap<u64, Vec<String>>,
+    consumers: Vec<ConsumerView>,
+    dead_letters: DeadLetters,
+    streams: Vec<StreamView>,
+    /// the buffer entries of the groups asked for with `--uid`
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ledger: Option<Vec<EntryView>>,
+}
+
+#[derive(Debug, Serialize)]
+struct TrainerView {
+    instance: String,
+    step: u64,
+    total_steps: u64,
+    step_seconds: f64,
+    steps_per_s: f64,
+    /// null before the first step (NaN is not JSON)
+    reward: Option<f64>,
+    seen_s_ago: f64,
+    /// the trainer ranks heard from within the heartbeat timeout
+    ranks: Vec<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct WeightsView {
+    version: u64,
+    step: u64,
+    tensors: usize,
+    bytes: u64,
+    location: String,
+}
+
+#[derive(Debug, Serialize)]
+struct ServiceView {
+    service: String,
+    instance: String,
+    host: String,
+    pid: u32,
+    state: &'static str,
+    seen_s_ago: f64,
+    healthy: bool,
+    message: String,
+    /// rollout workers only
+    #[serde(skip_serializing_if = "Option::is_none")]
+    policy_version: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    inflight: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tokens_per_s: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+struct Health {
+    ok: bool,
+    problems: Vec<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct Staleness {
+    current_step: u64,
+    /// groups not trained yet, by how many steps ago they were submitted
+    not_trained: BTreeMap<u64, u64>,
+    /// trained groups, by how many steps after their submission they were trained
+    trained: BTreeMap<u64, u64>,
+}
+
+#[derive(Debug, Serialize)]
+struct ConsumerView {
+    stream: String,
+    consumer: String,
+    #[serde(flatten)]
+    info: Answer<ConsumerStats>,
+}
+
+#[derive(Debug, Serialize)]
+struct ConsumerStats {
+    num_pending: u64,
+    num_ack_pending: usize,
+    num_redelivered: usize,
+    num_waiting: usize,
+    lagging: bool,
+}
+
+/// What the broker answered about one stream or consumer: its figures, or why there are none.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+enum Answer<T> {
+    Ok(T),
+    Err { error: String },
+}
+
+#[derive(Debug, Serialize)]
+struct DeadLetters {
+    stream: String,
+    exists: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    by_service: Option<BTreeMap<String, u64>>,
+}
+
+#[derive(Debug, Serialize)]
+struct StreamView {
+    stream: String,
+    #[serde(flatten)]
+    info: Answer<StreamStats>,
+}
+
+#[derive(Debug, Serialize)]
+struct StreamStats {
+    messages: u64,
+    bytes: u64,
+    replicas: usize,
+    leader: Option<String>,
+    /// the leader plus the followers that are up to date
+    current_replicas: usize,
+}
+
+#[derive(Debug, Serialize)]
+struct EntryView {
+    uid: String,
+    partition: String,
+    state: &'static str,
+    submit_step: u64,
+    sampled_step: u64,
+    trajectories: u32,
+    evicted_reason: String,
+}
+
+/// Everything `jetrl status` shows.
+async fn snapshot(bus: &Bus, target: &Target, options: &Options) -> anyhow::Result<Snapshot> {
     let names = bus.names();
     let js = bus.jetstream();
     // Looking a job up must not declare one: a mistyped namespace would leave empty buckets behind.
@@ -158,44 +303,44 @@ async fn snapshot(bus: &Bus, target: &Target, options: &Options) -> anyhow::Resu
         .filter(|&s| s > 0)
         .unwrap_or_else(|| ledger.entries.iter().map(|e| e.sampled_step).max().unwrap_or(0));
 
-    let mut snapshot = json!({
-        "job": names.namespace(),
-        "server": target.nats.url,
-        "unix_ms": now,
-        "trainer": trainer.map(|t| {
-            let mut view = trainer_view(t, now);
-            view["ranks"] = json!(ranks);
-            view
-        }),
-        "weights": weights.map(|m| json!({
-            "version": m.version, "step": m.step, "tensors": m.tensors.len(), "bytes": m.total_bytes,
-            "location": m.location,
-        })),
-        "services": beats.iter().map(|b| service_view(b, now, target.heartbeat_timeout_s)).collect::<Vec<_>>(),
-        "health": health(&beats, now, target.heartbeat_timeout_s),
-        "groups": buffer_error.is_none().then_some(&ledger.counts),
-        "staleness": buffer_error.is_none().then(|| staleness(&ledger, current_step)),
-        "buffer_error": buffer_error,
-        "weight_versions": weight_versions(&beats),
-        "consumers": consumers(bus).await,
-        "dead_letters": dead_letters(bus).await,
-        "streams": streams(bus).await,
-    });
-    if !options.uids.is_empty() {
-        snapshot["ledger"] = ledger
+    let entries = (!options.uids.is_empty()).then(|| {
+        ledger
             .entries
             .iter()
-            .map(|e| {
-                json!({
-                    "uid": e.uid, "partition": e.partition,
-                    "state": GroupState::try_from(e.state).map(|s| s.label()).unwrap_or("?"),
-                    "submit_step": e.submit_step, "sampled_step": e.sampled_step,
-                    "trajectories": e.trajectories, "evicted_reason": e.evicted_reason,
-                })
+            .map(|e| EntryView {
+                uid: e.uid.clone(),
+                partition: e.partition.clone(),
+                state: GroupState::try_from(e.state).map(|s| s.label()).unwrap_or("?"),
+                submit_step: e.submit_step,
+                sampled_step: e.sampled_step,
+                trajectories: e.trajectories,
+                evicted_reason: e.evicted_reason.clone(),
             })
-            .collect();
-    }
-    Ok(snapshot)
+            .collect()
+    });
+    Ok(Snapshot {
+        job: names.namespace().to_string(),
+        server: target.nats.url.clone(),
+        unix_ms: now,
+        trainer: trainer.map(|t| trainer_view(t, now, ranks)),
+        weights: weights.map(|m| WeightsView {
+            version: m.version,
+            step: m.step,
+            tensors: m.tensors.len(),
+            bytes: m.total_bytes,
+            location: m.location,
+        }),
+        services: beats.iter().map(|b| service_view(b, now, target.heartbeat_timeout_s)).collect(),
+        health: health(&beats, now, target.heartbeat_timeout_s),
+        groups: buffer_error.is_none().then(|| ledger.counts.iter().map(|(k, v)| (k.clone(), *v)).collect()),
+        staleness: buffer_error.is_none().then(|| staleness(&ledger, current_step)),
+        buffer_error,
+        weight_versions: weight_versions(&beats),
+        consumers: consumers(bus).await,
+        dead_letters: dead_letters(bus).await,
+        streams: streams(bus).await,
+        ledger: entries,
+    })
 }
 
 /// Every decodable heartbeat in the job's WORKERS bucket, by key.
@@ -218,17 +363,17 @@ fn seen_s_ago(beat: &Heartbeat, now: i64) -> f64 {
     (now - beat.unix_ms).max(0) as f64 / 1000.0
 }
 
-fn trainer_view(beat: &Heartbeat, now: i64) -> Value {
-    json!({
-        "instance": beat.instance_id,
-        "step": beat.step,
-        "total_steps": beat.total_steps,
-        "step_seconds": beat.step_seconds,
-        "steps_per_s": if beat.step_seconds > 0.0 { 1.0 / beat.step_seconds } else { 0.0 },
-        // NaN (no reward yet) is not JSON: null
-        "reward": if beat.reward.is_finite() && beat.step > 0 { json!(beat.reward) } else { Value::Null },
-        "seen_s_ago": seen_s_ago(beat, now),
-    })
+fn trainer_view(beat: &Heartbeat, now: i64, ranks: Vec<String>) -> TrainerView {
+    TrainerView {
+        instance: beat.instance_id.clone(),
+        step: beat.step,
+        total_steps: beat.total_steps,
+        step_seconds: beat.step_seconds,
+        steps_per_s: if beat.step_seconds > 0.0 { 1.0 / beat.step_seconds } else { 0.0 },
+        reward: (beat.reward.is_finite() && beat.step > 0).then_some(beat.reward),
+        seen_s_ago: seen_s_ago(beat, now),
+        ranks,
+    }
 }
 
 /// Why a heartbeat says its service is not healthy, if it does.
@@ -246,35 +391,38 @@ fn problem(beat: &Heartbeat, now: i64, timeout_s: f64) -> Option<String> {
     }
 }
 
-fn service_view(beat: &Heartbeat, now: i64, timeout_s: f64) -> Value {
+fn service_view(beat: &Heartbeat, now: i64, timeout_s: f64) -> ServiceView {
     let state = WorkerState::try_from(beat.state).unwrap_or(WorkerState::Unspecified);
-    let mut view = json!({
-        "service": beat.service, "instance": beat.instance_id, "host": beat.host, "pid": beat.pid,
-        "state": state.label(), "seen_s_ago": seen_s_ago(beat, now),
-        "healthy": problem(beat, now, timeout_s).is_none(), "message": beat.message,
-    });
-    if beat.service == "rollout" {
-        view["policy_version"] = json!(beat.policy_version);
-        view["inflight"] = json!(beat.inflight);
-        view["tokens_per_s"] = json!(beat.tokens_per_s);
+    let rollout = beat.service == "rollout";
+    ServiceView {
+        service: beat.service.clone(),
+        instance: beat.instance_id.clone(),
+        host: beat.host.clone(),
+        pid: beat.pid,
+        state: state.label(),
+        seen_s_ago: seen_s_ago(beat, now),
+        healthy: problem(beat, now, timeout_s).is_none(),
+        message: beat.message.clone(),
+        policy_version: rollout.then_some(beat.policy_version),
+        inflight: rollout.then_some(beat.inflight),
+        tokens_per_s: rollout.then_some(beat.tokens_per_s),
     }
-    view
 }
 
-fn health(beats: &[Heartbeat], now: i64, timeout_s: f64) -> Value {
+fn health(beats: &[Heartbeat], now: i64, timeout_s: f64) -> Health {
     let mut problems: Vec<String> = beats.iter().filter_map(|b| problem(b, now, timeout_s)).collect();
     for service in EXPECTED_SERVICES {
         if !beats.iter().any(|b| b.service == service) {
             problems.push(format!("{service}: no heartbeat (not running, or dead for more than 15 s)"));
         }
     }
-    json!({ "ok": problems.is_empty(), "problems": problems })
+    Health { ok: problems.is_empty(), problems }
 }
 
 /// How many steps old each group's prompt is: for groups not trained yet, the current step minus the step it was
 /// submitted at; for trained groups, the step that trained it minus that.
-fn staleness(ledger: &LedgerResponse, current_step: u64) -> Value {
-    let mut waiting: BTreeMap<u64, u64> = BTreeMap::new();
+fn staleness(ledger: &LedgerResponse, current_step: u64) -> Staleness {
+    let mut not_trained: BTreeMap<u64, u64> = BTreeMap::new();
     let mut trained: BTreeMap<u64, u64> = BTreeMap::new();
     for entry in &ledger.entries {
         match GroupState::try_from(entry.state) {
@@ -282,26 +430,26 @@ fn staleness(ledger: &LedgerResponse, current_step: u64) -> Value {
                 *trained.entry(entry.sampled_step.saturating_sub(entry.submit_step)).or_default() += 1;
             }
             Ok(GroupState::Pending | GroupState::Running | GroupState::Finished) => {
-                *waiting.entry(current_step.saturating_sub(entry.submit_step)).or_default() += 1;
+                *not_trained.entry(current_step.saturating_sub(entry.submit_step)).or_default() += 1;
             }
             _ => {}
         }
     }
-    json!({ "current_step": current_step, "not_trained": waiting, "trained": trained })
+    Staleness { current_step, not_trained, trained }
 }
 
 /// Which rollout workers hold which weight version.
-fn weight_versions(beats: &[Heartbeat]) -> Value {
-    let mut versions: BTreeMap<u64, Vec<&str>> = BTreeMap::new();
+fn weight_versions(beats: &[Heartbeat]) -> BTreeMap<u64, Vec<String>> {
+    let mut versions: BTreeMap<u64, Vec<String>> = BTreeMap::new();
     for beat in beats.iter().filter(|b| b.service == "rollout") {
-        versions.entry(beat.policy_version).or_default().push(&beat.instance_id);
+        versions.entry(beat.policy_version).or_default().push(beat.instance_id.clone());
     }
-    json!(versions)
+    versions
 }
 
 /// The work-sharing consumers: what waits for an instance (`num_pending`) and what instances hold unacknowledged
 /// (`num_ack_pending`). A consumer lags when work waits for it.
-async fn consumers(bus: &Bus) -> Value {
+async fn consumers(bus: &Bus) -> Vec<ConsumerView> {
     let names = bus.names();
     let mut out = Vec::new();
     for (stream, durable) in
@@ -311,24 +459,32 @@ async fn consumers(bus: &Bus) -> Value {
             Ok(stream) => stream.consumer_info(durable).await.map_err(|e| e.to_string()),
             Err(err) => Err(err.to_string()),
         };
-        out.push(match info {
-            Ok(info) => json!({
-                "stream": stream, "consumer": durable, "num_pending": info.num_pending,
-                "num_ack_pending": info.num_ack_pending, "num_redelivered": info.num_redelivered,
-                "num_waiting": info.num_waiting, "lagging": info.num_pending > 0,
-            }),
-            Err(err) => json!({ "stream": stream, "consumer": durable, "error": err }),
+        out.push(ConsumerView {
+            stream: stream.to_string(),
+            consumer: durable.to_string(),
+            info: match info {
+                Ok(info) => Answer::Ok(ConsumerStats {
+                    num_pending: info.num_pending,
+                    num_ack_pending: info.num_ack_pending,
+                    num_redelivered: info.num_redelivered,
+                    num_waiting: info.num_waiting,
+                    lagging: info.num_pending > 0,
+                }),
+                Err(error) => Answer::Err { error },
+            },
         });
     }
-    json!(out)
+    out
 }
 
 /// Messages the services refused and set aside, by service (the job's DLQ stream, `jetrl.<ns>.dlq.<service>`).
-async fn dead_letters(bus: &Bus) -> Value {
+async fn dead_letters(bus: &Bus) -> DeadLetters {
     let names = bus.names();
+    let mut view = DeadLetters { stream: names.dlq_stream().to_string(), exists: false, error: None, by_service: None };
     let Ok(stream) = bus.jetstream().get_stream(names.dlq_stream()).await else {
-        return json!({ "stream": names.dlq_stream(), "exists": false });
+        return view;
     };
+    view.exists = true;
     let prefix = names.dlq_subject("");
     let mut by_service: BTreeMap<String, u64> = BTreeMap::new();
     match stream.info_with_subjects(format!("{prefix}>")).await {
@@ -337,14 +493,15 @@ async fn dead_letters(bus: &Bus) -> Value {
                 let service = subject.strip_prefix(&prefix).unwrap_or(&subject).to_string();
                 *by_service.entry(service).or_default() += count as u64;
             }
+            view.by_service = Some(by_service);
         }
-        Err(err) => return json!({ "stream": names.dlq_stream(), "exists": true, "error": err.to_string() }),
+        Err(err) => view.error = Some(err.to_string()),
     }
-    json!({ "stream": names.dlq_stream(), "exists": true, "by_service": by_service })
+    view
 }
 
 /// Messages, leader and replicas of each of the job's streams (a cluster's health at a glance).
-async fn streams(bus: &Bus) -> Value {
+async fn streams(bus: &Bus) -> Vec<StreamView> {
     let names = bus.names();
     let mut out = Vec::new();
     let streams = [
@@ -361,147 +518,123 @@ async fn streams(bus: &Bus) -> Value {
         format!("OBJ_{}", names.blobs_store()),
     ];
     for name in streams {
-        match bus.jetstream().get_stream(&name).await {
+        let info = match bus.jetstream().get_stream(&name).await {
             Ok(stream) => {
                 let info = stream.cached_info();
                 let cluster = info.cluster.clone().unwrap_or_default();
                 let current = cluster.replicas.iter().filter(|p| p.current && !p.offline).count();
-                out.push(json!({
-                    "stream": name, "messages": info.state.messages, "bytes": info.state.bytes,
-                    "replicas": info.config.num_replicas.max(1), "leader": cluster.leader,
-                    // the leader plus the followers that are up to date
-                    "current_replicas": usize::from(cluster.leader.is_some()) + current,
-                }));
+                Answer::Ok(StreamStats {
+                    messages: info.state.messages,
+                    bytes: info.state.bytes,
+                    replicas: info.config.num_replicas.max(1),
+                    current_replicas: usize::from(cluster.leader.is_some()) + current,
+                    leader: cluster.leader,
+                })
             }
-            Err(err) => out.push(json!({ "stream": name, "error": err.to_string() })),
-        }
+            Err(err) => Answer::Err { error: err.to_string() },
+        };
+        out.push(StreamView { stream: name, info });
     }
-    json!(out)
+    out
 }
 
 /// The text form of a snapshot.
-fn render(s: &Value) -> String {
+fn render(s: &Snapshot) -> String {
     use std::fmt::Write;
     let mut out = String::new();
-    let f = |v: &Value| v.as_f64().unwrap_or(0.0);
-    let _ = writeln!(out, "job: {}  ({})", s["job"].as_str().unwrap_or("?"), s["server"].as_str().unwrap_or("?"));
-    match &s["trainer"] {
-        Value::Null => {
+    let _ = writeln!(out, "job: {}  ({})", s.job, s.server);
+    match &s.trainer {
+        None => {
             let _ = writeln!(out, "trainer: no heartbeat");
         }
-        t => {
-            let reward = t["reward"].as_f64().map_or("-".to_string(), |r| format!("{r:.3}"));
-            let ranks = t["ranks"].as_array().map_or(0, Vec::len);
-            let ranks = if ranks > 1 { format!("  ranks {ranks}") } else { String::new() };
+        Some(t) => {
+            let reward = t.reward.map_or("-".to_string(), |r| format!("{r:.3}"));
+            let ranks = if t.ranks.len() > 1 { format!("  ranks {}", t.ranks.len()) } else { String::new() };
             let _ = writeln!(
                 out,
                 "trainer: step {}/{}  {:.2} steps/s ({:.1} s/step)  reward {reward}{ranks}",
-                t["step"],
-                t["total_steps"],
-                f(&t["steps_per_s"]),
-                f(&t["step_seconds"])
+                t.step, t.total_steps, t.steps_per_s, t.step_seconds
             );
         }
     }
-    match &s["weights"] {
-        Value::Null => {
+    match &s.weights {
+        None => {
             let _ = writeln!(out, "weights: no version announced yet");
         }
-        w => {
+        Some(w) => {
             let _ = writeln!(
                 out,
                 "weights: version {} (step {}, {} tensors, {} bytes at {})",
-                w["version"],
-                w["step"],
-                w["tensors"],
-                w["bytes"],
-                w["location"].as_str().unwrap_or("?")
+                w.version, w.step, w.tensors, w.bytes, w.location
             );
         }
     }
-    let health = &s["health"];
-    if health["ok"].as_bool() == Some(true) {
+    if s.health.ok {
         let _ = writeln!(out, "health: ok");
     } else {
         let _ = writeln!(out, "health: PROBLEMS");
-        for p in health["problems"].as_array().into_iter().flatten() {
-            let _ = writeln!(out, "  - {}", p.as_str().unwrap_or("?"));
+        for p in &s.health.problems {
+            let _ = writeln!(out, "  - {p}");
         }
     }
-    if let Some(err) = s["buffer_error"].as_str() {
+    if let Some(err) = &s.buffer_error {
         let _ = writeln!(out, "groups and staleness unknown: {err}");
     }
     let _ = writeln!(out, "services:");
-    for v in s["services"].as_array().into_iter().flatten() {
-        let version = v.get("policy_version").map(|p| format!("v{p}")).unwrap_or_default();
-        let inflight = v.get("inflight").map(|i| format!("inflight {i}")).unwrap_or_default();
+    for v in &s.services {
+        let version = v.policy_version.map(|p| format!("v{p}")).unwrap_or_default();
+        let inflight = v.inflight.map(|i| format!("inflight {i}")).unwrap_or_default();
         let _ = writeln!(
             out,
             "  {:<10} {:<28} {:<11} seen {:>5.1}s ago  {:<6} {:<12} {}",
-            v["service"].as_str().unwrap_or("?"),
-            v["instance"].as_str().unwrap_or("?"),
-            v["state"].as_str().unwrap_or("?"),
-            f(&v["seen_s_ago"]),
-            version,
-            inflight,
-            v["message"].as_str().unwrap_or("")
+            v.service, v.instance, v.state, v.seen_s_ago, version, inflight, v.message
         );
     }
-    let groups: Vec<String> =
-        s["groups"].as_object().into_iter().flatten().map(|(state, n)| format!("{state} {n}")).collect();
+    let groups: Vec<String> = s.groups.iter().flatten().map(|(state, n)| format!("{state} {n}")).collect();
     let _ = writeln!(out, "groups: {}", if groups.is_empty() { "none".into() } else { groups.join(", ") });
-    // JSON object keys sort as text; steps sort as numbers
-    let by_number = |o: &Value| -> Vec<(u64, Value)> {
-        let mut pairs: Vec<(u64, Value)> =
-            o.as_object().into_iter().flatten().map(|(k, v)| (k.parse().unwrap_or(u64::MAX), v.clone())).collect();
-        pairs.sort_by_key(|(k, _)| *k);
-        pairs
-    };
-    let histogram = |h: &Value| -> String {
-        let bins: Vec<String> = by_number(h).iter().map(|(age, n)| format!("{age}: {n}")).collect();
+    let histogram = |h: &BTreeMap<u64, u64>| -> String {
+        let bins: Vec<String> = h.iter().map(|(age, n)| format!("{age}: {n}")).collect();
         if bins.is_empty() {
             "-".into()
         } else {
             bins.join("  ")
         }
     };
-    let st = &s["staleness"];
-    let _ = writeln!(out, "staleness (steps behind step {}):", st["current_step"]);
-    let _ = writeln!(out, "  not trained yet: {}", histogram(&st["not_trained"]));
-    let _ = writeln!(out, "  trained:         {}", histogram(&st["trained"]));
-    let versions: Vec<String> = by_number(&s["weight_versions"])
-        .iter()
-        .map(|(v, workers)| {
-            let list: Vec<&str> = workers.as_array().into_iter().flatten().filter_map(|w| w.as_str()).collect();
-            format!("v{v}: {}", list.join(" "))
-        })
-        .collect();
+    let empty = BTreeMap::new();
+    let (current, not_trained, trained) = match &s.staleness {
+        Some(st) => (st.current_step.to_string(), &st.not_trained, &st.trained),
+        None => ("null".to_string(), &empty, &empty),
+    };
+    let _ = writeln!(out, "staleness (steps behind step {current}):");
+    let _ = writeln!(out, "  not trained yet: {}", histogram(not_trained));
+    let _ = writeln!(out, "  trained:         {}", histogram(trained));
+    let versions: Vec<String> =
+        s.weight_versions.iter().map(|(v, workers)| format!("v{v}: {}", workers.join(" "))).collect();
     let _ = writeln!(out, "weight versions: {}", if versions.is_empty() { "-".into() } else { versions.join("; ") });
     let _ = writeln!(out, "consumers:");
-    for c in s["consumers"].as_array().into_iter().flatten() {
-        let name = format!("{}/{}", c["stream"].as_str().unwrap_or("?"), c["consumer"].as_str().unwrap_or("?"));
-        match c.get("error") {
-            Some(err) => {
-                let _ = writeln!(out, "  {name}: {}", err.as_str().unwrap_or("?"));
+    for c in &s.consumers {
+        let name = format!("{}/{}", c.stream, c.consumer);
+        match &c.info {
+            Answer::Err { error } => {
+                let _ = writeln!(out, "  {name}: {error}");
             }
-            None => {
-                let lag = if c["lagging"].as_bool() == Some(true) { "  LAGGING" } else { "" };
+            Answer::Ok(info) => {
+                let lag = if info.lagging { "  LAGGING" } else { "" };
                 let _ = writeln!(
                     out,
                     "  {name:<40} pending {:<6} ack pending {:<6} redelivered {:<6}{lag}",
-                    c["num_pending"], c["num_ack_pending"], c["num_redelivered"]
+                    info.num_pending, info.num_ack_pending, info.num_redelivered
                 );
             }
         }
     }
-    let dl = &s["dead_letters"];
-    let dead = if dl["exists"].as_bool() != Some(true) {
-        format!("no dead-letter stream {}", dl["stream"].as_str().unwrap_or("?"))
-    } else if let Some(err) = dl.get("error") {
-        err.as_str().unwrap_or("?").to_string()
+    let dl = &s.dead_letters;
+    let dead = if !dl.exists {
+        format!("no dead-letter stream {}", dl.stream)
+    } else if let Some(err) = &dl.error {
+        err.clone()
     } else {
-        let by: Vec<String> =
-            dl["by_service"].as_object().into_iter().flatten().map(|(svc, n)| format!("{svc} {n}")).collect();
+        let by: Vec<String> = dl.by_service.iter().flatten().map(|(svc, n)| format!("{svc} {n}")).collect();
         if by.is_empty() {
             "none".into()
         } else {
@@ -510,45 +643,36 @@ fn render(s: &Value) -> String {
     };
     let _ = writeln!(out, "malformed messages set aside: {dead}");
     let _ = writeln!(out, "streams:");
-    for st in s["streams"].as_array().into_iter().flatten() {
-        match st.get("error") {
-            Some(err) => {
-                let _ = writeln!(out, "  {:<28} {}", st["stream"].as_str().unwrap_or("?"), err.as_str().unwrap_or("?"));
+    for st in &s.streams {
+        match &st.info {
+            Answer::Err { error } => {
+                let _ = writeln!(out, "  {:<28} {error}", st.stream);
             }
-            None => {
+            Answer::Ok(info) => {
                 let _ = writeln!(
                     out,
                     "  {:<28} {:>8} msgs  replicas {}/{}  leader {}",
-                    st["stream"].as_str().unwrap_or("?"),
-                    st["messages"],
-                    st["current_replicas"],
-                    st["replicas"],
-                    st["leader"].as_str().unwrap_or("-")
+                    st.stream,
+                    info.messages,
+                    info.current_replicas,
+                    info.replicas,
+                    info.leader.as_deref().unwrap_or("-")
                 );
             }
         }
     }
-    if let Some(entries) = s.get("ledger").and_then(Value::as_array) {
+    if let Some(entries) = &s.ledger {
         let _ = writeln!(
             out,
             "{:<38} {:<6} {:<9} {:>6} {:>8} {:>5}  reason",
             "uid", "part", "state", "submit", "trained", "trajs"
         );
         for e in entries {
-            let trained = match e["sampled_step"].as_u64() {
-                Some(step) if step > 0 => step.to_string(),
-                _ => "-".into(),
-            };
+            let trained = if e.sampled_step > 0 { e.sampled_step.to_string() } else { "-".into() };
             let _ = writeln!(
                 out,
                 "{:<38} {:<6} {:<9} {:>6} {:>8} {:>5}  {}",
-                e["uid"].as_str().unwrap_or("?"),
-                e["partition"].as_str().unwrap_or("?"),
-                e["state"].as_str().unwrap_or("?"),
-                e["submit_step"],
-                trained,
-                e["trajectories"],
-                e["evicted_reason"].as_str().unwrap_or("")
+                e.uid, e.partition, e.state, e.submit_step, trained, e.trajectories, e.evicted_reason
             );
         }
     }
@@ -581,15 +705,37 @@ mod tests {
             beat("buffer", "b", 100, WorkerState::Ready),
         ];
         let h = health(&beats, now, 5.0);
-        assert_eq!(h["ok"], false);
-        let problems: Vec<&str> = h["problems"].as_array().unwrap().iter().map(|p| p.as_str().unwrap()).collect();
+        assert!(!h.ok);
+        let problems = &h.problems;
         assert_eq!(problems.len(), 3, "{problems:?}");
         assert!(problems[0].starts_with("rollout.w1: last heartbeat 9.0s ago"), "{problems:?}");
         assert!(problems[1].starts_with("reward.r0: load_failed"), "{problems:?}");
         assert!(problems[2].starts_with("checkpoint: no heartbeat"), "{problems:?}");
         let all = [beats[0].clone(), beats[1].clone(), beats[4].clone(), beat("reward", "r", 0, WorkerState::Ready)];
         let all = [&all[..], &[beat("checkpoint", "c", 0, WorkerState::Ready)]].concat();
-        assert_eq!(health(&all, now, 5.0)["ok"], true);
+        assert!(health(&all, now, 5.0).ok);
+    }
+
+    /// `--json` keeps its shape: a stream's figures or its error beside its name, rollout-only keys only on
+    /// rollout workers.
+    #[test]
+    fn the_json_snapshot_has_flat_answers_and_rollout_only_keys_on_workers() {
+        let stream = StreamView {
+            stream: "S".into(),
+            info: Answer::Ok(StreamStats { messages: 3, bytes: 9, replicas: 1, leader: None, current_replicas: 0 }),
+        };
+        assert_eq!(
+            serde_json::to_value(&stream).unwrap(),
+            json!({"stream": "S", "messages": 3, "bytes": 9, "replicas": 1, "leader": null, "current_replicas": 0})
+        );
+        let missing = StreamView { stream: "S".into(), info: Answer::Err { error: "gone".into() } };
+        assert_eq!(serde_json::to_value(&missing).unwrap(), json!({"stream": "S", "error": "gone"}));
+        let trainer =
+            serde_json::to_value(service_view(&beat("trainer", "t", 0, WorkerState::Ready), 1_000_000, 5.0)).unwrap();
+        assert!(trainer.get("policy_version").is_none() && trainer["healthy"] == true, "{trainer}");
+        let worker =
+            serde_json::to_value(service_view(&beat("rollout", "w", 0, WorkerState::Ready), 1_000_000, 5.0)).unwrap();
+        assert_eq!(worker["policy_version"], 0, "{worker}");
     }
 
     #[test]
@@ -611,7 +757,7 @@ mod tests {
             ],
             ..Default::default()
         };
-        let s = staleness(&ledger, 6);
+        let s = serde_json::to_value(staleness(&ledger, 6)).unwrap();
         assert_eq!(s["trained"], json!({"0": 1, "1": 1, "2": 1}));
         assert_eq!(s["not_trained"], json!({"0": 1, "1": 1}));
     }
