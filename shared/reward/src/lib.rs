@@ -40,7 +40,6 @@ mod engine;
 mod error;
 pub mod external;
 pub mod golden;
-pub mod http;
 pub mod overlong;
 mod pytext;
 pub mod remote_rm;

@@ -12,12 +12,12 @@
 use std::time::Duration;
 
 use jetrl_config::{RewardModelApi, RewardModelConfig};
+use jetrl_telemetry::http::{post_json, HttpEndpoint, HttpError};
 use jetrl_tokenizer::{Tokenizer, TokenizerError};
 use tokio::sync::Semaphore;
 
 use crate::engine::{ChatTurn, ScoreInput};
 use crate::error::FailureKind;
-use crate::http::{post_json, HttpEndpoint, HttpError};
 use crate::result::truncate_for_message;
 
 /// Why the reward model gave no score.

@@ -6,6 +6,7 @@
 //!   ([`endpoint`]); every process also reports its allocator's figures there ([`heap`]).
 //! - [`service_main`]: the whole `main` of a service, with its shutdown signal, runtime and thread counts
 //!   ([`service`]).
+//! - [`http`]: a minimal plain-HTTP/1.1 client (remote reward models, MLflow's REST API).
 //!
 //! The recorder is process-global (the `metrics` facade), so several services started in one test process
 //! share it; their names never collide because each carries the `jetrl_<service>_` prefix.
@@ -19,6 +20,7 @@ pub enum TelemetryError {
 pub mod crash;
 pub mod endpoint;
 pub mod heap;
+pub mod http;
 pub mod service;
 
 pub use endpoint::{prometheus, scrape, serve_metrics};

@@ -1,6 +1,7 @@
-//! A minimal HTTP/1.1 client for JSON POSTs to a reward-model server: one connection per request
-//! (`Connection: close`), bodies sized by `Content-Length`, chunked encoding or end of stream. Plain `http://`
-//! only; an `https://` server needs a TLS-terminating proxy in front (kept out to keep the build lean).
+//! A minimal HTTP/1.1 client (reward-model servers, MLflow's REST API): one connection per request
+//! (`Connection: close`), any method and extra headers, response bodies sized by `Content-Length`, chunked
+//! encoding or end of stream. Plain `http://` only; an `https://` server needs a TLS-terminating proxy in front
+//! (kept out to keep the build lean).
 
 use std::time::Duration;
 
@@ -81,6 +82,17 @@ pub struct HttpResponse {
     pub body: Vec<u8>,
 }
 
+/// One request: `method {base}{path}` (the path may carry a query string) with `headers` and `body` (sent with
+/// `Content-Type: content_type` when it is set).
+#[derive(Debug, Clone, Copy)]
+pub struct Request<'a> {
+    pub method: &'a str,
+    pub path: &'a str,
+    pub headers: &'a [(&'a str, &'a str)],
+    pub content_type: Option<&'a str>,
+    pub body: &'a [u8],
+}
+
 /// `POST {base}{path}` with a JSON body; the whole exchange (connect to last byte) is bounded by `timeout`.
 pub async fn post_json(
     endpoint: &HttpEndpoint,
@@ -88,24 +100,49 @@ pub async fn post_json(
     body: &[u8],
     timeout: Duration,
 ) -> Result<HttpResponse, HttpError> {
-    tokio::time::timeout(timeout, exchange(endpoint, path, body)).await.map_err(|_| HttpError::Timeout(timeout))?
+    let request = Request { method: "POST", path, headers: &[], content_type: Some("application/json"), body };
+    send(endpoint, &request, timeout).await
 }
 
-async fn exchange(endpoint: &HttpEndpoint, path: &str, body: &[u8]) -> Result<HttpResponse, HttpError> {
+/// Sends `request`; the whole exchange (connect to last byte) is bounded by `timeout`.
+pub async fn send(
+    endpoint: &HttpEndpoint,
+    request: &Request<'_>,
+    timeout: Duration,
+) -> Result<HttpResponse, HttpError> {
+    tokio::time::timeout(timeout, exchange(endpoint, request)).await.map_err(|_| HttpError::Timeout(timeout))?
+}
+
+/// The request head: request line, `Host`, the content headers when there is a body or a content type, the
+/// caller's headers.
+fn request_head(endpoint: &HttpEndpoint, request: &Request<'_>) -> String {
+    let mut head = format!(
+        "{} {}{} HTTP/1.1\r\nHost: {}\r\nAccept: application/json\r\nConnection: close\r\nUser-Agent: jetrl\r\n",
+        request.method,
+        endpoint.base_path,
+        request.path,
+        endpoint.host_header()
+    );
+    if let Some(content_type) = request.content_type {
+        head += &format!("Content-Type: {content_type}\r\n");
+    }
+    if request.content_type.is_some() || !request.body.is_empty() || request.method != "GET" {
+        head += &format!("Content-Length: {}\r\n", request.body.len());
+    }
+    for (name, value) in request.headers {
+        head += &format!("{name}: {value}\r\n");
+    }
+    head += "\r\n";
+    head
+}
+
+async fn exchange(endpoint: &HttpEndpoint, request: &Request<'_>) -> Result<HttpResponse, HttpError> {
     let address = (endpoint.host.as_str(), endpoint.port);
     let mut stream = TcpStream::connect(address)
         .await
         .map_err(|source| HttpError::Connect { address: endpoint.host_header(), source })?;
-    let head = format!(
-        "POST {}{} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nAccept: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\nUser-Agent: jetrl-reward\r\n\r\n",
-        endpoint.base_path,
-        path,
-        endpoint.host_header(),
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await.map_err(HttpError::Send)?;
-    stream.write_all(body).await.map_err(HttpError::Send)?;
+    stream.write_all(request_head(endpoint, request).as_bytes()).await.map_err(HttpError::Send)?;
+    stream.write_all(request.body).await.map_err(HttpError::Send)?;
     stream.flush().await.map_err(HttpError::Send)?;
     read_response(BufReader::new(stream)).await
 }
@@ -220,6 +257,26 @@ mod tests {
         assert!(HttpEndpoint::parse("https://rm.local").is_err());
         assert!(HttpEndpoint::parse("http://:80").is_err());
         assert!(HttpEndpoint::parse("http://rm.local:port").is_err());
+    }
+
+    #[test]
+    fn the_head_carries_method_path_content_and_extra_headers() {
+        let endpoint = HttpEndpoint::parse("http://mlflow:5000/base").unwrap();
+        let auth = [("Authorization", "Bearer t")];
+        let put = Request {
+            method: "PUT",
+            path: "/a/b.svg",
+            headers: &auth,
+            content_type: Some("image/svg+xml"),
+            body: b"<svg/>",
+        };
+        let head = request_head(&endpoint, &put);
+        assert!(head.starts_with("PUT /base/a/b.svg HTTP/1.1\r\nHost: mlflow:5000\r\n"), "{head}");
+        assert!(head.contains("Content-Type: image/svg+xml\r\n") && head.contains("Content-Length: 6\r\n"), "{head}");
+        assert!(head.contains("Authorization: Bearer t\r\n") && head.ends_with("\r\n\r\n"), "{head}");
+        let get = Request { method: "GET", path: "/x?y=1", headers: &[], content_type: None, body: b"" };
+        let head = request_head(&endpoint, &get);
+        assert!(head.starts_with("GET /base/x?y=1 HTTP/1.1") && !head.contains("Content-"), "{head}");
     }
 
     #[tokio::test]
