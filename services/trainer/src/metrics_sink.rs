@@ -1,16 +1,20 @@
 //! Where step metrics go (verl's `trainer.logger`): `metrics.jsonl` in the run directory (one JSON object per
 //! step, verl's names; always written, `jetrl run` and the tests read it), `jetrl.<ns>.trainer.metrics` on NATS (for
 //! `jetrl run`'s progress display), Prometheus gauges, TensorBoard event files (`tensorboard`), a log line per
-//! step (`console`), and the reward-curve picture.
+//! step (`console`), verl's JSONL file (`file`), the experiment trackers (`mlflow`, `wandb`: [`crate::trackers`]),
+//! and the reward-curve picture.
 
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use jetrl_bus::Bus;
-use jetrl_config::{Logger, TrainerConfig};
+use jetrl_config::{JobConfig, Logger};
 
 use crate::tensorboard::EventWriter;
+use crate::trackers::file::FileLogger;
+use crate::trackers::{self, Finish, Policy, RunEnd, TrackerHandle};
 
 pub struct MetricsSink {
     bus: Bus,
@@ -20,6 +24,10 @@ pub struct MetricsSink {
     curve: Vec<(u64, f64)>,
     tensorboard: Option<EventWriter>,
     console: bool,
+    /// verl's `file` logger
+    file: Option<FileLogger>,
+    /// `mlflow`, `wandb`: each behind its own queue
+    trackers: Vec<TrackerHandle>,
     /// the step of the last line in the file
     last_step: Option<u64>,
     /// the trainer's heartbeat, told each line
@@ -34,13 +42,10 @@ fn line_step(v: &serde_json::Value) -> Option<u64> {
 impl MetricsSink {
     /// Opens `<run_dir>/metrics.jsonl`. A fresh run truncates it; a run resumed after step `resumed_from`
     /// keeps the lines up to that step and drops later ones (they belonged to the steps being redone), so the
-    /// file reads as one uninterrupted run.
-    pub fn open(
-        bus: &Bus,
-        run_dir: &Path,
-        trainer: &TrainerConfig,
-        resumed_from: Option<u64>,
-    ) -> std::io::Result<Self> {
+    /// file reads as one uninterrupted run. Starts the trackers of `trainer.logger` (on the current tokio
+    /// runtime); one that cannot be set up is reported and left out, training goes on.
+    pub fn open(bus: &Bus, run_dir: &Path, cfg: &JobConfig, resumed_from: Option<u64>) -> std::io::Result<Self> {
+        let trainer = &cfg.trainer;
         std::fs::create_dir_all(run_dir)?;
         let path = run_dir.join("metrics.jsonl");
         let mut curve = Vec::new();
@@ -70,10 +75,38 @@ impl MetricsSink {
         } else {
             None
         };
-        for logger in &trainer.logger {
-            if !logger.is_supported() {
-                tracing::warn!(%logger, "trainer.logger backend not supported by jetrl; ignored");
+        let file = if trainer.logger.contains(&Logger::File) {
+            let path = trackers::file::resolve_path(
+                &trainer.project_name,
+                &trackers::experiment_name(cfg),
+                std::env::var_os("VERL_FILE_LOGGER_PATH"),
+                std::env::var_os("VERL_FILE_LOGGER_ROOT"),
+                std::env::var_os("HOME"),
+            );
+            match FileLogger::open(&path, resumed_from) {
+                Ok(file) => {
+                    tracing::info!(path = %path.display(), "trainer.logger file: verl's file logger writes here");
+                    Some(file)
+                }
+                Err(err) => {
+                    tracing::error!(error = %err, path = %path.display(), "trainer.logger file: cannot open the file; nothing is written to it this run");
+                    None
+                }
             }
+        } else {
+            None
+        };
+        let mut trackers = Vec::new();
+        let resumed = resumed_from.is_some();
+        if trainer.logger.contains(&Logger::Mlflow) {
+            match trackers::mlflow::Mlflow::from_env(cfg, run_dir, resumed) {
+                Ok(mlflow) => trackers.push(TrackerHandle::spawn("mlflow", mlflow, Policy::default())),
+                Err(why) => tracing::error!("trainer.logger mlflow: {why}; nothing is sent to MLflow this run"),
+            }
+        }
+        if trainer.logger.contains(&Logger::Wandb) {
+            let wandb = trackers::wandb::Wandb::new(cfg, run_dir, resumed);
+            trackers.push(TrackerHandle::spawn("wandb", wandb, Policy::default()));
         }
         Ok(Self {
             bus: bus.clone(),
@@ -82,6 +115,8 @@ impl MetricsSink {
             curve,
             tensorboard,
             console: trainer.logger.contains(&Logger::Console),
+            file,
+            trackers,
             last_step,
             heartbeat: None,
         })
@@ -116,6 +151,18 @@ impl MetricsSink {
             metrics::gauge!("jetrl_trainer_metric", "name" => name.clone()).set(*value);
         }
         metrics::gauge!("jetrl_trainer_step").set(step as f64);
+        if let Some(file) = self.file.as_mut() {
+            if let Err(err) = file.write(step, metrics) {
+                tracing::warn!(error = %err, path = %file.path().display(), "trainer.logger file: line not written");
+            }
+        }
+        if !self.trackers.is_empty() {
+            let finite: BTreeMap<String, f64> = finite.iter().map(|(k, v)| ((*k).clone(), *v)).collect();
+            let finite = Arc::new(finite);
+            for tracker in &mut self.trackers {
+                tracker.record(trackers::Step::now(step, finite.clone()));
+            }
+        }
         if let Some(tb) = self.tensorboard.as_mut() {
             if let Err(err) = tb.scalars(step, metrics) {
                 tracing::warn!(error = %err, "tensorboard event not written");
@@ -139,6 +186,22 @@ impl MetricsSink {
         if step % 10 == 0 {
             self.write_curve();
         }
+    }
+
+    /// Ends the run's records however training ended: writes the reward curve, then gives the trackers the
+    /// end (`mlflow` and `wandb` keep the curve and `summary.json` with the run), waiting at most
+    /// [`trackers::FINISH_WAIT`] for them.
+    pub async fn finish(&mut self, end: RunEnd) {
+        self.write_curve();
+        if self.trackers.is_empty() {
+            return;
+        }
+        let files = ["reward_curve.svg", "summary.json"]
+            .into_iter()
+            .map(|name| self.run_dir.join(name))
+            .filter(|path| path.exists())
+            .collect();
+        trackers::finish_all(std::mem::take(&mut self.trackers), Finish { end, files }).await;
     }
 
     /// Writes `<run_dir>/reward_curve.svg`.

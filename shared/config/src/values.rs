@@ -23,11 +23,13 @@ pub struct UnknownValue {
 }
 
 /// Declares a configuration enum: variants with their YAML spelling (and aliases), `ALL`, `as_str`, `Display`,
-/// `FromStr` (naming the allowed values) and serde through the same spellings.
+/// `FromStr` (naming the allowed values) and serde through the same spellings. With `accept = f`, deserialising
+/// (loading a config) also passes each value through `f(value) -> Result<(), String>`, which may refuse a known
+/// name with its reason.
 macro_rules! config_enum {
     (
         $(#[$meta:meta])*
-        $vis:vis enum $name:ident ($what:literal) {
+        $vis:vis enum $name:ident ($what:literal $(, accept = $accept:path)?) {
             $( $(#[$vmeta:meta])* $variant:ident = $text:literal $(| $alias:literal)* ),+ $(,)?
         }
     ) => {
@@ -81,7 +83,9 @@ macro_rules! config_enum {
         impl<'de> Deserialize<'de> for $name {
             fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
                 let text = String::deserialize(deserializer)?;
-                text.parse().map_err(|e: UnknownValue| serde::de::Error::custom(e.to_string()))
+                let value: $name = text.parse().map_err(|e: UnknownValue| serde::de::Error::custom(e.to_string()))?;
+                $( $accept(value).map_err(serde::de::Error::custom)?; )?
+                Ok(value)
             }
         }
     };
@@ -434,9 +438,10 @@ config_enum! {
 }
 
 config_enum! {
-    /// `trainer.logger`: verl's logger backends; jetrl writes the first three and accepts the rest (ignored
-    /// with a warning) so verl configs load.
-    pub enum Logger ("trainer.logger") {
+    /// `trainer.logger`: verl's logger backends. jetrl writes `console`, `jsonl`, `tensorboard`, `file` (verl's
+    /// JSONL file logger), `mlflow` (MLflow's REST API) and `wandb` (the `wandb` Python package in a subprocess);
+    /// a config naming one of the others is refused at load with the reason ([`Logger::unsupported_reason`]).
+    pub enum Logger ("trainer.logger", accept = Logger::accept) {
         Console = "console",
         Jsonl = "jsonl",
         Tensorboard = "tensorboard",
@@ -451,9 +456,33 @@ config_enum! {
 }
 
 impl Logger {
-    /// Whether jetrl writes this backend (the others are accepted and ignored).
+    /// Why jetrl does not write this backend; `None` for those it writes.
+    pub fn unsupported_reason(self) -> Option<&'static str> {
+        match self {
+            Logger::Console | Logger::Jsonl | Logger::Tensorboard | Logger::File | Logger::Mlflow | Logger::Wandb => {
+                None
+            }
+            Logger::Swanlab => Some("jetrl has no SwanLab bridge"),
+            Logger::VemlpWandb => Some("jetrl has no bridge to the Volcengine ML platform's wandb"),
+            Logger::Clearml => Some("jetrl has no ClearML bridge"),
+            Logger::Trackio => Some("jetrl has no Trackio bridge"),
+        }
+    }
+
+    /// Whether jetrl writes this backend (a config naming any other is refused at load).
     pub fn is_supported(self) -> bool {
-        matches!(self, Logger::Console | Logger::Jsonl | Logger::Tensorboard)
+        self.unsupported_reason().is_none()
+    }
+
+    /// Refuses, at config load, a backend jetrl does not write, with the reason and what it writes instead.
+    fn accept(self) -> Result<(), String> {
+        match self.unsupported_reason() {
+            None => Ok(()),
+            Some(reason) => {
+                let written: Vec<&str> = Logger::ALL.iter().filter(|l| l.is_supported()).map(|l| l.as_str()).collect();
+                Err(format!("`{self}` is not supported: {reason}; jetrl writes {}", written.join(", ")))
+            }
+        }
     }
 }
 
@@ -556,6 +585,17 @@ mod tests {
         assert!(err.contains("k4+") && err.contains("low_var_kl"), "{err}");
         let err = "tpu:0".parse::<DeviceSpec>().unwrap_err().to_string();
         assert!(err.contains("tpu:0") && err.contains("cuda:N"), "{err}");
+    }
+
+    #[test]
+    fn loggers_jetrl_does_not_write_are_refused_when_deserialised_with_the_reason() {
+        let ok: Vec<Logger> = serde_json::from_str(r#"["console", "file", "mlflow", "wandb"]"#).unwrap();
+        assert_eq!(ok, [Logger::Console, Logger::File, Logger::Mlflow, Logger::Wandb]);
+        for name in ["swanlab", "vemlp_wandb", "clearml", "trackio"] {
+            let err = serde_json::from_str::<Logger>(&format!("{name:?}")).unwrap_err().to_string();
+            assert!(err.contains(name) && err.contains("not supported") && err.contains("mlflow"), "{err}");
+            assert!(!name.parse::<Logger>().unwrap().is_supported());
+        }
     }
 
     #[test]
