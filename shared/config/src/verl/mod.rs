@@ -245,7 +245,7 @@ fn rules(tree: &Value, user_set: &BTreeSet<String>, out: &mut Builder) -> Result
     }
     // device
     match get(tree, "trainer.device").map(spelling).as_deref() {
-        Some(device) if device == "cpu" => {
+        Some("cpu") => {
             out.set("model.device", "trainer.device", json!("cpu"));
             if !set_by_user(user_set, "actor_rollout_ref.model.dtype") {
                 out.set("model.dtype", "trainer.device", json!("f32"));
@@ -325,7 +325,7 @@ fn micro_batches(tree: &Value, out: &mut Builder) -> Result<(), ConfigError> {
     if world == 0 || n == 0 || batch == 0 {
         return Ok(()); // the typed checks name these keys
     }
-    if (batch * n) % world != 0 {
+    if !(batch * n).is_multiple_of(world) {
         return Err(invalid(
             "data.train_batch_size",
             format!(
@@ -360,7 +360,7 @@ fn micro_batches(tree: &Value, out: &mut Builder) -> Result<(), ConfigError> {
         if batch < mini {
             return Err(invalid(&mini_key, format!("data.train_batch_size ({batch}) must be >= {mini_key} ({mini})")));
         }
-        if (mini * n) % world != 0 {
+        if !(mini * n).is_multiple_of(world) {
             return Err(invalid(
                 &mini_key,
                 format!(
@@ -411,7 +411,7 @@ fn micro_batches(tree: &Value, out: &mut Builder) -> Result<(), ConfigError> {
             if micro == 0 {
                 return Err(invalid(&micro_key, format!("is less than one response per rank over {WORLD} = {world}")));
             }
-            if mini_per_rank % micro != 0 {
+            if !mini_per_rank.is_multiple_of(micro) {
                 return Err(invalid(
                     &micro_key,
                     format!(
