@@ -49,6 +49,11 @@ pub async fn run(
             anyhow::bail!("{key}: {missing} does not exist");
         }
     }
+    // A tracker that cannot work does not stop the job (the trainer says so in its log): say it here too, where
+    // the user looks.
+    for warning in tracker_warnings(&cfg) {
+        eprintln!("warning: {warning}");
+    }
     let run_dir = PathBuf::from(&cfg.run.dir);
     std::fs::create_dir_all(run_dir.join("logs")).with_context(|| format!("creating {}", run_dir.display()))?;
 
@@ -511,6 +516,41 @@ impl NatsWatch {
 }
 
 /// `HH:MM:SS` of a wall-clock time, in UTC.
+/// Why a tracker of `trainer.logger` would record nothing: mlflow without an http:// `MLFLOW_TRACKING_URI`,
+/// wandb without the package in the Python the trainer runs it with (`JETRL_PYTHON`, else `python3`).
+fn tracker_warnings(cfg: &JobConfig) -> Vec<String> {
+    use jetrl_config::Logger;
+    let mut out = Vec::new();
+    if cfg.trainer.logger.contains(&Logger::Mlflow) {
+        match std::env::var("MLFLOW_TRACKING_URI") {
+            Ok(uri) if uri.starts_with("http://") => {}
+            Ok(uri) => out.push(format!(
+                "trainer.logger has mlflow, but MLFLOW_TRACKING_URI {uri:?} is not an http:// address of an MLflow \
+                 tracking server: nothing will reach MLflow"
+            )),
+            Err(_) => out.push(
+                "trainer.logger has mlflow, but MLFLOW_TRACKING_URI is not set: nothing will reach MLflow".into(),
+            ),
+        }
+    }
+    if cfg.trainer.logger.contains(&Logger::Wandb) {
+        let python = std::env::var("JETRL_PYTHON").ok().filter(|p| !p.is_empty()).unwrap_or_else(|| "python3".into());
+        let found = std::process::Command::new(&python)
+            .args(["-c", "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('wandb') else 1)"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !found {
+            out.push(format!(
+                "trainer.logger has wandb, but {python} cannot import the wandb package (pip install wandb, or set \
+                 JETRL_PYTHON to a Python that has it): nothing will reach wandb"
+            ));
+        }
+    }
+    out
+}
+
 fn utc_time(t: SystemTime) -> String {
     let secs = t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()) % 86_400;
     format!("{:02}:{:02}:{:02}", secs / 3600, secs / 60 % 60, secs % 60)
