@@ -3,12 +3,15 @@
 //! - [`Example`]: one prompt row, verl's dataset schema (`prompt` chat messages or raw text, `data_source`,
 //!   `reward_model.ground_truth`, `extra_info`, optional `agent_name`).
 //! - [`tasks`]: built-in synthetic tasks with partial-credit rewards (the demo's job), generated from a seed.
-//! - [`load_file`]: verl-format files, `.parquet` (what verl's preprocessing scripts write; snappy, zstd and
-//!   gzip pages) or `.jsonl`, rows with `prompt` chat messages, `data_source`, `reward_model.ground_truth`,
-//!   `extra_info`.
+//! - [`load_file`]: verl-format datasets, rows with `prompt` chat messages, `data_source`,
+//!   `reward_model.ground_truth`, `extra_info`: `.parquet` (what verl's preprocessing scripts write; snappy, zstd
+//!   and gzip pages), `.jsonl`, or HF `datasets` on disk ([`hf_dataset`]: a `Dataset.save_to_disk` directory or
+//!   one of its `.arrow` files, read by [`arrow_ipc`]).
 //! - [`prompt`]: the prompt as token ids — chat template, length filtering and truncation (verl `data.*`).
 //! - [`DataLoader`]: seeded shuffling, re-iterated forever, with a cursor that a checkpoint can save.
 
+pub mod arrow_ipc;
+pub mod hf_dataset;
 pub mod parquet_rows;
 pub mod prompt;
 pub mod tasks;
@@ -25,9 +28,15 @@ pub enum DataError {
     Read { path: String, message: String },
     #[error("{path} line {line}: {message}")]
     Row { path: String, line: usize, message: String },
+    /// a row of a parquet or Arrow file (1-based)
+    #[error("{path} row {row}: {message}")]
+    Record { path: String, row: usize, message: String },
     #[error("dataset is empty: {0}")]
     Empty(String),
-    #[error("dataset format of {0} is not supported (.parquet or .jsonl)")]
+    #[error(
+        "dataset format of {0} is not supported (.parquet, .jsonl, .arrow, or a directory `datasets` wrote with \
+         save_to_disk)"
+    )]
     Format(String),
     #[error("prompt of row {index}: {message}")]
     Prompt { index: u64, message: String },
@@ -107,38 +116,73 @@ pub(crate) fn example_from_row(mut value: serde_json::Value, prompt_key: &str, r
     })
 }
 
-/// Loads verl-format rows from a `.parquet` or `.jsonl` file. `prompt_key` names the prompt column (verl
-/// `data.prompt_key`).
-pub fn load_file(path: &Path, prompt_key: &str) -> Result<Vec<Example>, DataError> {
+/// What a row visitor gets: the row as a JSON object of its columns, and its 0-based number in the dataset (the
+/// line number in JSONL). An error it returns becomes the row's error, naming the file and the row.
+pub(crate) type OnRow<'a> = dyn FnMut(serde_json::Value, usize) -> Result<(), String> + 'a;
+
+/// Visits every row of a dataset: a `.parquet`, `.jsonl` or `.arrow` file, or a `datasets` `save_to_disk`
+/// directory.
+fn visit_rows(path: &Path, on_row: &mut OnRow<'_>) -> Result<(), DataError> {
+    if path.is_dir() {
+        return hf_dataset::visit_dir(path, on_row);
+    }
     match path.extension().and_then(|e| e.to_str()) {
-        Some("parquet") => parquet_rows::load_parquet(path, prompt_key),
-        Some("jsonl") | Some("json") => load_jsonl(path, prompt_key),
+        Some("parquet") => parquet_rows::visit_parquet(path, on_row),
+        Some("jsonl") | Some("json") => visit_jsonl(path, on_row),
+        Some("arrow") => hf_dataset::visit_arrow_file(path, None, &mut 0, on_row).map(|_| ()),
+        _ if !path.exists() => {
+            Err(DataError::Read { path: path.display().to_string(), message: "no such file or directory".into() })
+        }
         _ => Err(DataError::Format(path.display().to_string())),
     }
 }
 
+/// Loads verl-format rows from a `.parquet`, `.jsonl` or `.arrow` file, or a directory HF `datasets` wrote with
+/// `Dataset.save_to_disk`. `prompt_key` names the prompt column (verl `data.prompt_key`).
+pub fn load_file(path: &Path, prompt_key: &str) -> Result<Vec<Example>, DataError> {
+    let mut out = Vec::new();
+    visit_rows(path, &mut |row, n| {
+        out.push(example_from_row(row, prompt_key, n)?);
+        Ok(())
+    })?;
+    if out.is_empty() {
+        return Err(DataError::Empty(path.display().to_string()));
+    }
+    Ok(out)
+}
+
+/// Every row of a dataset ([`load_file`]'s formats) as a JSON object of all its columns, as the loader sees it
+/// before picking out the verl fields.
+pub fn load_rows(path: &Path) -> Result<Vec<serde_json::Value>, DataError> {
+    let mut out = Vec::new();
+    visit_rows(path, &mut |row, _| {
+        out.push(row);
+        Ok(())
+    })?;
+    Ok(out)
+}
+
 /// Loads verl-format rows from a JSONL file. `prompt_key` names the prompt column (verl `data.prompt_key`).
 pub fn load_jsonl(path: &Path, prompt_key: &str) -> Result<Vec<Example>, DataError> {
-    let name = path.display().to_string();
     match path.extension().and_then(|e| e.to_str()) {
-        Some("jsonl") | Some("json") => {}
-        _ => return Err(DataError::Format(name)),
+        Some("jsonl") | Some("json") => load_file(path, prompt_key),
+        _ => Err(DataError::Format(path.display().to_string())),
     }
+}
+
+fn visit_jsonl(path: &Path, on_row: &mut OnRow<'_>) -> Result<(), DataError> {
+    let name = path.display().to_string();
     let text =
         std::fs::read_to_string(path).map_err(|e| DataError::Read { path: name.clone(), message: e.to_string() })?;
-    let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
         let row_err = |message: String| DataError::Row { path: name.clone(), line: i + 1, message };
         let value: serde_json::Value = serde_json::from_str(line).map_err(|e| row_err(e.to_string()))?;
-        out.push(example_from_row(value, prompt_key, i).map_err(row_err)?);
+        on_row(value, i).map_err(row_err)?;
     }
-    if out.is_empty() {
-        return Err(DataError::Empty(name));
-    }
-    Ok(out)
+    Ok(())
 }
 
 /// verl's `train_max_samples` / `val_max_samples`: keep `max` rows (a seeded random subset when shuffling,
@@ -374,8 +418,11 @@ mod tests {
     }
 
     #[test]
-    fn unknown_file_extension_is_a_format_error() {
-        let err = load_file(Path::new("data.csv"), "prompt").unwrap_err();
+    fn unknown_file_extension_is_a_format_error_and_a_missing_path_a_read_error() {
+        let f = tempfile::Builder::new().suffix(".csv").tempfile().unwrap();
+        let err = load_file(f.path(), "prompt").unwrap_err();
         assert!(matches!(err, DataError::Format(_)), "{err}");
+        let err = load_file(Path::new("/nonexistent/gsm8k"), "prompt").unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/gsm8k: no such file or directory"), "{err}");
     }
 }

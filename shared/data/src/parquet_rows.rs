@@ -8,26 +8,34 @@ use std::path::Path;
 use parquet::file::reader::{FileReader, SerializedFileReader};
 use parquet::record::{Field, Row};
 
-use crate::{example_from_row, DataError, Example};
+use crate::{example_from_row, DataError, Example, OnRow};
 
 /// Loads verl-format rows from a parquet file (any mix of snappy, zstd, gzip or uncompressed pages).
 pub fn load_parquet(path: &Path, prompt_key: &str) -> Result<Vec<Example>, DataError> {
+    let mut out = Vec::new();
+    visit_parquet(path, &mut |row, n| {
+        out.push(example_from_row(row, prompt_key, n)?);
+        Ok(())
+    })?;
+    if out.is_empty() {
+        return Err(DataError::Empty(path.display().to_string()));
+    }
+    Ok(out)
+}
+
+/// Visits every row of a parquet file as a JSON object.
+pub(crate) fn visit_parquet(path: &Path, on_row: &mut OnRow<'_>) -> Result<(), DataError> {
     let name = path.display().to_string();
     let read_err = |message: String| DataError::Read { path: name.clone(), message };
     let file = std::fs::File::open(path).map_err(|e| read_err(e.to_string()))?;
     let reader = SerializedFileReader::new(file).map_err(|e| read_err(e.to_string()))?;
     let rows = reader.get_row_iter(None).map_err(|e| read_err(e.to_string()))?;
-    let mut out = Vec::new();
     for (i, row) in rows.enumerate() {
-        // parquet rows have no lines: report the 1-based row number in the `line` slot
-        let row_err = |message: String| DataError::Row { path: name.clone(), line: i + 1, message };
-        let row = row.map_err(|e| row_err(e.to_string()))?;
-        out.push(example_from_row(row_to_json(&row), prompt_key, i).map_err(row_err)?);
+        let record_err = |message: String| DataError::Record { path: name.clone(), row: i + 1, message };
+        let row = row.map_err(|e| record_err(e.to_string()))?;
+        on_row(row_to_json(&row), i).map_err(record_err)?;
     }
-    if out.is_empty() {
-        return Err(DataError::Empty(name));
-    }
-    Ok(out)
+    Ok(())
 }
 
 fn row_to_json(row: &Row) -> serde_json::Value {
@@ -113,6 +121,6 @@ mod tests {
     #[test]
     fn missing_prompt_column_names_the_key_and_the_row() {
         let err = load_parquet(&fixture("gsm8k_snappy.parquet"), "question").unwrap_err().to_string();
-        assert!(err.contains("question") && err.contains("line 1"), "{err}");
+        assert!(err.contains("question") && err.contains("row 1"), "{err}");
     }
 }
