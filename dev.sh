@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 case "${1:-demo}" in
-  test) scripts/setup.sh transformers peft wandb mlflow-server ;;
+  test) scripts/setup.sh transformers peft wandb mlflow-server datasets ;;
   bench) scripts/setup.sh transformers peft ;;
   *) scripts/setup.sh ;;
 esac
