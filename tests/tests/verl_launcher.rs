@@ -122,8 +122,11 @@ fn verls_grpo_example_runs_with_only_the_launcher_replaced() {
 
     // one start-up line says what was ignored
     let ignored = output.lines().find(|l| l.starts_with("verl keys ignored")).unwrap_or_else(|| panic!("{output}"));
-    for key in ["actor_rollout_ref.rollout.name", "actor_rollout_ref.rollout.gpu_memory_utilization", "fsdp_config.param_offload"]
-    {
+    for key in [
+        "actor_rollout_ref.rollout.name",
+        "actor_rollout_ref.rollout.gpu_memory_utilization",
+        "fsdp_config.param_offload",
+    ] {
         assert!(ignored.contains(key), "{key} not in {ignored}");
     }
     // the job that ran, in jetrl's tree: verl's values where the example set them
@@ -167,7 +170,10 @@ fn a_refused_verl_key_fails_before_anything_starts() {
         format!("+run.dir={}", run_dir.display()),
     ];
     let cases: [(&[&str], &[&str]); 3] = [
-        (&["actor_rollout_ref.actor.strategy=megatron"], &["actor_rollout_ref.actor.strategy", "megatron", "data parallel"]),
+        (
+            &["actor_rollout_ref.actor.strategy=megatron"],
+            &["actor_rollout_ref.actor.strategy", "megatron", "data parallel"],
+        ),
         (
             &["trainer.v1.trainer_mode=separate_async", "trainer.v1.colocate_async.num_warmup_batches=2"],
             &["trainer.v1.colocate_async.num_warmup_batches", "trainer.v1.separate_async.num_warmup_batches"],
