@@ -17,6 +17,7 @@
 //! - [`actor`]: the actor, reference and critic models, optimizers and the PPO math on a dedicated thread.
 //! - [`batch`]: trajectories as padded tensors (checked at the boundary), micro-batches, mini-batches of groups.
 //! - [`critic`]: the value model. [`optim`]: AdamW with saveable state and verl's LR schedules.
+//! - [`paced`]: the paced stand-in learner of `trainer.simulate` (a simulation knob: no model, modelled time).
 //! - [`checkpoint`]: checkpoint directories (HF-compatible), resume resolution, retention.
 //! - [`validation`]: verl's `_validate` and its metrics. [`dump`]: generation dumps.
 //! - [`metrics_sink`]: metrics.jsonl, progress messages, TensorBoard, the reward-curve picture.
@@ -34,6 +35,7 @@ pub mod fleet;
 pub mod learner;
 pub mod metrics_sink;
 pub mod optim;
+pub mod paced;
 pub mod ranks;
 pub mod rollout_client;
 pub mod schedule;
@@ -178,7 +180,8 @@ async fn train(
 /// What every schedule shares.
 pub(crate) struct Trainer {
     cfg: JobConfig,
-    learner: Ranks,
+    /// the ranks, or the paced stand-in with `trainer.simulate`
+    learner: Box<dyn Learner>,
     client: RolloutClient,
     weights: WeightSync,
     val: Vec<Example>,
@@ -240,14 +243,23 @@ impl Trainer {
         let pad_id = tokenizer.pad_token_id().or_else(|| tokenizer.eos_token_ids().first().copied()).unwrap_or(0);
         let plan = RankPlan::of(&cfg);
         let world = plan.world;
-        // joining the group waits for every rank (up to trainer.dist.timeout_s): off the reactor
-        let actor = tokio::task::spawn_blocking(move || {
-            let comm = ranks::join(&actor_cfg, &plan).map_err(ActorError::from)?;
-            ActorHandle::spawn(actor_cfg, horizon, actor_resume, comm, pad_id)
-        })
-        .await
-        .map_err(|_| ActorError::Stopped)??;
-        let learner = Ranks::new(actor, world);
+        let learner: Box<dyn Learner> = match cfg.trainer.simulate.clone() {
+            // a simulation: no model is loaded, the paced stand-in takes a device's time
+            Some(sim) => {
+                tracing::warn!(?sim, "trainer.simulate: the learner is a paced stand-in; nothing is trained");
+                Box::new(paced::PacedLearner::new(sim))
+            }
+            None => {
+                // joining the group waits for every rank (up to trainer.dist.timeout_s): off the reactor
+                let actor = tokio::task::spawn_blocking(move || {
+                    let comm = ranks::join(&actor_cfg, &plan).map_err(ActorError::from)?;
+                    ActorHandle::spawn(actor_cfg, horizon, actor_resume, comm, pad_id)
+                })
+                .await
+                .map_err(|_| ActorError::Stopped)??;
+                Box::new(Ranks::new(actor, world))
+            }
+        };
         let run_dir = PathBuf::from(&cfg.run.dir);
         let mut sink = MetricsSink::open(&bus, &run_dir, &cfg, resume.as_ref().map(|_| start_step))
             .map_err(|source| TrainerError::RunDir { path: run_dir.clone(), source })?;

@@ -166,7 +166,14 @@ impl JobConfig {
         ensure_threads(self.rollout.tokio_threads, "rollout.tokio_threads")?;
         ensure_threads(self.reward.tokio_threads, "reward.tokio_threads")?;
         ensure_threads(self.buffer.tokio_threads, "buffer.tokio_threads")?;
-        ensure_threads(self.checkpoint.tokio_threads, "checkpoint.tokio_threads")
+        ensure_threads(self.checkpoint.tokio_threads, "checkpoint.tokio_threads")?;
+        if let Some(sim) = &self.trainer.simulate {
+            let positive = |v: f64| v.is_finite() && v >= 0.0;
+            ensure(positive(sim.seconds_per_kilotoken), "trainer.simulate.seconds_per_kilotoken", "must be ≥ 0")?;
+            ensure(positive(sim.publish_s), "trainer.simulate.publish_s", "must be ≥ 0")?;
+            ensure(sim.time_scale.is_finite() && sim.time_scale > 0.0, "trainer.simulate.time_scale", "must be > 0")?;
+        }
+        Ok(())
     }
 
     /// The heartbeat interval, the liveness window and the weight-sync deadline, which only work together.
@@ -945,6 +952,29 @@ pub struct TrainerConfig {
     pub nnodes: u32,
     /// where and how the trainer's ranks meet (the c10d process group)
     pub dist: DistConfig,
+    /// a simulation knob, not for training: with it set the trainer loads no model and its learner is a paced
+    /// stand-in that sleeps the time a device would take (`just bench cluster_sim`); null = the real model
+    pub simulate: Option<SimulateConfig>,
+}
+
+/// `trainer.simulate`: the paced stand-in learner of `just bench cluster_sim`. An update sleeps
+/// `seconds_per_kilotoken` per thousand tokens (prompt and response) of its batch; a weight version sleeps
+/// `publish_s` before it is published; both divided by `time_scale`. It trains nothing.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SimulateConfig {
+    /// modelled seconds an update takes per thousand tokens of its batch (the whole trainer, all its devices)
+    pub seconds_per_kilotoken: f64,
+    /// modelled seconds to gather and publish one weight version
+    pub publish_s: f64,
+    /// the paced clock's speed: modelled seconds per real second (1 = real time)
+    pub time_scale: f64,
+}
+
+impl Default for SimulateConfig {
+    fn default() -> Self {
+        Self { seconds_per_kilotoken: 0.02, publish_s: 1.0, time_scale: 1.0 }
+    }
 }
 
 /// The trainer's process group: rank 0 hosts a c10d TCPStore at `master_addr:master_port`, every rank joins it.
@@ -1004,6 +1034,7 @@ impl Default for TrainerConfig {
             n_gpus_per_node: 1,
             nnodes: 1,
             dist: DistConfig::default(),
+            simulate: None,
         }
     }
 }

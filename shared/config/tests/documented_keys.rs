@@ -26,7 +26,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use jetrl_config::{JobConfig, RolloutCorrectionConfig, TaskConfig};
+use jetrl_config::{JobConfig, RolloutCorrectionConfig, SimulateConfig, TaskConfig};
 use regex::Regex;
 
 /// Documented keys nothing reads yet, and why they stay documented: each must be unread (the test fails once it
@@ -100,6 +100,7 @@ fn job_json() -> serde_json::Value {
     let mut cfg = JobConfig::default();
     cfg.data.task = Some(TaskConfig::default());
     cfg.algorithm.rollout_correction = Some(RolloutCorrectionConfig::default());
+    cfg.trainer.simulate = Some(SimulateConfig::default());
     serde_json::to_value(&cfg).unwrap()
 }
 

@@ -34,7 +34,6 @@ use crate::actor::{OldPolicy, TrainOutput};
 use crate::batch::Sample;
 use crate::checkpoint::{self, CheckpointError, TrainerState};
 use crate::error::TrainerError;
-use crate::learner::Learner;
 use crate::step_metrics::Metrics;
 use crate::weight_sync::SyncReport;
 use crate::Trainer;

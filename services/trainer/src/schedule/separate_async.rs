@@ -11,7 +11,6 @@ use std::time::Instant;
 
 use crate::actor::OldPolicy;
 use crate::error::TrainerError;
-use crate::learner::Learner;
 use crate::schedule::batch_record;
 use crate::step_metrics::{timing_metrics, Aggregator, IdleClock, Metrics};
 use crate::Trainer;
