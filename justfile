@@ -43,7 +43,7 @@ gpu-bundle dir="target/gpu-bundle":
     scripts/gpu-bundle.sh {{dir}}
 
 # a benchmark (benches/<name>/run.sh): dataplane, trainer_step, rollout_engine, reward, async_speedup,
-# weight_sync, gpu, dp (the trainer's ranks), soak (10 minutes, stand-in rollout workers); the last line printed is
-# one JSON object with the figures
+# weight_sync, gpu, dp (the trainer's ranks), soak (10 minutes, stand-in rollout workers), cluster_sim (the three
+# modes at 64-256 paced stand-in rollout GPUs); the last line printed is one JSON object with the figures
 bench name: build
     benches/{{name}}/run.sh

@@ -14,6 +14,7 @@ use jetrl_wire::v1::GroupStatus;
 
 pub mod bench;
 pub mod secure_nats;
+pub mod cluster_sim;
 pub mod sim;
 
 /// Path of a workspace binary (`target/<profile>/<name>`), located from the test executable.
