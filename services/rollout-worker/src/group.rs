@@ -94,21 +94,27 @@ impl Worker {
             drop(slots.split(slots.num_permits() - need));
         }
         self.inflight.fetch_add(1, Ordering::SeqCst);
-        let work = async {
-            if slots.num_permits() < need {
-                let more = (need - slots.num_permits()) as u32;
-                if let Ok(extra) = self.slots.clone().acquire_many_owned(more).await {
-                    slots.merge(extra);
+        let (this, msg_ref, task_ref) = (&self, &msg, &task);
+        // the slots are held by the work and go back when it ends (or is dropped at a hard stop)
+        let work = async move {
+            let _slots = if slots.num_permits() < need {
+                // The reservation goes back before all `need` are asked for at once: a task that held some while
+                // it waited for more could wait forever on the others doing the same.
+                drop(slots);
+                match this.slots.clone().acquire_many_owned(need as u32).await {
+                    Ok(all) => all,
+                    Err(_) => return Err(TaskError::Retry("the worker's slot semaphore is closed".into())),
                 }
-            }
-            self.run_group(&msg, &task).await
+            } else {
+                slots
+            };
+            this.run_group(msg_ref, task_ref).await
         };
         let outcome = tokio::select! {
             outcome = with_progress(work, &msg, self.ack_wait) => Some(outcome),
             _ = self.hard_stop.wait() => None,
         };
         self.inflight.fetch_sub(1, Ordering::SeqCst);
-        drop(slots);
         match outcome {
             Some(Ok(())) => {
                 if let Err(err) = consume::ack_confirmed(&msg).await {
