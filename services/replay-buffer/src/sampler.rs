@@ -166,10 +166,11 @@ fn span(step: u64, submit_step: u64) -> u64 {
     (step + 1).saturating_sub(submit_step)
 }
 
-/// The DAPO verdict on a complete finished group: `Ok(true)` = filter it (more than one value, zero spread).
+/// The DAPO verdict on a complete finished group: `Ok(true)` = filter it (more than one value, zero spread). A
+/// remax group's greedy baseline is not one of its samples and takes no part.
 fn dapo_filtered(group: &Group, metric: &str) -> Result<bool, String> {
     let mut values = Vec::with_capacity(group.rewards.len());
-    for (&slot, r) in &group.rewards {
+    for (&slot, r) in group.rewards.iter().filter(|(_, r)| !r.greedy_baseline) {
         let value = match metric {
             "score" | "seq_reward" | "seq_final_reward" => Some(r.score),
             other => r.extra(other),
@@ -342,7 +343,20 @@ mod tests {
 
         /// A group of `scores.len()` scored trajectories in `state` submitted at `step`.
         fn group(&mut self, uid: &str, state: GroupState, step: u64, scores: &[f64]) {
-            let keys: Vec<String> = (0..scores.len()).map(|i| format!("{uid}_{i}_0")).collect();
+            self.group_with_baseline(uid, state, step, scores, None);
+        }
+
+        /// [`Self::group`], plus a remax greedy baseline scored `baseline` (session `scores.len()`) when given.
+        fn group_with_baseline(
+            &mut self,
+            uid: &str,
+            state: GroupState,
+            step: u64,
+            scores: &[f64],
+            baseline: Option<f64>,
+        ) {
+            let all: Vec<f64> = scores.iter().copied().chain(baseline).collect();
+            let keys: Vec<String> = (0..all.len()).map(|i| format!("{uid}_{i}_0")).collect();
             let mut s = GroupStatus {
                 uid: uid.into(),
                 partition: "train".into(),
@@ -354,7 +368,7 @@ mod tests {
             s.set_state(state);
             self.state.apply_group(s);
             if state.is_terminal() {
-                for (session, (k, &score)) in keys.iter().zip(scores).enumerate() {
+                for (session, (k, &score)) in keys.iter().zip(&all).enumerate() {
                     self.seq += 1;
                     let mut r = Reward {
                         session_id: session as u32,
@@ -363,6 +377,7 @@ mod tests {
                         partition: "train".into(),
                         score,
                         traj_seq: self.seq,
+                        greedy_baseline: session == scores.len(),
                         ..Default::default()
                     };
                     r.extra.insert("acc".into(), score);
@@ -695,6 +710,18 @@ mod tests {
         let (action, evicted) = w.run(&cfg, &again, &mut p);
         assert_eq!(selected(&action), vec!["busy", "ok"]);
         assert_eq!(evicted, vec![("r1".to_string(), EvictReason::DiscardedSurplus)]);
+    }
+
+    #[test]
+    fn a_remax_groups_greedy_baseline_takes_no_part_in_the_dapo_filter() {
+        let mut w = World::new();
+        // the samples of `flat` agree and its greedy baseline differs: the group has no spread to learn from
+        w.group_with_baseline("flat", GroupState::Finished, 1, &[1.0, 1.0], Some(0.0));
+        w.group_with_baseline("mixed", GroupState::Finished, 1, &[1.0, 0.0], Some(1.0));
+        let mut p = Progress::default();
+        let (action, evicted) = w.run(&dapo(100), &req(1, 2), &mut p);
+        assert_eq!(evicted, vec![("flat".to_string(), EvictReason::FilterGroups)]);
+        assert_eq!(action, Action::Refill(2));
     }
 
     #[test]

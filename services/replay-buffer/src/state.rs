@@ -30,6 +30,8 @@ pub struct IndexedReward {
     pub extra: Box<[(Arc<str>, f64)]>,
     pub extra_text: Box<[(Arc<str>, Box<str>)]>,
     pub failure_reason: Option<Box<str>>,
+    /// a remax group's greedy baseline: it sets the group's baseline and is not one of its samples
+    pub greedy_baseline: bool,
 }
 
 impl IndexedReward {
@@ -422,6 +424,7 @@ impl BufferState {
             extra: reward.extra.iter().map(|(k, v)| (self.intern(k), *v)).collect(),
             extra_text: reward.extra_text.iter().map(|(k, v)| (self.intern(k), Box::from(v.as_str()))).collect(),
             failure_reason: (!reward.failure_reason.is_empty()).then(|| Box::from(reward.failure_reason.as_str())),
+            greedy_baseline: reward.greedy_baseline,
         };
         let k = key(&reward.partition, &reward.uid);
         if self.retired.contains_key(&k) || self.released_unseen.contains(&k) {
@@ -569,6 +572,7 @@ impl BufferState {
                     session_id: slot.0,
                     index: slot.1,
                     data_source: r.data_source.to_string(),
+                    greedy_baseline: r.greedy_baseline,
                 })
                 .collect(),
         }

@@ -478,6 +478,7 @@ fn reward_for(traj: &mut Trajectory, uid: &str, partition: &str, outcome: ScoreO
         session_id: traj.session_id,
         index: traj.index,
         data_source: std::mem::take(&mut traj.data_source),
+        greedy_baseline: traj.greedy_baseline,
     }
 }
 

@@ -1,4 +1,5 @@
-//! One prompt group, end to end: the task delivered from PROMPTS becomes `n` sessions of its agent loop, each
+//! One prompt group, end to end: the task delivered from PROMPTS becomes `n` sessions of its agent loop (and a
+//! remax task one more, its greedy baseline, as session `n`), each
 //! session's trajectory is published as it finishes (de-duplicated by key `{uid}_{session}_{index}`), then the
 //! group's score request for the reward service, and only then the group's terminal status and the task's ack.
 //! A worker that dies before that leaves the task unacknowledged: the broker redelivers it after
@@ -14,14 +15,14 @@ use futures::StreamExt;
 use jetrl_bus::groups::GroupUpdateError;
 use jetrl_bus::publish::Outgoing;
 use jetrl_bus::{consume, Publisher, ScoreRequestBuilder};
-use jetrl_model::{Request, Sampling};
+use jetrl_model::{Request, Sampling, SequenceOutput};
 use jetrl_wire::keys::{validate_uid, TrajectoryKey};
 use jetrl_wire::packed;
 use jetrl_wire::v1::{self, GroupState, PromptTask, Trajectory};
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::agent::{self, AgentKind, AgentPrompt, SessionOutput};
-use crate::engine::EngineError;
+use crate::engine::{EngineError, Generation};
 use crate::{Worker, SERVICE};
 
 /// The engine sampling settings of a task (proto zeros mean "unset").
@@ -41,6 +42,17 @@ fn sampling_of(task: &PromptTask, default_max_tokens: u32) -> Sampling {
         seed: s.seed,
         ignore_eos: false,
     }
+}
+
+/// The sampling of a remax group's greedy baseline: the task's, at temperature 0 without nucleus or top-k
+/// truncation (verl's `do_sample=False`).
+fn greedy(sampling: &Sampling) -> Sampling {
+    Sampling { temperature: 0.0, top_p: 1.0, top_k: -1, seed: None, ..sampling.clone() }
+}
+
+/// The finished sequences of a generation, as a stream.
+fn outputs(generation: Generation) -> impl futures::Stream<Item = Result<SequenceOutput, EngineError>> {
+    futures::stream::unfold(generation, |mut g| async move { g.next().await.map(|item| (item, g)) })
 }
 
 /// `extra_info.tool_selection` of a row (verl), when present.
@@ -88,8 +100,8 @@ impl Worker {
             consume::settle(&msg, AckKind::Term).await;
             return;
         }
-        // Hold as many engine slots as the group has sessions (at most all of them).
-        let need = (task.n.max(1) as usize).min(self.engine.slots());
+        // Hold as many engine slots as the group has sessions, its greedy baseline included (at most all of them).
+        let need = (task.n.max(1) as usize + usize::from(task.greedy_baseline)).min(self.engine.slots());
         if slots.num_permits() > need {
             drop(slots.split(slots.num_permits() - need));
         }
@@ -246,13 +258,21 @@ impl Worker {
                     Ok(prompt) => prompt,
                     Err(reason) => return Ok((Vec::new(), Some(reason))),
                 };
-                // One request for the whole group: the prompt is prefilled once and forked n times.
-                let mut generation = match self.engine.submit(Request::new(prompt.clone(), n, sampling)).await {
-                    Ok(g) => g,
-                    Err(EngineError::Stopped) => return Err(TaskError::Retry("engine stopped".into())),
-                    Err(err) => return Ok((Vec::new(), Some(err.to_string()))),
-                };
-                while let Some(result) = generation.next().await {
+                // One request for the whole group: the prompt is prefilled once and forked n times. A remax
+                // group's greedy baseline is one more request, numbered n, generated alongside.
+                let mut requests = vec![Request::new(prompt.clone(), n, sampling.clone())];
+                if task.greedy_baseline {
+                    requests.push(Request { first_sample: n, ..Request::new(prompt.clone(), 1, greedy(&sampling)) });
+                }
+                let mut generations = futures::stream::SelectAll::new();
+                for request in requests {
+                    match self.engine.submit(request).await {
+                        Ok(g) => generations.push(Box::pin(outputs(g))),
+                        Err(EngineError::Stopped) => return Err(TaskError::Retry("engine stopped".into())),
+                        Err(err) => return Ok((Vec::new(), Some(err.to_string()))),
+                    }
+                }
+                while let Some(result) = generations.next().await {
                     match result {
                         Ok(sample) => out.publish(&prompt, SessionOutput::single_turn(sample)).await?,
                         Err(EngineError::Stopped) => return Err(TaskError::Retry("engine stopped".into())),
@@ -282,8 +302,15 @@ impl Worker {
                     Err(reason) => return Ok((Vec::new(), Some(reason))),
                 };
                 let budget = sampling.max_tokens;
+                let greedy = greedy(&sampling);
+                // a remax group's greedy baseline is session n
+                let baseline = task.greedy_baseline.then_some((n, &greedy));
                 let mut sessions: FuturesUnordered<_> = (0..n)
-                    .map(|session| tool_agent.run_session(&self.engine, &prompt, &tools, &sampling, budget, session))
+                    .map(|session| (session, &sampling))
+                    .chain(baseline)
+                    .map(|(session, sampling)| {
+                        tool_agent.run_session(&self.engine, &prompt, &tools, sampling, budget, session)
+                    })
                     .collect();
                 while let Some(result) = sessions.next().await {
                     match result {
@@ -393,6 +420,8 @@ impl<'a> GroupPublisher<'a> {
             agent_name: self.agent.as_str().into(),
             stop_reason: out.stop_reason,
             raw_prompt: task.messages.clone(),
+            // the baseline of a remax group is the session after its n samples
+            greedy_baseline: task.greedy_baseline && out.session == task.n.max(1) as usize,
             ..Default::default()
         };
         let subject = self.worker.bus.names().traj_subject(&task.partition, &task.uid);

@@ -248,9 +248,10 @@ pub async fn run(
         )
         .await?;
     let max_groups = cfg.rollout.max_inflight_groups.max(1) as usize;
-    // Each pulled group reserves the slots a typical group needs (rollout.n); a task asks for more, or gives
-    // back the surplus, once it knows its own n.
-    let per_group = (cfg.rollout.n.max(1) as usize).min(engine.slots());
+    // Each pulled group reserves the slots a typical group needs (rollout.n, and remax's greedy baseline); a task
+    // asks for more, or gives back the surplus, once it knows its own n.
+    let baseline = usize::from(cfg.algorithm.adv_estimator == jetrl_config::AdvantageEstimator::Remax);
+    let per_group = (cfg.rollout.n.max(1) as usize + baseline).min(engine.slots());
     let mut tasks: JoinSet<()> = JoinSet::new();
     while !shutdown.is_triggered() {
         while tasks.try_join_next().is_some() {}

@@ -589,6 +589,10 @@ impl Actor {
         let values_t = values.as_ref().map(|v| host_tensor(v, n)).transpose()?;
         let spsq_t = spsq.as_ref().map(|v| host_tensor(v, n)).transpose()?;
         let extra_scores = gdpo_components(&batch.rows, &self.advantage.gdpo_reward_keys)?;
+        let baselines_t = match self.estimator {
+            AdvantageEstimator::Remax => Some(reward_baselines(&batch.rows)?),
+            _ => None,
+        };
         let inputs = AdvantageInputs {
             index: Some(&uids),
             keys: Some(&keys),
@@ -597,6 +601,7 @@ impl Actor {
             old_log_probs: Some(&old_t),
             sum_pi_squared: spsq_t.as_ref(),
             rollout_is_weights: is_weights.as_ref(),
+            reward_baselines: baselines_t.as_ref(),
             ..AdvantageInputs::new(&rewards_t, &mask_t)
         };
         let (advantages, returns) = compute_advantage(self.estimator, &inputs, &self.advantage)?;
@@ -856,6 +861,20 @@ fn rollout_probs_diff(
         metrics.insert("training/rollout_probs_diff_mean".into(), sum / count);
         metrics.insert("training/rollout_probs_diff_max".into(), max);
     }
+}
+
+/// remax's `reward_baselines`, `[rows]`: each row's greedy-rollout score. A row without one is an error naming
+/// it (the trainer rejects such groups when it fetches them, so this is a broken invariant, not an input).
+fn reward_baselines(rows: &[RowInfo]) -> Result<Tensor, ActorError> {
+    let column = rows
+        .iter()
+        .map(|r| {
+            r.reward_baseline
+                .map(|b| b as f32)
+                .ok_or_else(|| ActorError::Batch(format!("remax: trajectory {} has no greedy-rollout baseline", r.key)))
+        })
+        .collect::<Result<Vec<f32>, _>>()?;
+    Ok(Tensor::f_from_slice(&column)?)
 }
 
 /// The reward components GDPO normalises, `[rows]` each, from the rows' reward extras.

@@ -36,6 +36,8 @@ pub struct Sample {
     pub session_id: u32,
     /// `(first response position, version)` of each run of tokens sampled under one weight version
     pub version_runs: Vec<(u32, u64)>,
+    /// remax: the score of the greedy rollout of the same prompt (verl's `reward_baselines`)
+    pub reward_baseline: Option<f64>,
 }
 
 /// What a trajectory from the wire may hold before the trainer uses it: the model's vocabulary and context.
@@ -118,6 +120,7 @@ impl Sample {
             dataset_row: traj.dataset_row,
             session_id: traj.session_id,
             version_runs: traj.version_runs.iter().map(|r| (r.first_token, r.version)).collect(),
+            reward_baseline: None,
         })
     }
 }
@@ -332,6 +335,9 @@ pub struct RowInfo {
     pub extra: BTreeMap<String, f64>,
     pub prompt_len: usize,
     pub response_len: usize,
+    /// remax: the score of the greedy rollout of the row's prompt
+    #[serde(default)]
+    pub reward_baseline: Option<f64>,
 }
 
 impl RowInfo {
@@ -343,6 +349,7 @@ impl RowInfo {
             extra: s.extra.clone(),
             prompt_len: s.prompt.len(),
             response_len: s.response.len(),
+            reward_baseline: s.reward_baseline,
         }
     }
 }

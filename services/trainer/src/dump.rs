@@ -10,12 +10,13 @@ use jetrl_wire::v1;
 
 use crate::batch::Sample;
 
-/// verl's rollout dump: one JSON line per trajectory (input, output, score, ground truth, step).
+/// verl's rollout dump: one JSON line per trajectory (input, output, score, ground truth, step); with remax, the
+/// score of the prompt's greedy rollout as `reward_baseline`.
 pub fn rollout_rows(tokenizer: &Tokenizer, step: u64, samples: &[Sample]) -> Vec<serde_json::Value> {
     samples
         .iter()
         .map(|s| {
-            serde_json::json!({
+            let mut row = serde_json::json!({
                 "input": tokenizer.decode(&s.prompt, false).unwrap_or_default(),
                 "output": tokenizer.decode(&s.response, false).unwrap_or_default(),
                 "score": s.score,
@@ -29,7 +30,11 @@ pub fn rollout_rows(tokenizer: &Tokenizer, step: u64, samples: &[Sample]) -> Vec
                 "version_runs": s.version_runs,
                 "min_version": s.min_version,
                 "max_version": s.max_version,
-            })
+            });
+            if let (Some(obj), Some(baseline)) = (row.as_object_mut(), s.reward_baseline) {
+                obj.insert("reward_baseline".into(), serde_json::json!(baseline));
+            }
+            row
         })
         .collect()
 }

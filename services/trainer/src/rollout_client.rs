@@ -67,6 +67,8 @@ pub struct RolloutClient {
     val_sampling: v1::SamplingParams,
     n: u32,
     val_n: u32,
+    /// remax: every train group comes with the greedy rollout of its prompt, whose score is the group's baseline
+    greedy_baseline: bool,
     sample_wait: Duration,
     /// sync mode: train tasks must be generated with at least this weight version (see
     /// `PromptTask.min_policy_version`); 0 in the async modes
@@ -116,6 +118,7 @@ impl RolloutClient {
             },
             n: cfg.rollout.n,
             val_n: kw.n.max(1),
+            greedy_baseline: cfg.algorithm.adv_estimator == jetrl_config::AdvantageEstimator::Remax,
             sample_wait: Duration::from_secs_f64(cfg.trainer.sample_wait_s.max(0.1)),
             min_policy_version: 0,
             releases: Default::default(),
@@ -170,6 +173,7 @@ impl RolloutClient {
             min_policy_version: self.min_policy_version,
             epoch: drawn.epoch,
             dataset_row: drawn.row,
+            greedy_baseline: self.greedy_baseline && !validation,
             ..Default::default()
         };
         if let Prompt::Messages(messages) = &example.prompt {
@@ -340,11 +344,21 @@ impl RolloutClient {
 
     /// Fetches every sampled trajectory's payload from the TRAJ stream (one batched direct get per group) and
     /// checks it at the boundary ([`Sample::from_wire`]). A group with a payload missing or invalid is rejected
-    /// whole.
+    /// whole, and so is a remax train group without its greedy baseline.
     pub async fn fetch(&self, response: &SampleResponse) -> Result<Fetched, TrainerError> {
         let started = Instant::now();
         let rewards: Vec<&v1::Reward> = response.groups.iter().flat_map(|g| g.trajectories.iter()).collect();
-        let out = fetch_payloads(&self.bus, &rewards, self.sample_limits).await?;
+        let mut out = fetch_payloads(&self.bus, &rewards, self.sample_limits).await?;
+        if self.greedy_baseline {
+            let train: std::collections::BTreeSet<&str> =
+                rewards.iter().filter(|r| r.partition == subjects::TRAIN_PARTITION).map(|r| r.uid.as_str()).collect();
+            let missing = out.samples.iter().filter(|s| s.reward_baseline.is_none() && train.contains(s.uid.as_str()));
+            for sample in missing {
+                let reason = "remax: the group has no scored greedy rollout, the baseline of its samples".to_string();
+                out.rejected.entry(sample.uid.clone()).or_insert(reason);
+            }
+            out.samples.retain(|s| !out.rejected.contains_key(&s.uid));
+        }
         metrics::histogram!("jetrl_trainer_fetch_seconds").record(started.elapsed().as_secs_f64());
         Ok(out)
     }
@@ -503,12 +517,14 @@ impl RolloutClient {
 }
 
 /// The payloads of `rewards`' trajectories from the TRAJ stream, checked at the boundary ([`Sample::from_wire`]),
-/// ordered by (epoch, dataset row, session, key); a group with a payload missing or invalid is rejected whole.
+/// ordered by (epoch, dataset row, session, key); a group with a payload missing or invalid is rejected whole. A
+/// remax group's greedy rollout is not a training row: its score becomes the `reward_baseline` of the group's rows.
 pub async fn fetch_payloads(bus: &Bus, rewards: &[&v1::Reward], limits: SampleLimits) -> Result<Fetched, TrainerError> {
     let wanted: Vec<(String, u64)> =
         rewards.iter().map(|r| (bus.names().traj_subject(&r.partition, &r.uid), r.traj_seq)).collect();
     let mut payloads = bus.fetch_by_sequence(bus.names().traj_stream(), &wanted).await?;
     let mut out = Fetched::default();
+    let mut baselines: BTreeMap<String, f64> = BTreeMap::new();
     for &reward in rewards {
         if out.rejected.contains_key(&reward.uid) {
             continue;
@@ -523,14 +539,19 @@ pub async fn fetch_payloads(bus: &Bus, rewards: &[&v1::Reward], limits: SampleLi
                             reward.traj_seq, traj.key, reward.key
                         ));
                     }
-                    Sample::from_wire(&traj, reward, limits).map_err(|e| format!("trajectory {}: {e}", reward.key))
+                    let sample = Sample::from_wire(&traj, reward, limits)
+                        .map_err(|e| format!("trajectory {}: {e}", reward.key))?;
+                    Ok((sample, traj.greedy_baseline))
                 }),
             None => {
                 Err(format!("trajectory {} (TRAJ sequence {}) is missing from the stream", reward.key, reward.traj_seq))
             }
         };
         match checked {
-            Ok(sample) => out.samples.push(sample),
+            Ok((sample, true)) => {
+                baselines.insert(sample.uid, sample.score);
+            }
+            Ok((sample, false)) => out.samples.push(sample),
             Err(reason) => {
                 tracing::error!(uid = %reward.uid, %reason, "group rejected: not trained on");
                 metrics::counter!("jetrl_trainer_rejected_groups_total").increment(1);
@@ -539,6 +560,9 @@ pub async fn fetch_payloads(bus: &Bus, rewards: &[&v1::Reward], limits: SampleLi
         }
     }
     out.samples.retain(|s| !out.rejected.contains_key(&s.uid));
+    for sample in &mut out.samples {
+        sample.reward_baseline = baselines.get(&sample.uid).copied();
+    }
     out.samples.sort_by(|a, b| {
         (a.epoch, a.dataset_row, a.session_id, &a.key).cmp(&(b.epoch, b.dataset_row, b.session_id, &b.key))
     });

@@ -25,6 +25,7 @@ pub fn score_view(traj: &Trajectory, stored_seq: u64) -> Trajectory {
         extra_info_json: traj.extra_info_json.clone(),
         num_turns: traj.num_turns,
         raw_prompt: traj.raw_prompt.clone(),
+        greedy_baseline: traj.greedy_baseline,
         stored_seq,
         prompt_len: prompt_len(traj),
         response_len: response_len(traj),

@@ -65,6 +65,7 @@ fn prompt_task() -> PromptTask {
         min_policy_version: 40,
         epoch: 1,
         dataset_row: 5,
+        greedy_baseline: true,
     }
 }
 
@@ -100,6 +101,7 @@ fn trajectory() -> Trajectory {
         epoch: 1,
         dataset_row: 5,
         version_runs: vec![VersionRun { first_token: 0, version: 6 }, VersionRun { first_token: 2, version: 7 }],
+        greedy_baseline: true,
     }
 }
 
@@ -135,6 +137,7 @@ fn reward() -> Reward {
         session_id: 3,
         index: 1,
         data_source: "openai/gsm8k".into(),
+        greedy_baseline: true,
     }
 }
 
@@ -766,6 +769,7 @@ prop_compose! {
             response_text, data_source, ground_truth, extra_info_json, worker_id, num_turns, tool_rewards, agent_name,
             stop_reason, raw_prompt, stored_seq, prompt_len, response_len, epoch: u64::from(session_id),
             dataset_row: submit_step, version_runs: vec![VersionRun { first_token: index, version: min_version }],
+            greedy_baseline: session_id % 2 == 1,
         }
     }
 }
@@ -783,6 +787,7 @@ prop_compose! {
         Reward {
             key, uid, partition, traj_seq, score, extra, extra_text, failure_reason, prompt_len, response_len,
             min_version, max_version, submit_step, session_id, index, data_source,
+            greedy_baseline: index % 2 == 1,
         }
     }
 }
@@ -936,8 +941,9 @@ fn every_example_decodes_as_its_own_type() {
 #[test]
 fn a_lying_length_prefix_is_an_error_naming_the_message() {
     let fields = split_fields(&trajectory().encode_to_vec()).unwrap();
-    // the last field (`version_runs`, field 30) rewritten with a length running past the end
-    let lying = lying_length(&fields, fields.len() - 1, 5);
+    // the last length-delimited field (`version_runs`, field 30; `greedy_baseline`, field 31, a varint, follows)
+    // rewritten with a length running past the end
+    let lying = lying_length(&fields, fields.len() - 2, 5);
     let err = Trajectory::decode(lying.as_slice()).unwrap_err().to_string();
     assert!(err.starts_with("failed to decode Protobuf message: Trajectory.version_runs"), "{err}");
 }
