@@ -36,6 +36,10 @@ pub struct SamplerConfig {
     pub sync_refill_failed_groups: bool,
     /// sync DAPO: pending + running stay within `max_inflight_gen_batches × train_batch_size`
     pub max_inflight: u64,
+    /// DAPO: a request's prompts (its batch and the refills granted for it) stay within this many batches; a
+    /// batch still short once no more may be generated fails the request (verl's DAPO `max_num_gen_batches`);
+    /// 0 = no cap
+    pub max_gen_batches: u64,
 }
 
 impl SamplerConfig {
@@ -48,6 +52,7 @@ impl SamplerConfig {
             filter_metric: if fg.enable { fg.metric.clone() } else { None },
             sync_refill_failed_groups: cfg.buffer.sync_refill_failed_groups,
             max_inflight: u64::from(fg.max_inflight_gen_batches.max(1)) * u64::from(cfg.data.train_batch_size),
+            max_gen_batches: u64::from(fg.max_num_gen_batches),
         }
     }
 }
@@ -98,6 +103,8 @@ pub struct Progress {
     credit: u64,
     /// sync DAPO: the batch is full; stop dispatching, wait for in-flight work, then select
     draining: bool,
+    /// async DAPO: refills the `max_num_gen_batches` cap withheld
+    withheld: u64,
     /// refills granted to the trainer for this request so far
     pub granted: u64,
     /// what the last eviction removed (consumed by the next iteration's credit logic)
@@ -183,7 +190,7 @@ fn dapo_filtered(group: &Group, metric: &str) -> Result<bool, String> {
                      (reward extras: {:?})",
                     group.key(slot),
                     r.extra_names()
-                ))
+                ));
             }
         }
     }
@@ -259,13 +266,36 @@ pub fn next_action(
     let sampleable = state.sampleable(partition);
     let inflight = state.inflight(partition);
     let enough = sampleable.len() >= batch;
+    // DAPO's cap: prompts this request may still have refilled (None: no cap)
+    let generated = batch as u64 + progress.granted;
+    let gen_room = (dapo.is_some() && cfg.max_gen_batches > 0)
+        .then(|| (cfg.max_gen_batches * batch as u64).saturating_sub(generated));
+    let capped = |wanted: u64| gen_room.map_or(wanted, |room| wanted.min(room));
+    // the cap is reached, more groups are wanted, and nothing in flight can fill the batch
+    let exhausted = |wanted: u64| gen_room == Some(0) && wanted > 0 && !enough && inflight.is_empty();
+    let exhausted_error = || {
+        Action::Fail(format!(
+            "algorithm.filter_groups.max_num_gen_batches = {}: step {step} generated {generated} prompts ({} \
+             batches of {batch}) and has {} of the {batch} groups with a spread in `{}` it needs; the data may be \
+             too hard (or too easy) for the policy; set max_num_gen_batches=0 to generate until the batch is full",
+            cfg.max_gen_batches,
+            cfg.max_gen_batches,
+            sampleable.len(),
+            dapo.unwrap_or_default(),
+        ))
+    };
 
     match cfg.mode {
         Mode::Async => {
-            // evict k -> refill k, whatever the reason
-            let refill = std::mem::take(&mut progress.last_evicted_total);
+            // evict k -> refill k, whatever the reason (within DAPO's cap)
+            let wanted = std::mem::take(&mut progress.last_evicted_total);
+            let refill = capped(wanted);
+            progress.withheld += wanted - refill;
             if refill > 0 {
                 return Action::Refill(refill as u32);
+            }
+            if exhausted(progress.withheld) {
+                return exhausted_error();
             }
             if cfg.strategy == Strategy::Wait && !validation {
                 let blocked = inflight.iter().any(|g| span(step, g.status.submit_step) >= cfg.max_off_policy_threshold);
@@ -292,10 +322,13 @@ pub fn next_action(
                 }
                 if !progress.draining && progress.credit > 0 {
                     let room = cfg.max_inflight.saturating_sub(inflight.len() as u64);
-                    let n = progress.credit.min(room);
+                    let n = capped(progress.credit.min(room));
                     if n > 0 {
                         progress.credit -= n;
                         return Action::Refill(n as u32);
+                    }
+                    if exhausted(progress.credit) {
+                        return exhausted_error();
                     }
                 }
             }
@@ -430,6 +463,7 @@ mod tests {
             filter_metric: None,
             sync_refill_failed_groups: false,
             max_inflight: 1000,
+            max_gen_batches: 0,
         }
     }
 
@@ -710,6 +744,43 @@ mod tests {
         let (action, evicted) = w.run(&cfg, &again, &mut p);
         assert_eq!(selected(&action), vec!["busy", "ok"]);
         assert_eq!(evicted, vec![("r1".to_string(), EvictReason::DiscardedSurplus)]);
+    }
+
+    #[test]
+    fn dapo_generates_at_most_max_num_gen_batches_batches_then_fails_a_short_batch_naming_the_key() {
+        for mode in [Mode::Sync, Mode::Async] {
+            let mut w = World::new();
+            let cfg = SamplerConfig { mode, max_gen_batches: 2, ..dapo(100) };
+            w.group("ok", GroupState::Finished, 1, &[1.0, 0.0]);
+            w.group("flat", GroupState::Finished, 1, &[1.0, 1.0]);
+            let mut p = Progress::default();
+            let mut request = req(1, 2);
+            // every refill comes back without a spread: refills go on until 2 batches of 2 prompts are spent
+            let message = loop {
+                match w.run(&cfg, &request, &mut p).0 {
+                    Action::Refill(n) => {
+                        p.record_refill(n);
+                        for i in request.refilled..request.refilled + n {
+                            w.group(&format!("new{i}"), GroupState::Pending, 1, &[]);
+                        }
+                        // in flight: it waits for them, whatever the cap says
+                        request.refilled += n;
+                        assert_eq!(w.run(&cfg, &request, &mut p).0, Action::Wait, "{mode:?}");
+                        for i in request.refilled - n..request.refilled {
+                            w.group(&format!("new{i}"), GroupState::Finished, 1, &[0.0, 0.0]);
+                        }
+                    }
+                    Action::Fail(message) => break message,
+                    other => panic!("{mode:?}: {other:?}"),
+                }
+            };
+            assert_eq!(request.refilled, 2, "{mode:?}: the batch and its refills within 2 batches of 2");
+            assert!(
+                message.contains("algorithm.filter_groups.max_num_gen_batches = 2")
+                    && message.contains("1 of the 2 groups"),
+                "{mode:?}: {message}"
+            );
+        }
     }
 
     #[test]
