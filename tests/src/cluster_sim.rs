@@ -313,10 +313,10 @@ async fn stand_in(bus: Bus, groups: GroupStore, fleet: Arc<Fleet>, cfg: JobConfi
     let permits = Arc::new(tokio::sync::Semaphore::new(p.max_groups));
     let (task_tx, mut task_rx) = tokio::sync::mpsc::channel(p.max_groups);
     let mut stop = fleet.stop.clone();
-    let puller = {
+    let _puller = {
         let permits = permits.clone();
         let mut stop = stop.clone();
-        tokio::spawn(async move {
+        AbortOnDrop(tokio::spawn(async move {
             loop {
                 let permit = tokio::select! {
                     _ = stop.changed() => return,
@@ -336,7 +336,7 @@ async fn stand_in(bus: Bus, groups: GroupStore, fleet: Arc<Fleet>, cfg: JobConfi
                     }
                 }
             }
-        })
+        }))
     };
     // the heartbeat
     let loaded = Arc::new(AtomicU64::new(0));
@@ -344,14 +344,14 @@ async fn stand_in(bus: Bus, groups: GroupStore, fleet: Arc<Fleet>, cfg: JobConfi
     // a new version loaded is reported at once, as a real worker does (the trainer waits for it)
     let loaded_changed = Arc::new(tokio::sync::Notify::new());
     let idle_s = Arc::new(Mutex::new((0.0f64, Some(Instant::now()))));
-    let beat = {
+    let _beat = {
         let (bus, loaded, running_now, idle_s, instance) =
             (bus.clone(), loaded.clone(), running_now.clone(), idle_s.clone(), instance.clone());
         let loaded_changed = loaded_changed.clone();
         let interval = Duration::from_secs_f64(cfg.rollout.heartbeat_interval_s.max(0.1));
         let slots = (p.max_groups * cfg.rollout.n as usize) as u32;
         let mut stop = stop.clone();
-        tokio::spawn(async move {
+        AbortOnDrop(tokio::spawn(async move {
             let Ok(kv) = bus.key_value(bus.names().workers_bucket()).await else { return };
             let mut ticker = tokio::time::interval(interval);
             loop {
@@ -379,7 +379,7 @@ async fn stand_in(bus: Bus, groups: GroupStore, fleet: Arc<Fleet>, cfg: JobConfi
                 };
                 let _ = kv.put(format!("rollout.{instance}"), beat.encode_to_vec().into()).await;
             }
-        })
+        }))
     };
 
     let mut rng = Rng::new(index as u64 + 1);
@@ -506,8 +506,15 @@ async fn stand_in(bus: Bus, groups: GroupStore, fleet: Arc<Fleet>, cfg: JobConfi
     for (_, g) in in_flight {
         consume::settle(&g.msg, async_nats::jetstream::AckKind::Nak(None)).await;
     }
-    puller.abort();
-    beat.abort();
+}
+
+/// A task that ends with its owner (a stand-in killed by the chaos takes its puller and heartbeat with it).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// A finished sequence as the worker stores it: real token arrays of its length, the versions it was decoded
@@ -705,6 +712,13 @@ pub struct Outcome {
     pub duplicated: u64,
     pub untrained_at_end: u64,
     pub worker_errors: u64,
+    /// `JETRL_SIM_CHAOS=1`: stand-ins killed (and restarted), services killed (and restarted), by name
+    pub chaos: bool,
+    pub workers_killed: u64,
+    pub services_killed: Vec<String>,
+    /// the longest and the median step, modelled seconds (the longest stall a kill caused shows as the first)
+    pub longest_step_s: f64,
+    pub median_step_s: f64,
 }
 
 pub fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -764,6 +778,11 @@ trainer:
     );
     let mut doc: serde_yaml::Value = serde_yaml::from_str(&base).expect("base job");
     merge(&mut doc, &profile.job);
+    let chaos = std::env::var("JETRL_SIM_CHAOS").is_ok_and(|v| v == "1");
+    if chaos {
+        // a killed stand-in's tasks come back after the ack wait: short enough for the run to go on
+        merge(&mut doc, &serde_yaml::from_str("rollout: {ack_wait_s: 20}").expect("yaml"));
+    }
     let scale = serde_yaml::from_str(&format!("trainer: {{simulate: {{time_scale: {time_scale}}}}}")).expect("yaml");
     merge(&mut doc, &scale);
     let config = dir.join(format!("job-{mode}.yaml"));
@@ -803,9 +822,9 @@ trainer:
         fleet_tasks.spawn(colocate_control(bus.clone(), "sim-0".into(), paused, version_tx.clone(), stop_rx.clone()));
     }
     let fleet_started = Instant::now();
-    for i in 0..workers {
-        fleet_tasks.spawn(stand_in(bus.clone(), groups.clone(), fleet.clone(), cfg.clone(), i));
-    }
+    let mut worker_handles: Vec<tokio::task::AbortHandle> = (0..workers)
+        .map(|i| fleet_tasks.spawn(stand_in(bus.clone(), groups.clone(), fleet.clone(), cfg.clone(), i)))
+        .collect();
     // probes: the buffer's answer latency (a sample request for an empty partition, answered `not ready` at
     // once, through the same request loop as the trainer's), the reward service's queue (SCORE consumer pending)
     let probing = Arc::new(AtomicBool::new(true));
@@ -849,10 +868,35 @@ trainer:
         })
     };
     let mut trainer = spawn_logged(dir, "trainer", "jetrl-trainer", &config, &[]);
+    let mut out_kills: (u64, Vec<String>) = (0, Vec::new());
     let deadline = Instant::now() + Duration::from_secs(1800);
+    // chaos: kill -9 a random stand-in every 10 s (restarted at once under its instance id, as a supervisor
+    // restarts a worker on its GPU) and a random service every 60 s (restarted after a second)
+    let mut rng = Rng::new(99);
+    let (mut next_worker_kill, mut next_service_kill) =
+        (Instant::now() + Duration::from_secs(10), Instant::now() + Duration::from_secs(60));
     let status = loop {
         if let Ok(Some(status)) = trainer.try_wait() {
             break Some(status);
+        }
+        if chaos && Instant::now() >= next_worker_kill {
+            next_worker_kill += Duration::from_secs(10);
+            let i = (rng.next_u64() % workers as u64) as usize;
+            worker_handles[i].abort();
+            worker_handles[i] = fleet_tasks.spawn(stand_in(bus.clone(), groups.clone(), fleet.clone(), cfg.clone(), i));
+            out_kills.0 += 1;
+        }
+        if chaos && Instant::now() >= next_service_kill {
+            next_service_kill += Duration::from_secs(60);
+            let k = (rng.next_u64() % children.len() as u64) as usize;
+            let (name, child) = &mut children[k];
+            let _ = child.kill();
+            let _ = child.wait();
+            eprintln!("chaos: killed {name}");
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let binary = format!("jetrl-{name}");
+            *child = spawn_logged(dir, &format!("{name}-{}", out_kills.1.len()), &binary, &config, &[]);
+            out_kills.1.push(name.clone());
         }
         if Instant::now() > deadline {
             let _ = trainer.kill();
@@ -904,6 +948,14 @@ trainer:
     out.reward_queue_max = queue.iter().copied().max().unwrap_or(0);
     out.reward_queue_mean = if queue.is_empty() { 0.0 } else { queue.iter().sum::<u64>() as f64 / queue.len() as f64 };
     out.worker_errors = fleet.errors.load(Ordering::Relaxed);
+    out.chaos = chaos;
+    out.workers_killed = out_kills.0;
+    out.services_killed = out_kills.1;
+    let mut step_times: Vec<f64> =
+        steps.iter().filter_map(|m| m["timing_s/step"].as_f64()).map(|t| t * time_scale).collect();
+    step_times.sort_by(f64::total_cmp);
+    out.longest_step_s = step_times.last().copied().unwrap_or(f64::NAN);
+    out.median_step_s = percentile(&step_times, 0.5);
     out.staleness_max_allowed = cfg.buffer.max_off_policy_threshold.max(1);
 
     // the ledger: every completed group trained once, or still waiting (untrained when the run ended)
@@ -985,6 +1037,13 @@ pub fn mode_json(profile: &Profile, o: &Outcome, bound: &Bound) -> serde_json::V
         "duplicated": o.duplicated,
         "untrained_at_end": o.untrained_at_end,
         "worker_errors": o.worker_errors,
+        "longest_step_s": round(o.longest_step_s, 2),
+        "median_step_s": round(o.median_step_s, 2),
+        "chaos": if o.chaos {
+            serde_json::json!({"workers_killed": o.workers_killed, "services_killed": o.services_killed})
+        } else {
+            serde_json::Value::Null
+        },
     })
 }
 

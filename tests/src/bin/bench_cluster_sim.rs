@@ -5,7 +5,9 @@
 //! Knobs (env): `JETRL_SIM_PROFILE` (`h100-7b-grpo-math`; a name under `benches/cluster_sim/` or a path),
 //! `JETRL_SIM_WORKERS` (the profile's largest fleet), `JETRL_SIM_MODES` (`sync,colocate_async,separate_async`),
 //! `JETRL_SIM_TIME_SCALE` (the profile's), `JETRL_SIM_SCALE_CHECK` (1: run separate_async again at half the time
-//! scale, to show the result does not depend on it; 0: not).
+//! scale, to show the result does not depend on it; 0: not), `JETRL_SIM_CHAOS` (1: kill -9 a random stand-in
+//! worker every 10 s, restarted at once under its instance id, and a random service every 60 s, restarted after a
+//! second; the lines report the kills and the longest and median step).
 //!
 //! One JSON line per mode, then the summary: `{"bench":"cluster_sim","profile":…,"workers":…,
 //! "speedup_separate":…,"speedup_colocate":…,"ideal_bound":…,"trainer_wait_share":…,"sample_p99_ms":…,
@@ -89,6 +91,12 @@ async fn main() {
         "duplicated": outcomes.iter().map(|o| o.duplicated).sum::<u64>(),
         "all_steps_trained": outcomes.iter().all(|o| o.trainer_ok && o.steps_trained.len() as u64 == o.steps),
         "scale_check": scale_check_line,
+        "chaos": outcomes.first().is_some_and(|o| o.chaos).then(|| serde_json::json!({
+            "workers_killed": outcomes.iter().map(|o| o.workers_killed).sum::<u64>(),
+            "services_killed": outcomes.iter().flat_map(|o| o.services_killed.iter().cloned()).collect::<Vec<_>>(),
+            "longest_step_s": outcomes.iter().map(|o| round(o.longest_step_s, 1)).collect::<Vec<_>>(),
+            "median_step_s": outcomes.iter().map(|o| round(o.median_step_s, 1)).collect::<Vec<_>>(),
+        })),
     });
     println!("{summary}");
 }
