@@ -8,6 +8,7 @@
 # than real time; separate_async is run again at half the scale to show the result does not depend on it.
 # Knobs (env): JETRL_SIM_PROFILE (h100-7b-grpo-math; or demo, or a path), JETRL_SIM_WORKERS (the profile's
 # largest fleet), JETRL_SIM_MODES (sync,colocate_async,separate_async), JETRL_SIM_TIME_SCALE (the profile's),
+# JETRL_SIM_STEPS (the profile's), JETRL_SIM_KEEP (1: keep the logs and run directories, path printed),
 # JETRL_SIM_SCALE_CHECK (1; 0: no second run), JETRL_SIM_CHAOS (1: kill -9 a random stand-in every 10 s and a
 # random service every 60 s, each restarted; the lines report the kills and the longest step).
 # One JSON line per mode, then {"bench":"cluster_sim","profile":…,"workers":…,"speedup_separate":…,

@@ -4,7 +4,8 @@
 //!
 //! Knobs (env): `JETRL_SIM_PROFILE` (`h100-7b-grpo-math`; a name under `benches/cluster_sim/` or a path),
 //! `JETRL_SIM_WORKERS` (the profile's largest fleet), `JETRL_SIM_MODES` (`sync,colocate_async,separate_async`),
-//! `JETRL_SIM_TIME_SCALE` (the profile's), `JETRL_SIM_SCALE_CHECK` (1: run separate_async again at half the time
+//! `JETRL_SIM_TIME_SCALE` (the profile's), `JETRL_SIM_STEPS` (the profile's), `JETRL_SIM_KEEP` (1: keep the logs and
+//! run directories), `JETRL_SIM_SCALE_CHECK` (1: run separate_async again at half the time
 //! scale, to show the result does not depend on it; 0: not), `JETRL_SIM_CHAOS` (1: kill -9 a random stand-in
 //! worker every 10 s, restarted at once under its instance id, and a random service every 60 s, restarted after a
 //! second; the lines report the kills and the longest and median step).
@@ -19,12 +20,21 @@ use jetrl_tests::cluster_sim::{self, round};
 #[tokio::main]
 async fn main() {
     let name: String = knob("JETRL_SIM_PROFILE", "h100-7b-grpo-math".to_string());
-    let profile = cluster_sim::load_profile(&cluster_sim::profile_path(&name));
+    let mut profile = cluster_sim::load_profile(&cluster_sim::profile_path(&name));
+    profile.steps = knob("JETRL_SIM_STEPS", profile.steps);
     let workers: usize = knob("JETRL_SIM_WORKERS", profile.workers.iter().copied().max().unwrap_or(16));
     let modes: String = knob("JETRL_SIM_MODES", "sync,colocate_async,separate_async".to_string());
     let scale: f64 = knob("JETRL_SIM_TIME_SCALE", profile.time_scale);
     let scale_check: u32 = knob("JETRL_SIM_SCALE_CHECK", 1);
     let dir = tempfile::Builder::new().prefix("jetrl-cluster-sim-").tempdir().expect("tempdir");
+    // JETRL_SIM_KEEP=1: the logs and run directories stay (their path is printed)
+    let dir = if knob("JETRL_SIM_KEEP", 0u32) > 0 {
+        let kept = dir.keep();
+        println!("cluster_sim: logs and runs kept in {}", kept.display());
+        Dir::Kept(kept)
+    } else {
+        Dir::Temp(dir)
+    };
     let job = cluster_sim::profile_job(&profile, dir.path());
     let bound = cluster_sim::ideal_bound(&profile, &job, workers, 50);
     println!(
@@ -99,4 +109,19 @@ async fn main() {
         })),
     });
     println!("{summary}");
+}
+
+/// Where the logs and run directories go: a temporary directory, or one kept after the run.
+enum Dir {
+    Temp(tempfile::TempDir),
+    Kept(std::path::PathBuf),
+}
+
+impl Dir {
+    fn path(&self) -> &std::path::Path {
+        match self {
+            Dir::Temp(dir) => dir.path(),
+            Dir::Kept(path) => path,
+        }
+    }
 }
