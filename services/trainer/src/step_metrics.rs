@@ -104,8 +104,9 @@ impl IdleClock {
 }
 
 /// verl's `MetricsAggregator`, combining the local updates of one separate_async step: sums for counters, the
-/// last value for the learning rate, max / min for `/max` / `/min` names, and a mean weighted by the number of
-/// trajectories of each local update otherwise.
+/// last value for the learning rate, max / min for names ending in `max` / `min` (`response_length/max`,
+/// `rollout_corr/rollout_is_min`), and a mean weighted by the number of trajectories of each local update
+/// otherwise.
 #[derive(Default)]
 pub struct Aggregator {
     parts: Vec<(Metrics, f64)>,
@@ -123,9 +124,9 @@ impl Aggregator {
         let mut out = Metrics::new();
         for key in keys {
             let values: Vec<(f64, f64)> = self.parts.iter().filter_map(|(m, w)| m.get(key).map(|v| (*v, *w))).collect();
-            let value = if key.ends_with("/max") {
+            let value = if key.ends_with("max") {
                 values.iter().map(|v| v.0).fold(f64::MIN, f64::max)
-            } else if key.ends_with("/min") {
+            } else if key.ends_with("min") {
                 values.iter().map(|v| v.0).fold(f64::MAX, f64::min)
             } else if is_counter(key) {
                 values.iter().map(|v| v.0).sum()
@@ -172,6 +173,15 @@ mod tests {
         let out = agg.finish();
         assert_eq!(out["actor/pg_loss"], (1.0 + 12.0) / 4.0, "weighted by trajectories");
         assert_eq!(out["response_length/max"], 4.0);
+        let mut agg = Aggregator::default();
+        agg.add(m(&[("rollout_corr/rollout_is_min", 0.0), ("rollout_corr/rollout_is_max", 1.5)]), 1.0);
+        agg.add(m(&[("rollout_corr/rollout_is_min", 0.6), ("rollout_corr/rollout_is_max", 1.9)]), 1.0);
+        let rc = agg.finish();
+        assert_eq!(
+            (rc["rollout_corr/rollout_is_min"], rc["rollout_corr/rollout_is_max"]),
+            (0.0, 1.9),
+            "the extremes of the weights over the local updates, not their mean"
+        );
         assert_eq!(out["actor/lr"], 0.2, "the last learning rate");
         assert_eq!(out["training/num_groups"], 4.0, "counts add up");
         let mut agg = Aggregator::default();
