@@ -13,8 +13,9 @@
 //! the bootstrap numbers are verl's to the last digit, not merely the same statistic.
 //!
 //! [`validate`] runs verl's `_validate`: every validation prompt generated with `rollout.val_kwargs` (greedy by
-//! default), `n` times, scored; one score per session (its final output); the generations dumped to
-//! `validation_data_dir/<step>.jsonl` and `log_val_generations` of them logged.
+//! default), `n` times, scored; one score per session (its final output); `val-aux/num_turns/{min,max,mean}`
+//! over those outputs; the generations dumped to `validation_data_dir/<step>.jsonl` and `log_val_generations` of
+//! them logged.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -67,18 +68,25 @@ pub async fn validate(
             pred: r.extra_text.get("pred").cloned(),
         })
         .collect();
-    let out = validation_metrics(&samples);
+    let mut out = validation_metrics(&samples);
+    // the final outputs' payloads: their turn counts, and the generations to dump or log
+    let finals_only = SampleResponse {
+        groups: vec![v1::SampledGroup {
+            trajectories: finals.values().map(|r| (*r).clone()).collect(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let generations = client.fetch(&finals_only).await?;
+    let turns: Vec<f64> = generations.samples.iter().map(|s| f64::from(s.num_turns)).collect();
+    if !turns.is_empty() {
+        out.insert("val-aux/num_turns/min".into(), turns.iter().copied().fold(f64::INFINITY, f64::min));
+        out.insert("val-aux/num_turns/max".into(), turns.iter().copied().fold(f64::NEG_INFINITY, f64::max));
+        out.insert("val-aux/num_turns/mean".into(), turns.iter().sum::<f64>() / turns.len() as f64);
+    }
     let dump_dir = cfg.trainer.validation_data_dir.clone();
     let log_n = cfg.trainer.log_val_generations as usize;
     if dump_dir.is_some() || log_n > 0 {
-        let finals_only = SampleResponse {
-            groups: vec![v1::SampledGroup {
-                trajectories: finals.values().map(|r| (*r).clone()).collect(),
-                ..Default::default()
-            }],
-            ..Default::default()
-        };
-        let generations = client.fetch(&finals_only).await?;
         let rows =
             dump::generation_rows(client.tokenizer(), step, &generations.samples, &finals_only.groups[0].trajectories);
         if let Some(dir) = dump_dir {
