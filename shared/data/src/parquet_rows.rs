@@ -8,20 +8,7 @@ use std::path::Path;
 use parquet::file::reader::{FileReader, SerializedFileReader};
 use parquet::record::{Field, Row};
 
-use crate::{example_from_row, DataError, Example, OnRow};
-
-/// Loads verl-format rows from a parquet file (any mix of snappy, zstd, gzip or uncompressed pages).
-pub fn load_parquet(path: &Path, prompt_key: &str) -> Result<Vec<Example>, DataError> {
-    let mut out = Vec::new();
-    visit_parquet(path, &mut |row, n| {
-        out.push(example_from_row(row, prompt_key, n)?);
-        Ok(())
-    })?;
-    if out.is_empty() {
-        return Err(DataError::Empty(path.display().to_string()));
-    }
-    Ok(out)
-}
+use crate::{DataError, OnRow};
 
 /// Visits every row of a parquet file as a JSON object.
 pub(crate) fn visit_parquet(path: &Path, on_row: &mut OnRow<'_>) -> Result<(), DataError> {
@@ -101,7 +88,7 @@ mod tests {
     #[test]
     fn verl_parquet_rows_load_with_every_common_codec() {
         for codec in ["snappy", "zstd", "gzip"] {
-            let rows = load_parquet(&fixture(&format!("gsm8k_{codec}.parquet")), "prompt").unwrap();
+            let rows = crate::load_file(&fixture(&format!("gsm8k_{codec}.parquet")), "prompt").unwrap();
             assert_eq!(rows.len(), 5, "{codec}");
             let r = &rows[3];
             assert_eq!(r.data_source, "openai/gsm8k");
@@ -120,7 +107,7 @@ mod tests {
 
     #[test]
     fn missing_prompt_column_names_the_key_and_the_row() {
-        let err = load_parquet(&fixture("gsm8k_snappy.parquet"), "question").unwrap_err().to_string();
+        let err = crate::load_file(&fixture("gsm8k_snappy.parquet"), "question").unwrap_err().to_string();
         assert!(err.contains("question") && err.contains("row 1"), "{err}");
     }
 }
