@@ -611,8 +611,8 @@ impl Default for TaskConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
     pub task: Option<TaskConfig>,
-    /// verl-format `.parquet` or `.jsonl` files (rows with `prompt` chat messages, `data_source`,
-    /// `reward_model.ground_truth`, `extra_info`)
+    /// verl-format `.parquet`, `.jsonl` or `.arrow` files, or HF `datasets` directories (`save_to_disk`), of rows
+    /// with `prompt` chat messages, `data_source`, `reward_model.ground_truth`, `extra_info`
     pub train_files: Vec<String>,
     pub val_files: Vec<String>,
     /// rows kept from the train files; -1 = all (verl `train_max_samples`)

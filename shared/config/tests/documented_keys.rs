@@ -135,8 +135,9 @@ fn config_structs() -> BTreeMap<String, BTreeMap<String, Field>> {
     let ident = Regex::new(r"[A-Z]\w*").unwrap();
     let mut structs = BTreeMap::new();
     let dir = repo_root().join("shared/config/src");
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+    // the job's structs are in the crate's top-level files (verl/ translates verl's tree into them)
+    for path in std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.is_file()) {
+        let text = std::fs::read_to_string(path).unwrap();
         let mut current: Option<(String, BTreeMap<String, Field>)> = None;
         let mut renamed: Option<String> = None;
         for line in text.lines() {
