@@ -13,8 +13,8 @@ pub use jetrl_bus::NatsServer;
 use jetrl_wire::v1::GroupStatus;
 
 pub mod bench;
-pub mod secure_nats;
 pub mod cluster_sim;
+pub mod secure_nats;
 pub mod sim;
 
 /// Path of a workspace binary (`target/<profile>/<name>`), located from the test executable.
