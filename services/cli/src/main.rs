@@ -30,19 +30,8 @@ enum Command {
     /// `jetrl run FILE.yaml [section.key=value …]` reads a job in jetrl's tree; `jetrl run --verl [FILE.yaml]
     /// [key=value …]` reads verl's tree and Hydra's overrides as `python3 -m verl.trainer.main_ppo` takes them.
     Run {
-        /// the job file (YAML), then overrides (`section.key=value`); with --verl the file is optional and the
-        /// overrides are Hydra's (`a.b=1`, `+a.b=1`, `~a.b`)
-        #[arg(required = true)]
-        args: Vec<String>,
-        /// read verl's configuration (its key tree, defaults and Hydra overrides): see docs/configuration.md
-        #[arg(long)]
-        verl: bool,
-        /// Hydra's `--config-path` (with --verl): the directory of --config-name's file
-        #[arg(long, requires = "verl")]
-        config_path: Option<PathBuf>,
-        /// Hydra's `--config-name` (with --verl): a YAML file in --config-path, `.yaml` optional
-        #[arg(long, requires = "verl")]
-        config_name: Option<String>,
+        #[command(flatten)]
+        job: JobArgs,
         /// use this NATS server instead of starting one
         #[arg(long)]
         nats_url: Option<String>,
@@ -135,22 +124,16 @@ enum ConfigCommand {
     /// The resolved job: `jetrl config show FILE [overrides]`, or `jetrl config show --verl [FILE] [overrides]` for
     /// verl's tree (what was ignored goes to stderr)
     Show {
-        /// the job file, then overrides (as for `jetrl run`)
-        args: Vec<String>,
-        #[arg(long)]
-        verl: bool,
-        #[arg(long, requires = "verl")]
-        config_path: Option<PathBuf>,
-        #[arg(long, requires = "verl")]
-        config_name: Option<String>,
+        #[command(flatten)]
+        job: JobArgs,
     },
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Command::Run { args, verl, config_path, config_name, nats_url, quiet } => {
-            let job = JobArgs::parse(args, verl, config_path, config_name)?;
+        Command::Run { job, nats_url, quiet } => {
+            let job = job.resolve()?;
             let (config, overrides) = match job.verl_translation()? {
                 Some((translated, ignored)) => {
                     if let Some(line) = ignored {
@@ -164,9 +147,9 @@ fn main() -> anyhow::Result<()> {
             let code = runtime.block_on(run::run(&config, overrides, nats_url, quiet))?;
             std::process::exit(code);
         }
-        Command::Config { command: ConfigCommand::Show { args, verl, config_path, config_name } } => {
-            let job = JobArgs::parse(args, verl, config_path, config_name)?;
-            let cfg = if verl {
+        Command::Config { command: ConfigCommand::Show { job } } => {
+            let job = job.resolve()?;
+            let cfg = if job.verl {
                 let translated = jetrl_config::load_verl(job.file.as_deref(), &job.overrides)?;
                 if let Some(line) = translated.ignored_line() {
                     eprintln!("{line}");
@@ -210,8 +193,25 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
-/// A job named on the command line: a file (optional with --verl) and overrides.
+/// A job named on the command line, as `jetrl run` and `jetrl config show` take it.
+#[derive(clap::Args)]
 struct JobArgs {
+    /// the job file (YAML), then overrides (`section.key=value`); with --verl the file is optional and the
+    /// overrides are Hydra's (`a.b=1`, `+a.b=1`, `~a.b`)
+    args: Vec<String>,
+    /// read verl's configuration (its key tree, defaults and Hydra overrides): see docs/configuration.md
+    #[arg(long)]
+    verl: bool,
+    /// Hydra's `--config-path` (with --verl): the directory of --config-name's file
+    #[arg(long, requires = "verl")]
+    config_path: Option<PathBuf>,
+    /// Hydra's `--config-name` (with --verl): a YAML file in --config-path, `.yaml` optional
+    #[arg(long, requires = "verl")]
+    config_name: Option<String>,
+}
+
+/// The job's file (optional with --verl) and overrides.
+struct Job {
     file: Option<PathBuf>,
     overrides: Vec<String>,
     verl: bool,
@@ -220,12 +220,8 @@ struct JobArgs {
 impl JobArgs {
     /// The first argument is the file unless it reads as an override (`key=value`, `+key…`, `~key`); Hydra's
     /// `--config-path`/`--config-name` name the file instead.
-    fn parse(
-        mut args: Vec<String>,
-        verl: bool,
-        config_path: Option<PathBuf>,
-        config_name: Option<String>,
-    ) -> anyhow::Result<Self> {
+    fn resolve(self) -> anyhow::Result<Job> {
+        let JobArgs { mut args, verl, config_path, config_name } = self;
         let first_is_file =
             args.first().is_some_and(|a| !a.contains('=') && !a.starts_with('~') && !a.starts_with('+'));
         let mut file = first_is_file.then(|| PathBuf::from(args.remove(0)));
@@ -239,9 +235,11 @@ impl JobArgs {
                 "--config-path names the directory of --config-name's file: give both"
             );
         }
-        Ok(Self { file, overrides: args, verl })
+        Ok(Job { file, overrides: args, verl })
     }
+}
 
+impl Job {
     /// With --verl: the job translated into jetrl's tree, written to `<run.dir>/verl_job.yaml` (after its checks
     /// pass), and the line saying what was ignored.
     fn verl_translation(&self) -> anyhow::Result<Option<(PathBuf, Option<String>)>> {
