@@ -443,19 +443,28 @@ fn dapo_trains_only_groups_with_a_reward_spread_refills_to_full_and_honours_max_
     assert!(job.metrics().is_empty(), "no step can have trained");
 }
 
-/// Steps of the rollout-correction runs, and how many of the last ones make a run's final reward.
+/// Steps of each rollout-correction run; the 5-step mean reward a run must reach in them; how many steps later
+/// than the run without correction a corrected run may reach it.
 const RC_STEPS: usize = 60;
-const RC_FINAL: usize = 10;
+const RC_LEVEL: f64 = 0.8;
+const RC_SLACK: usize = 10;
+
+/// The first step at which the mean reward of the last 5 steps is at least [`RC_LEVEL`].
+fn reaches_level(scores: &[f64]) -> Option<usize> {
+    (5..=scores.len()).find(|&end| scores[end - 5..end].iter().sum::<f64>() / 5.0 >= RC_LEVEL)
+}
 
 /// Rollout correction in separate_async (the off-policy schedule it exists for), on the demo task for 60 steps
-/// each: token-level TIS (threshold 2) with sequence rejection (`seq_mean_k1`, 0.5–2), and IcePop (weights
-/// outside 0.5–2 zeroed). The weights applied show in `rollout_corr/*`: they differ from 1 (the data is off
-/// policy), TIS never exceeds its threshold, IcePop's are 0 or within its band. Each learns about as well as the
-/// same job without correction: its final reward (the mean of the last 10 steps) at most 0.2 below. At step 60
-/// the reward is still rising fast, and in separate_async the schedule's timing makes each run a new draw:
-/// measured on this job, 0.61–0.85 without correction, 0.69–0.85 with TIS, 0.55–0.82 with IcePop. So a
-/// corrected run that misses runs once more, and only a second miss fails (as modes.rs does for the async
-/// modes).
+/// each at a constant learning rate of 2e-3: token-level TIS (threshold 2) with sequence rejection
+/// (`seq_mean_k1`, 0.5–2), and IcePop (weights outside 0.5–2 zeroed). The weights applied show in
+/// `rollout_corr/*`: they differ from 1 (the data is off policy), TIS never exceeds its threshold, IcePop's are 0
+/// or within its band. Each learns about as well as the same job without correction: its 5-step mean reward
+/// reaches 0.8 at most 10 steps after the uncorrected run's does. Measured on this job: step 36–41 without
+/// correction, 38–39 with TIS, 34 with IcePop (the demo's cosine decay over only 60 steps leaves the reward
+/// rising until the end, 0.49–0.90 at step 60 from run to run; at a constant rate a learned policy can swing
+/// afterwards, so the level is judged when first reached, not at the end). In separate_async the schedule's
+/// timing makes each run a new draw, so a corrected run that misses runs once more, and only a second miss fails
+/// (as modes.rs does for the async modes).
 #[test]
 #[ignore = "slow tier: rollout correction in separate_async through the services"]
 fn rollout_correction_weights_show_in_the_metrics_and_corrected_runs_learn_like_uncorrected_ones() {
@@ -463,23 +472,31 @@ fn rollout_correction_weights_show_in_the_metrics_and_corrected_runs_learn_like_
     let dir = jetrl_tests::test_dir("rollout-correction");
     let steps_arg = format!("trainer.total_training_steps={RC_STEPS}");
     let run = |name: &str, correction: Option<&str>| {
-        let mut overrides = vec!["trainer.mode=separate_async", steps_arg.as_str()];
+        let mut overrides = vec![
+            "trainer.mode=separate_async",
+            steps_arg.as_str(),
+            "actor.optim.lr=2.0e-3",
+            "actor.optim.lr_scheduler_type=constant",
+        ];
         let correction = correction.map(|c| format!("algorithm.rollout_correction={c}"));
         overrides.extend(correction.as_deref());
         let rows = steps(&demo(dir.path(), name, &overrides));
         assert_eq!(rows.len(), RC_STEPS, "{name}");
-        let scores = series(&rows, "critic/score/mean");
-        (scores[RC_STEPS - RC_FINAL..].iter().sum::<f64>() / RC_FINAL as f64, rows)
+        (reaches_level(&series(&rows, "critic/score/mean")), rows)
     };
     let (plain, plain_rows) = run("rc-none", None);
     assert!(plain_rows.iter().all(|r| r["rollout_corr/rollout_is_mean"].is_null()), "no correction, no weights");
-    assert!(plain > 0.4, "the uncorrected run did not learn (a random policy scores about 0.1): {plain:.3}");
+    let plain = plain.unwrap_or_else(|| panic!("without correction the reward never reached {RC_LEVEL}"));
+    let in_time = |reached: Option<usize>| reached.is_some_and(|step| step <= plain + RC_SLACK);
     let draw = |name: &str, correction: &str| {
         let first = run(name, Some(correction));
-        if first.0 >= plain - 0.2 {
+        if in_time(first.0) {
             return first;
         }
-        eprintln!("{name}: final reward {:.3} against {plain:.3} without correction; running it once more", first.0);
+        eprintln!(
+            "{name}: reward {RC_LEVEL} reached at step {:?}, step {plain} without correction; once more",
+            first.0
+        );
         run(&format!("{name}-again"), Some(correction))
     };
     let (tis, tis_rows) = draw(
@@ -487,7 +504,7 @@ fn rollout_correction_weights_show_in_the_metrics_and_corrected_runs_learn_like_
         r#"{rollout_is: token, rollout_is_threshold: 2.0, rollout_rs: seq_mean_k1, rollout_rs_threshold: "0.5_2.0"}"#,
     );
     let (icepop, icepop_rows) = draw("rc-icepop", r#"{rollout_is: token, rollout_is_threshold: "0.5_2.0"}"#);
-    eprintln!("final reward (last {RC_FINAL} of {RC_STEPS} steps): none {plain:.3}, TIS {tis:.3}, IcePop {icepop:.3}");
+    eprintln!("reward {RC_LEVEL} reached at step: none {plain}, TIS {tis:?}, IcePop {icepop:?}");
 
     for (name, rows) in [("TIS", &tis_rows), ("IcePop", &icepop_rows)] {
         let max = series(rows, "rollout_corr/rollout_is_max");
@@ -510,7 +527,10 @@ fn rollout_correction_weights_show_in_the_metrics_and_corrected_runs_learn_like_
             }
         }
     }
-    for (name, reward) in [("TIS", tis), ("IcePop", icepop)] {
-        assert!(reward >= plain - 0.2, "{name}: final reward {reward:.3} against {plain:.3} without correction");
+    for (name, reached) in [("TIS", tis), ("IcePop", icepop)] {
+        assert!(
+            in_time(reached),
+            "{name}: reward {RC_LEVEL} reached at step {reached:?}, step {plain} without correction"
+        );
     }
 }
