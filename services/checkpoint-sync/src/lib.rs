@@ -210,3 +210,5 @@ impl Registry {
         }
     }
 }
+
+impl jetrl_telemetry::ServiceError for CheckpointError {}

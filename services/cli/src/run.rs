@@ -318,6 +318,14 @@ fn handle_events(
                 console.say(&format!("{service} restarted (pid {})", pid.map_or("?".into(), |p| p.to_string())));
                 journal.record("restarted", json!({"service": service, "pid": pid}));
             }
+            Event::Failed { service, log, log_tail } => {
+                console.say(&format!(
+                    "{service} stopped on an error that a restart would meet again (not restarted); the last lines of {}:\n{log_tail}",
+                    log.display(),
+                ));
+                journal.record("failed", json!({"service": service}));
+                end = Some(Err(format!("{service} failed on a permanent error")));
+            }
             Event::CrashLoop { service, status, restarts, log, log_tail } => {
                 console.say(&format!(
                     "{service} is crash-looping: it {} after {restarts} restarts within {:.0}s; the last lines of {}:\n{log_tail}",

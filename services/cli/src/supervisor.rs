@@ -105,6 +105,8 @@ pub enum Event {
     Restarted { service: String, pid: Option<u32> },
     /// stopped because `failed`, of the same group, failed: it restarts with it
     StoppedWithGroup { service: String, failed: String },
+    /// a service exited with a permanent error ([`jetrl_telemetry::EXIT_PERMANENT`]): not restarted, the job ends
+    Failed { service: String, log: PathBuf, log_tail: String },
     /// a service failed more often than the policy allows: the job ends
     CrashLoop { service: String, status: String, restarts: u32, log: PathBuf, log_tail: String },
 }
@@ -186,7 +188,16 @@ impl Supervisor {
                     });
                     continue;
                 }
-                let event = decide(s, &self.policy, describe(status), now);
+                // a permanent error (a bad job, a missing dataset) fails the same way on every restart
+                let event = if status.code() == Some(jetrl_telemetry::EXIT_PERMANENT) {
+                    Event::Failed {
+                        service: s.spec.name.clone(),
+                        log: s.spec.log.clone(),
+                        log_tail: log_tail(&s.spec.log, LOG_TAIL_LINES),
+                    }
+                } else {
+                    decide(s, &self.policy, describe(status), now)
+                };
                 if let (Event::Restarting { .. }, Some(group)) = (&event, &s.spec.group) {
                     failed_groups.push((group.clone(), s.spec.name.clone(), s.restart_at));
                 }
@@ -468,6 +479,36 @@ mod tests {
         assert_eq!(
             without_backtraces(panic.lines()),
             ["thread 'main' panicked at src/main.rs:1:1:", "boom", "(backtrace omitted)", "next line"]
+        );
+    }
+
+    /// A service that exits with the permanent-error status is not restarted; one that exits 1 is.
+    #[tokio::test]
+    async fn a_permanent_error_ends_the_job_and_an_ordinary_one_restarts() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = |name: &str, code: i32| ServiceSpec {
+            name: name.into(),
+            binary: "/bin/sh".into(),
+            args: vec!["-c".into(), format!("exit {code}").into()],
+            log: dir.path().join(format!("{name}.log")),
+            group: None,
+        };
+        let mut supervisor = Supervisor::new(policy(), "trainer");
+        supervisor.start(spec("trainer", jetrl_telemetry::EXIT_PERMANENT)).unwrap();
+        supervisor.start(spec("reward", 1)).unwrap();
+        let mut events = Vec::new();
+        let deadline = Instant::now() + secs(10);
+        while events.len() < 2 && Instant::now() < deadline {
+            events.extend(supervisor.poll(Instant::now()));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(
+            events.iter().any(|e| matches!(e, Event::Failed { service, .. } if service == "trainer")),
+            "{events:?}"
+        );
+        assert!(
+            events.iter().any(|e| matches!(e, Event::Restarting { service, .. } if service == "reward")),
+            "{events:?}"
         );
     }
 }

@@ -993,3 +993,5 @@ async fn purge_payloads(
     .await;
     metrics::counter!("jetrl_buffer_released_trajectories_total").increment(trajectories as u64);
 }
+
+impl jetrl_telemetry::ServiceError for BufferError {}

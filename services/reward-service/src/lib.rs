@@ -245,3 +245,5 @@ fn describe_metrics() {
         "time to decode, score, publish and acknowledge one micro-batch"
     );
 }
+
+impl jetrl_telemetry::ServiceError for RewardServiceError {}

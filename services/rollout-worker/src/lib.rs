@@ -422,3 +422,5 @@ fn describe_metrics() {
     describe_histogram!("jetrl_rollout_tool_call_seconds", Unit::Seconds, "one tool call");
     describe_histogram!("jetrl_rollout_response_tokens", Unit::Count, "response length of a trajectory");
 }
+
+impl jetrl_telemetry::ServiceError for RolloutError {}

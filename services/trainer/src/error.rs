@@ -108,3 +108,18 @@ pub enum ActorError {
     #[error("the actor thread has stopped")]
     Stopped,
 }
+
+impl jetrl_telemetry::ServiceError for TrainerError {
+    /// A dataset, tokenizer or model config that cannot be read, a schedule that cannot run, or a sample request
+    /// the buffer refused as invalid: the same job fails the same way when started again.
+    fn is_permanent(&self) -> bool {
+        match self {
+            TrainerError::Data(_)
+            | TrainerError::Tokenizer { .. }
+            | TrainerError::ModelConfig { .. }
+            | TrainerError::Mode(..) => true,
+            TrainerError::Buffer { code, .. } => *code == jetrl_wire::v1::ErrorCode::Invalid,
+            _ => false,
+        }
+    }
+}

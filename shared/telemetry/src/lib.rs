@@ -24,7 +24,9 @@ pub mod http;
 pub mod service;
 
 pub use endpoint::{prometheus, scrape, serve_metrics};
-pub use service::{available_cores, runtime, service_main, shutdown_signal, Shutdown, TorchThreads};
+pub use service::{
+    available_cores, runtime, service_main, shutdown_signal, ServiceError, Shutdown, TorchThreads, EXIT_PERMANENT,
+};
 
 /// Installs the global tracing subscriber once; later calls are no-ops (tests start many services).
 pub fn init_tracing(level: &str, format: jetrl_config::LogFormat) {

@@ -55,6 +55,18 @@ pub async fn shutdown_signal() {
     }
 }
 
+/// The exit status of a service whose error no restart can cure (a bad configuration, a dataset that is not
+/// there): sysexits' `EX_CONFIG`. `jetrl run` ends the job on it instead of restarting the service.
+pub const EXIT_PERMANENT: i32 = 78;
+
+/// A service's error, and whether it is permanent ([`EXIT_PERMANENT`]).
+pub trait ServiceError: std::error::Error + Send + Sync + 'static {
+    /// Whether starting the service again with the same job would fail the same way.
+    fn is_permanent(&self) -> bool {
+        false
+    }
+}
+
 /// The whole `main` of a jetrl service: parse `--config FILE` and `section.key=value` overrides, load and
 /// validate the job configuration (errors name the key), set up tracing, then run the service on a tokio
 /// runtime with `tokio_threads(&cfg)` worker threads (null: one per core) until SIGINT/SIGTERM.
@@ -65,7 +77,7 @@ pub fn service_main<Fut, E>(
 ) -> anyhow::Result<()>
 where
     Fut: std::future::Future<Output = Result<(), E>>,
-    E: std::error::Error + Send + Sync + 'static,
+    E: ServiceError,
 {
     let name = std::env::args().next().and_then(|p| p.rsplit('/').next().map(str::to_string)).unwrap_or_default();
     let matches = clap::Command::new("jetrl-service")
@@ -78,13 +90,27 @@ where
     let config = matches.get_one::<String>("config").map(std::path::PathBuf::from);
     let overrides: Vec<String> =
         matches.get_many::<String>("overrides").map(|v| v.cloned().collect()).unwrap_or_default();
-    let cfg = jetrl_config::JobConfig::load(config.as_deref(), &overrides)?;
+    let cfg = match jetrl_config::JobConfig::load(config.as_deref(), &overrides) {
+        Ok(cfg) => cfg,
+        Err(err) => {
+            eprintln!("Error: {err}");
+            std::process::exit(EXIT_PERMANENT);
+        }
+    };
     init_tracing(&cfg.log.level, cfg.log.format);
     let workers = tokio_threads(&cfg);
     let runtime = runtime(workers)?;
     tracing::info!(tokio_threads = workers.map_or_else(|| "one per core".to_string(), |n| n.to_string()), "runtime");
-    runtime.block_on(run(cfg, Box::pin(shutdown_signal())))?;
-    Ok(())
+    match runtime.block_on(run(cfg, Box::pin(shutdown_signal()))) {
+        Ok(()) => Ok(()),
+        Err(err) if err.is_permanent() => {
+            tracing::error!(error = %err, "stopping: a permanent error (exit status {EXIT_PERMANENT}: not to be restarted)");
+            eprintln!("Error: {err}");
+            drop(runtime);
+            std::process::exit(EXIT_PERMANENT);
+        }
+        Err(err) => Err(err.into()),
+    }
 }
 
 /// A multi-threaded tokio runtime with `worker_threads` workers (null: tokio's default, one per core).
