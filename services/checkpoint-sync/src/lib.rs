@@ -16,7 +16,7 @@ use jetrl_telemetry::Shutdown;
 use jetrl_wire::v1::{ErrorCode, WeightAnnounce, WeightAnnounceResponse, WeightManifest};
 use jetrl_wire::Message;
 
-const SERVICE: &str = "checkpoint";
+const SERVICE: &str = jetrl_wire::ServiceKind::Checkpoint.as_str();
 
 /// How long an announced blob may stay invisible (a lagging replica) before the announcement is rejected.
 const BLOB_LOOKUP_PATIENCE: std::time::Duration = std::time::Duration::from_secs(5);

@@ -15,7 +15,7 @@ use jetrl_bus::Bus;
 use jetrl_config::{JobConfig, NatsConfig};
 use jetrl_wire::subjects::{self, Names};
 use jetrl_wire::v1::{GroupState, Heartbeat, LedgerRequest, LedgerResponse, WorkerState};
-use jetrl_wire::Message;
+use jetrl_wire::{Message, ServiceKind};
 use serde::Serialize;
 use serde_json::json;
 
@@ -60,9 +60,6 @@ pub struct Options {
 
 /// Ledger entries asked for: enough for the staleness histogram of any job that fits the buffer's memory.
 const LEDGER_LIMIT: u32 = 1_000_000;
-
-/// The services every job runs; a missing heartbeat of one of them is a problem.
-const EXPECTED_SERVICES: [&str; 5] = ["trainer", "rollout", "reward", "buffer", "checkpoint"];
 
 pub async fn status(target: &Target, options: Options) -> anyhow::Result<()> {
     let names = Names::new(&target.namespace).map_err(|e| anyhow::anyhow!("--namespace: {e}"))?;
@@ -273,7 +270,7 @@ async fn snapshot(bus: &Bus, target: &Target, options: &Options) -> anyhow::Resu
     let now = jetrl_wire::now_unix_ms();
     let beats = heartbeats(bus).await?;
     // with several trainer ranks each beats (instance `rank-<r>`); rank 0's carries the step
-    let trainer_beats: Vec<&Heartbeat> = beats.iter().filter(|b| b.service == "trainer").collect();
+    let trainer_beats: Vec<&Heartbeat> = beats.iter().filter(|b| b.service == ServiceKind::Trainer.as_str()).collect();
     let trainer = trainer_beats
         .iter()
         .copied()
@@ -393,7 +390,7 @@ fn problem(beat: &Heartbeat, now: i64, timeout_s: f64) -> Option<String> {
 
 fn service_view(beat: &Heartbeat, now: i64, timeout_s: f64) -> ServiceView {
     let state = WorkerState::try_from(beat.state).unwrap_or(WorkerState::Unspecified);
-    let rollout = beat.service == "rollout";
+    let rollout = beat.service == ServiceKind::Rollout.as_str();
     ServiceView {
         service: beat.service.clone(),
         instance: beat.instance_id.clone(),
@@ -411,7 +408,8 @@ fn service_view(beat: &Heartbeat, now: i64, timeout_s: f64) -> ServiceView {
 
 fn health(beats: &[Heartbeat], now: i64, timeout_s: f64) -> Health {
     let mut problems: Vec<String> = beats.iter().filter_map(|b| problem(b, now, timeout_s)).collect();
-    for service in EXPECTED_SERVICES {
+    // every job runs each kind: a missing heartbeat of one is a problem
+    for service in ServiceKind::ALL.map(ServiceKind::as_str) {
         if !beats.iter().any(|b| b.service == service) {
             problems.push(format!("{service}: no heartbeat (not running, or dead for more than 15 s)"));
         }
@@ -441,7 +439,7 @@ fn staleness(ledger: &LedgerResponse, current_step: u64) -> Staleness {
 /// Which rollout workers hold which weight version.
 fn weight_versions(beats: &[Heartbeat]) -> BTreeMap<u64, Vec<String>> {
     let mut versions: BTreeMap<u64, Vec<String>> = BTreeMap::new();
-    for beat in beats.iter().filter(|b| b.service == "rollout") {
+    for beat in beats.iter().filter(|b| b.service == ServiceKind::Rollout.as_str()) {
         versions.entry(beat.policy_version).or_default().push(beat.instance_id.clone());
     }
     versions

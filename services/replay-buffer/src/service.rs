@@ -23,7 +23,7 @@ use crate::reread::{Pass, Reread};
 use crate::sampler::{next_action, Action, EvictReason, Progress, SamplerConfig};
 use crate::state::BufferState;
 
-const SERVICE: &str = "buffer";
+const SERVICE: &str = jetrl_wire::ServiceKind::Buffer.as_str();
 /// Answers remembered for retried requests (a retry comes right after a timeout, so a few suffice).
 const ANSWER_CACHE: usize = 64;
 /// Release markers kept in REWARDS (the newest; older ones go with each floor purge). A marker matters only while

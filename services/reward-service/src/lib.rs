@@ -60,7 +60,7 @@ use crate::batch::BatchContext;
 use crate::prompt::PromptSource;
 use crate::pull::{Leases, Puller};
 
-const SERVICE: &str = "reward";
+const SERVICE: &str = jetrl_wire::ServiceKind::Reward.as_str();
 /// Trajectories whose requests were scored and acknowledged (whatever their outcome).
 pub const TRAJECTORIES_METRIC: &str = "jetrl_reward_trajectories_total";
 /// Seconds from a trajectory's completion (its `timings.completed_unix_ms`) to its reward being durable.

@@ -53,7 +53,7 @@ use crate::agent::{AgentKind, ToolAgent, ToolTurnEncoder};
 use crate::engine::{EngineError, EngineHandle, EngineSettings};
 use crate::tools::ToolRegistry;
 
-pub(crate) const SERVICE: &str = "rollout";
+pub(crate) const SERVICE: &str = jetrl_wire::ServiceKind::Rollout.as_str();
 
 #[derive(Debug, thiserror::Error)]
 pub enum RolloutError {

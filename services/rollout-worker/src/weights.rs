@@ -64,7 +64,7 @@ impl Worker {
         let load = self.engine.load();
         let (state, message) = self.status.get();
         let beat = Heartbeat {
-            service: "rollout".into(),
+            service: crate::SERVICE.into(),
             instance_id: self.instance.clone(),
             policy_version: self.engine.version(),
             unix_ms: jetrl_wire::now_unix_ms(),

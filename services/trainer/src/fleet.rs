@@ -89,7 +89,7 @@ impl Fleet {
                     Err(err) => {
                         let reason = format!("malformed heartbeat: {err}");
                         jetrl_bus::consume::dead_letter(
-                            "trainer",
+                            jetrl_bus::heartbeat::TRAINER,
                             &malformed_source,
                             &entry.key,
                             &reason,

@@ -23,7 +23,7 @@ use tokio::sync::Notify;
 use crate::{Bus, BusError, Cause};
 
 /// The service whose heartbeat carries its step metrics.
-pub const TRAINER: &str = "trainer";
+pub const TRAINER: &str = jetrl_wire::ServiceKind::Trainer.as_str();
 
 /// What the heartbeat reports, updated between beats.
 #[derive(Default, Clone)]

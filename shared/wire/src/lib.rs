@@ -17,6 +17,39 @@ pub mod v1 {
 
 pub use prost::Message;
 
+/// The five services of a job: the names their heartbeats, dead letters and WORKERS keys carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ServiceKind {
+    Trainer,
+    Rollout,
+    Reward,
+    Buffer,
+    Checkpoint,
+}
+
+impl ServiceKind {
+    /// Every service a job runs.
+    pub const ALL: [ServiceKind; 5] =
+        [ServiceKind::Trainer, ServiceKind::Rollout, ServiceKind::Reward, ServiceKind::Buffer, ServiceKind::Checkpoint];
+
+    /// The name on the wire, which is also the service's section of the job file.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ServiceKind::Trainer => "trainer",
+            ServiceKind::Rollout => "rollout",
+            ServiceKind::Reward => "reward",
+            ServiceKind::Buffer => "buffer",
+            ServiceKind::Checkpoint => "checkpoint",
+        }
+    }
+}
+
+impl std::fmt::Display for ServiceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 impl v1::GroupState {
     /// `finished` or `failure`: the worker is done with the group.
     pub fn is_terminal(self) -> bool {
