@@ -243,26 +243,21 @@ fn rules(tree: &Value, user_set: &BTreeSet<String>, out: &mut Builder) -> Result
     if let Some(correction) = get(tree, "algorithm.rollout_correction").filter(|v| !v.is_null()) {
         out.set("algorithm.rollout_correction", "algorithm.rollout_correction", correction.clone());
     }
-    // device
-    match get(tree, "trainer.device").map(spelling).as_deref() {
-        Some("cpu") => {
-            out.set("model.device", "trainer.device", json!("cpu"));
-            if !set_by_user(user_set, "actor_rollout_ref.model.dtype") {
-                out.set("model.dtype", "trainer.device", json!("f32"));
-            }
-        }
-        Some(device) if device.starts_with("cuda") => {
-            out.set("model.device", "trainer.device", json!(device));
-            if !set_by_user(user_set, "actor_rollout_ref.model.dtype") {
-                out.set("model.dtype", "trainer.device", json!("bf16"));
-            }
-        }
+    // device, and the dtype that goes with it unless the job names one
+    let device = get(tree, "trainer.device").map(spelling);
+    let dtype = match device.as_deref() {
+        Some("cpu") => "f32",
+        Some(d) if d.starts_with("cuda") => "bf16",
         other => {
             return Err(invalid(
                 "trainer.device",
                 format!("{} is refused: jetrl trains on cuda or cpu", other.unwrap_or("null")),
             ))
         }
+    };
+    out.set("model.device", "trainer.device", json!(device));
+    if !set_by_user(user_set, "actor_rollout_ref.model.dtype") {
+        out.set("model.dtype", "trainer.device", json!(dtype));
     }
     // names and where the run writes
     let project = get(tree, "trainer.project_name").map(spelling).unwrap_or_else(|| "verl".into());
