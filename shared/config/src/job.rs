@@ -80,6 +80,15 @@ impl JobConfig {
             "set data.task (a built-in task) or data.train_files",
         )?;
         ensure(self.data.max_prompt_length > 0, "data.max_prompt_length", "must be > 0")?;
+        ensure(
+            self.rollout.agent.default_agent_loop != AgentLoop::Tool || !self.rollout.multi_turn.tools.is_empty(),
+            "rollout.multi_turn.tools",
+            "is empty, but rollout.agent.default_agent_loop is tool_agent: name at least one tool (calculator, python)",
+        )?;
+        if let Some(task) = self.data.task.as_ref().filter(|t| t.name == TaskName::Multiply) {
+            // the calculator computes in f64, exact below 2^53: two 7-digit operands' product has at most 14 digits
+            ensure(task.max_len <= 7, "data.task.max_len", "multiply's operands have at most 7 digits")?;
+        }
         self.validate_mode()?;
         self.validate_ranks()?;
         self.validate_liveness()?;
@@ -1152,6 +1161,24 @@ mod tests {
         cfg.checkpoint.transport = WeightTransportKind::SharedFs;
         assert!(cfg.validate().unwrap_err().to_string().contains("checkpoint.shared_dir"));
         assert!(with_task(JobConfig::default()).validate().is_ok());
+    }
+
+    /// A tool job without tools, with an unknown tool, or multiply operands the calculator cannot multiply exactly.
+    #[test]
+    fn tool_jobs_name_the_key_of_a_bad_tool_list_or_task() {
+        let mut cfg = with_task(JobConfig::default());
+        cfg.rollout.agent.default_agent_loop = AgentLoop::Tool;
+        assert!(cfg.validate().is_ok(), "the default tools");
+        cfg.rollout.multi_turn.tools.clear();
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("rollout.multi_turn.tools") && err.contains("tool_agent"), "{err}");
+        let err =
+            crate::load::<JobConfig>(None, &["rollout.multi_turn.tools=[\"calc\"]".into()]).unwrap_err().to_string();
+        assert!(err.contains("rollout.multi_turn.tools") && err.contains("calculator"), "{err}");
+        let mut cfg = with_task(JobConfig::default());
+        cfg.data.task.as_mut().unwrap().name = TaskName::Multiply;
+        cfg.data.task.as_mut().unwrap().max_len = 8;
+        assert!(cfg.validate().unwrap_err().to_string().contains("data.task.max_len"));
     }
 
     /// A verl user's `trainer.*` and `data.*` keys load as they are; wrong values name their key.

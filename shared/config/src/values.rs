@@ -191,6 +191,8 @@ config_enum! {
         Reverse = "reverse",
         Sort = "sort",
         Copy = "copy",
+        /// `37*58=` → `2146`: the calculator tool's task (the answer is scored on the response's last line)
+        Multiply = "multiply",
     }
 }
 
@@ -504,6 +506,8 @@ config_enum! {
         /// `tiny-digits` with a trained model's output scale (final norm weight 4): the base of the LoRA demo,
         /// which cannot train the final norm
         TinyDigitsLora = "tiny-digits-lora",
+        /// `tiny-digits` with `*` and two added tokens that write a Hermes calculator call (the tool demo)
+        TinyTools = "tiny-tools",
     }
 }
 

@@ -3,9 +3,13 @@
 //! - `reverse`: prompt `reverse 4821=`, answer `1284`.
 //! - `sort`: prompt `sort 4821=`, answer `1248`.
 //! - `copy`: prompt `copy 4821=`, answer `4821` (the easiest: a fixed relative offset; a pipeline check).
+//! - `multiply`: prompt `multiply 37*58=` (`{digits}` is `37*58`, each operand `min_len..=max_len` digits),
+//!   answer `2146`. A small model cannot multiply; with the calculator tool (`tool_agent`) it can ask for the
+//!   product, which then stands in its context.
 //!
 //! Scored by the reward service's `jetrl/<task>` rule: the fraction of positions right (so a random policy
-//! earns a little credit and learning has a gradient to follow).
+//! earns a little credit and learning has a gradient to follow); `multiply` scores the response's last line
+//! (the final answer after any tool turns).
 
 use rand::{Rng, SeedableRng};
 
@@ -29,17 +33,36 @@ pub fn generate(cfg: &jetrl_config::TaskConfig, split: Split, seed: u64) -> Resu
             c.sort_unstable();
             c.into_iter().collect()
         },
+        TaskName::Multiply => |d| {
+            let (a, b) = d.split_once('*').unwrap_or((d, "1"));
+            let product = a.parse::<u128>().unwrap_or(0) * b.parse::<u128>().unwrap_or(0);
+            product.to_string()
+        },
+    };
+    // multiply's operands are at most 19 digits each (u128 holds their product)
+    let (min_len, max_len) = match cfg.name {
+        TaskName::Multiply => (cfg.min_len.min(19), cfg.max_len.min(19)),
+        _ => (cfg.min_len, cfg.max_len),
     };
     let (size, salt) = match split {
         Split::Train => (cfg.train_size, 0x7261_696e),
         Split::Val => (cfg.val_size, 0x0076_616c),
     };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ salt);
-    let (lo, hi) = (cfg.min_len.max(1), cfg.max_len.max(cfg.min_len.max(1)));
+    let (lo, hi) = (min_len.max(1), max_len.max(min_len.max(1)));
+    let number = |rng: &mut rand_chacha::ChaCha8Rng| -> String {
+        let len = rng.gen_range(lo..=hi);
+        (0..len).map(|_| char::from(b'0' + rng.gen_range(0..10u8))).collect()
+    };
     Ok((0..size as u64)
         .map(|index| {
-            let len = rng.gen_range(lo..=hi);
-            let digits: String = (0..len).map(|_| char::from(b'0' + rng.gen_range(0..10u8))).collect();
+            let digits = match cfg.name {
+                TaskName::Multiply => {
+                    let a = number(&mut rng);
+                    format!("{a}*{}", number(&mut rng))
+                }
+                _ => number(&mut rng),
+            };
             Example {
                 index,
                 data_source: format!("jetrl/{}", cfg.name),
@@ -78,5 +101,25 @@ mod tests {
         let mut chars: Vec<char> = s[0].ground_truth.chars().collect();
         chars.sort_unstable();
         assert_eq!(s[0].ground_truth, chars.into_iter().collect::<String>());
+    }
+
+    #[test]
+    fn multiply_prompts_are_two_operands_and_the_answer_is_their_product() {
+        let cfg = jetrl_config::TaskConfig {
+            name: TaskName::Multiply,
+            min_len: 2,
+            max_len: 2,
+            train_size: 50,
+            template: "{digits}=".into(),
+            ..Default::default()
+        };
+        for example in generate(&cfg, Split::Train, 3).unwrap() {
+            let Prompt::Text(text) = &example.prompt else { panic!("text prompt") };
+            let (a, b) = text.strip_suffix('=').unwrap().split_once('*').unwrap();
+            assert_eq!((a.len(), b.len()), (2, 2), "{text}");
+            let product = a.parse::<u64>().unwrap() * b.parse::<u64>().unwrap();
+            assert_eq!(example.ground_truth, product.to_string(), "{text}");
+            assert_eq!(example.data_source, "jetrl/multiply");
+        }
     }
 }

@@ -21,7 +21,7 @@ use crate::error::{ModelError, Result};
 use crate::model::CausalLm;
 
 /// Presets [`init_model`] knows.
-pub const PRESETS: &[&str] = &["tiny", "tiny-digits", "tiny-digits-lora"];
+pub const PRESETS: &[&str] = &["tiny", "tiny-digits", "tiny-digits-lora", "tiny-tools"];
 
 /// Special tokens of the character tokenizer, at ids 0, 1, 2. `<|endoftext|>` is also the pad token.
 pub const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
@@ -34,6 +34,17 @@ pub const CHARACTERS: &str = "0123456789abcdefghijklmnopqrstuvwxyz \n=+-*/.,:;?!
 /// learning curve — instead of 10 in 62.
 pub const DIGIT_CHARACTERS: &str = "0123456789 \n=";
 
+/// The symbols of `tiny-tools`: `tiny-digits`' symbols (same ids) and `*`, what `37*58=` and a calculator call on
+/// it need.
+pub const TOOL_CHARACTERS: &str = "0123456789 \n=*";
+
+/// The added (non-special) tokens of `tiny-tools`, after its characters: the text before and after a
+/// calculator expression in a Hermes tool call. A character vocabulary has no `{`, `}` or letters, so a call is
+/// written as `TOOL_CALL_OPEN`, the expression's characters, `TOOL_CALL_CLOSE`; both decode to exactly this text,
+/// which the rollout worker's Hermes parser reads as `{"name": "calculator", "arguments": {"expression": ...}}`.
+pub const TOOL_CALL_TOKENS: [&str; 2] =
+    ["<tool_call>{\"name\": \"calculator\", \"arguments\": {\"expression\": \"", "\"}}</tool_call>"];
+
 /// Qwen-style ChatML, without Qwen's default system prompt (it would cost ~60 character tokens per prompt).
 pub const CHATML_TEMPLATE: &str = "{%- for message in messages %}\
 {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}\
@@ -43,14 +54,23 @@ pub const CHATML_TEMPLATE: &str = "{%- for message in messages %}\
 /// Writes a random-init model directory: config.json (Qwen2ForCausalLM), model.safetensors, tokenizer.json,
 /// tokenizer_config.json (with a ChatML `chat_template`) and generation_config.json. `seed` seeds libtorch's
 /// global generator (`tch::manual_seed`) before the weights are drawn.
+///
+/// `tiny-tools` is `tiny-digits` with `*` and the two [`TOOL_CALL_TOKENS`], for the calculator tool agent. Its
+/// chat template is the same ChatML: a tool message is one more `<|im_start|>tool` turn appended to the
+/// conversation (what the tool agent needs), and the tools' JSON schemas are not rendered (a character
+/// vocabulary would spend hundreds of tokens on them, and could not spell them); the model learns the one call
+/// it can write from the reward alone.
 pub fn init_model(preset: &str, out_dir: &Path, seed: u64) -> Result<()> {
-    let (config, init_std, characters) = match preset {
-        "tiny" => (tiny_config(CHARACTERS), 0.02, CHARACTERS),
-        "tiny-digits" | "tiny-digits-lora" => (tiny_config(DIGIT_CHARACTERS), 0.02, DIGIT_CHARACTERS),
+    let (characters, added): (&str, &[&str]) = match preset {
+        "tiny" => (CHARACTERS, &[]),
+        "tiny-digits" | "tiny-digits-lora" => (DIGIT_CHARACTERS, &[]),
+        "tiny-tools" => (TOOL_CHARACTERS, &TOOL_CALL_TOKENS),
         other => {
             return Err(ModelError::Config(format!("unknown model preset `{other}` (known: {})", PRESETS.join(", "))))
         }
     };
+    let config = tiny_config(vocab_size(characters) + added.len());
+    let init_std = 0.02;
     std::fs::create_dir_all(out_dir).map_err(|e| ModelError::io(out_dir, e))?;
     let config = ModelConfig::from_json(config)?;
     // libtorch's generator is process-global: hold a lock from seeding to the last draw so that two
@@ -72,8 +92,8 @@ pub fn init_model(preset: &str, out_dir: &Path, seed: u64) -> Result<()> {
         }
     }
     model.save(out_dir)?;
-    write_json(&out_dir.join("tokenizer.json"), &char_tokenizer_json(characters))?;
-    write_json(&out_dir.join("tokenizer_config.json"), &tokenizer_config_json())?;
+    write_json(&out_dir.join("tokenizer.json"), &char_tokenizer_json(characters, added))?;
+    write_json(&out_dir.join("tokenizer_config.json"), &tokenizer_config_json(characters, added))?;
     write_json(&out_dir.join("generation_config.json"), &json!({ "eos_token_id": [0, 2], "pad_token_id": 0 }))?;
     Ok(())
 }
@@ -87,11 +107,11 @@ fn vocab_size(characters: &str) -> usize {
     SPECIAL_TOKENS.len() + characters.chars().count()
 }
 
-fn tiny_config(characters: &str) -> Value {
+fn tiny_config(vocab_size: usize) -> Value {
     json!({
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
-        "vocab_size": vocab_size(characters),
+        "vocab_size": vocab_size,
         "hidden_size": 128,
         "intermediate_size": 512,
         "num_hidden_layers": 2,
@@ -114,11 +134,18 @@ fn tiny_config(characters: &str) -> Value {
     })
 }
 
-fn added_token(id: usize, content: &str) -> Value {
+fn added_token(id: usize, content: &str, special: bool) -> Value {
     json!({
         "id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false,
-        "normalized": false, "special": true,
+        "normalized": false, "special": special,
     })
+}
+
+/// Every added token with its id: the special tokens (0, 1, 2), then `added` after the characters.
+fn added_tokens(characters: &str, added: &[&str]) -> Vec<Value> {
+    let special = SPECIAL_TOKENS.iter().enumerate().map(|(id, t)| added_token(id, t, true));
+    let first = vocab_size(characters);
+    special.chain(added.iter().enumerate().map(|(i, t)| added_token(first + i, t, false))).collect()
 }
 
 /// Qwen2's pre-tokenizer split (transformers' `Qwen2Tokenizer.PRETOKENIZE_REGEX`).
@@ -135,8 +162,9 @@ fn byte_level(c: char) -> char {
     }
 }
 
-/// A byte-level BPE with one token per character and no merges, in Qwen2's pipeline.
-fn char_tokenizer_json(characters: &str) -> Value {
+/// A byte-level BPE with one token per character and no merges, in Qwen2's pipeline; `added` are whole-text
+/// tokens after the characters (matched in the raw text before the pipeline runs, as added tokens are).
+fn char_tokenizer_json(characters: &str, added: &[&str]) -> Value {
     let mut vocab = serde_json::Map::new();
     for (id, token) in SPECIAL_TOKENS.iter().enumerate() {
         vocab.insert((*token).to_string(), json!(id));
@@ -144,7 +172,10 @@ fn char_tokenizer_json(characters: &str) -> Value {
     for (offset, c) in characters.chars().enumerate() {
         vocab.insert(byte_level(c).to_string(), json!(SPECIAL_TOKENS.len() + offset));
     }
-    let added: Vec<Value> = SPECIAL_TOKENS.iter().enumerate().map(|(id, t)| added_token(id, t)).collect();
+    for (offset, token) in added.iter().enumerate() {
+        vocab.insert((*token).to_string(), json!(vocab_size(characters) + offset));
+    }
+    let added = added_tokens(characters, added);
     json!({
         "version": "1.0",
         "truncation": null,
@@ -180,10 +211,10 @@ fn char_tokenizer_json(characters: &str) -> Value {
     })
 }
 
-fn tokenizer_config_json() -> Value {
+fn tokenizer_config_json(characters: &str, added: &[&str]) -> Value {
     let mut decoder = serde_json::Map::new();
-    for (id, token) in SPECIAL_TOKENS.iter().enumerate() {
-        let mut entry = added_token(id, token);
+    for mut entry in added_tokens(characters, added) {
+        let id = entry["id"].clone();
         if let Some(map) = entry.as_object_mut() {
             map.remove("id");
         }

@@ -35,7 +35,7 @@ pub use engine::{
     Engine, EngineConfig, EngineStats, Finish, LogprobsMode, Prefix, Request, RequestId, Sampling, SequenceOutput,
 };
 pub use error::{ModelError, Result};
-pub use init::init_model;
+pub use init::{init_model, TOOL_CALL_TOKENS};
 pub use jetrl_tokenizer::{chat_template, tokenizer, ChatTemplate, Tokenizer, TokenizerError};
 pub use lora::{AdapterConfig, LoraMerger, LoraSpec, Targets, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE};
 pub use model::{copy_side_files, CausalLm, Checkpoints, Packed, CONFIG_FILE};

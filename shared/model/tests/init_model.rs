@@ -7,7 +7,7 @@ mod common;
 use std::process::Command;
 
 use common::*;
-use jetrl_model::{init_model, log_probs_of, CausalLm, DType, ModelError, Tokenizer};
+use jetrl_model::{init_model, log_probs_of, CausalLm, DType, ModelError, Tokenizer, TOOL_CALL_TOKENS};
 use serde::Deserialize;
 use tch::Device;
 
@@ -135,4 +135,39 @@ fn tiny_preset_loads_in_transformers_with_matching_tokens_and_logprobs() {
     let d = diff(&ours, &scored.logprobs);
     println!("tiny init vs transformers: max {:.3e} mean {:.3e} over {}", d.max, d.mean, d.count);
     assert!(d.max <= LOGPROB_TOL, "{d:?}");
+}
+
+#[test]
+fn tiny_tools_writes_a_calculator_call_with_two_added_tokens_that_decode_to_their_text() {
+    let tmp = tempfile::tempdir().unwrap();
+    init_model("tiny-tools", tmp.path(), 1).unwrap();
+    let tok = Tokenizer::from_dir(tmp.path()).unwrap();
+    let model = CausalLm::load(tmp.path(), Device::Cpu, DType::F32).unwrap();
+    assert_eq!(tok.vocab_size() as i64, model.config().vocab_size);
+    let [open, close] = TOOL_CALL_TOKENS;
+    let (open_id, close_id) = (tok.token_to_id(open).unwrap(), tok.token_to_id(close).unwrap());
+    assert_eq!((open_id, close_id), (17, 18), "after the 3 special tokens and 14 characters");
+
+    let call = format!("{open}37*58{close}");
+    let ids = tok.encode(&call, false).unwrap();
+    assert_eq!(ids.len(), 7, "open, 5 characters, close: {ids:?}");
+    assert_eq!((ids[0], ids[6]), (open_id, close_id));
+    for skip_special in [false, true] {
+        let text = tok.decode(&ids, skip_special).unwrap();
+        assert_eq!(text, call, "the added tokens are not special: kept when special tokens are skipped");
+        let body = text.strip_prefix("<tool_call>").unwrap().strip_suffix("</tool_call>").unwrap();
+        let json: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(json, serde_json::json!({"name": "calculator", "arguments": {"expression": "37*58"}}));
+    }
+    // a response's tool turn is the template's appended `tool` message (its letters are not in the vocabulary)
+    let messages = [
+        serde_json::json!({"role": "user", "content": "37*58="}),
+        serde_json::json!({"role": "assistant", "content": call}),
+        serde_json::json!({"role": "tool", "content": "2146"}),
+    ];
+    let chat = tok.apply_chat_template(&messages, true).unwrap();
+    assert_eq!(
+        tok.decode(&chat, false).unwrap(),
+        format!("<|im_start|>\n37*58=<|im_end|>\n<|im_start|>\n{call}<|im_end|>\n<|im_start|>\n2146<|im_end|>\n<|im_start|>\n")
+    );
 }

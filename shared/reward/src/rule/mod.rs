@@ -20,6 +20,8 @@ pub enum RuleScorer {
     MathDapo,
     SearchR1ExactMatch,
     JetrlDigits,
+    /// `jetrl/multiply`: the digits rule on the response's last line (the final answer after tool turns)
+    JetrlFinalLine,
 }
 
 impl RuleScorer {
@@ -40,6 +42,7 @@ impl RuleScorer {
             | "searchR1_2wikimultihopqa"
             | "searchR1_musique"
             | "searchR1_bamboogle" => Some(Self::SearchR1ExactMatch),
+            "jetrl/multiply" => Some(Self::JetrlFinalLine),
             source if source.starts_with("jetrl/") => Some(Self::JetrlDigits),
             _ => None,
         }
@@ -53,6 +56,7 @@ impl RuleScorer {
             Self::MathDapo => "math_dapo",
             Self::SearchR1ExactMatch => "search_r1_em",
             Self::JetrlDigits => "jetrl_digits",
+            Self::JetrlFinalLine => "jetrl_final_line",
         }
     }
 
@@ -80,6 +84,7 @@ impl RuleScorer {
                 options.correct_score,
             )?),
             Self::JetrlDigits => digits::compute_score(solution_str, ground_truth),
+            Self::JetrlFinalLine => digits::compute_final_line_score(solution_str, ground_truth),
         })
     }
 }
@@ -126,6 +131,7 @@ mod tests {
         assert_eq!(RuleScorer::for_data_source("math"), Some(RuleScorer::MathDapo));
         assert_eq!(RuleScorer::for_data_source("searchR1_musique"), Some(RuleScorer::SearchR1ExactMatch));
         assert_eq!(RuleScorer::for_data_source("jetrl/sort"), Some(RuleScorer::JetrlDigits));
+        assert_eq!(RuleScorer::for_data_source("jetrl/multiply"), Some(RuleScorer::JetrlFinalLine));
         assert_eq!(RuleScorer::for_data_source("searchR1_other"), None);
         assert_eq!(RuleScorer::for_data_source("openai/gsm8k "), None);
     }
