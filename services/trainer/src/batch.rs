@@ -30,6 +30,8 @@ pub struct Sample {
     /// the response hit max_new_tokens
     pub truncated: bool,
     pub num_turns: u32,
+    /// tool calls the agent loop ran for this trajectory (one `tool_rewards` entry each on the wire)
+    pub tool_calls: u32,
     /// the task's dataloader epoch and dataset row (batches are ordered by them)
     pub epoch: u64,
     pub dataset_row: u64,
@@ -116,6 +118,7 @@ impl Sample {
             ground_truth: traj.ground_truth.clone(),
             truncated: traj.finish_reason == jetrl_wire::v1::FinishReason::Length as i32,
             num_turns: traj.num_turns,
+            tool_calls: u32::try_from(traj.tool_rewards.len()).unwrap_or(u32::MAX),
             epoch: traj.epoch,
             dataset_row: traj.dataset_row,
             session_id: traj.session_id,

@@ -10,7 +10,8 @@ use jetrl_wire::v1;
 
 use crate::batch::Sample;
 
-/// verl's rollout dump: one JSON line per trajectory (input, output, score, ground truth, step); with remax, the
+/// verl's rollout dump: one JSON line per trajectory (input, output, score, ground truth, step); jetrl adds the
+/// token ids, the response mask (0 = tool output), log-probs, versions, turns and tool calls; with remax, the
 /// score of the prompt's greedy rollout as `reward_baseline`.
 pub fn rollout_rows(tokenizer: &Tokenizer, step: u64, samples: &[Sample]) -> Vec<serde_json::Value> {
     samples
@@ -26,10 +27,13 @@ pub fn rollout_rows(tokenizer: &Tokenizer, step: u64, samples: &[Sample]) -> Vec
                 "key": s.key,
                 "prompt_ids": s.prompt,
                 "response_ids": s.response,
+                "response_mask": s.response_mask,
                 "rollout_log_probs": s.rollout_logprobs,
                 "version_runs": s.version_runs,
                 "min_version": s.min_version,
                 "max_version": s.max_version,
+                "num_turns": s.num_turns,
+                "tool_calls": s.tool_calls,
             });
             if let (Some(obj), Some(baseline)) = (row.as_object_mut(), s.reward_baseline) {
                 obj.insert("reward_baseline".into(), serde_json::json!(baseline));

@@ -14,7 +14,7 @@ use crate::fleet::Fleet;
 pub type Metrics = BTreeMap<String, f64>;
 
 /// verl's data metrics of a batch that do not need the actor: response and prompt lengths (with their clip
-/// ratios), off-policy spans and staleness, turns, failures; plus the submission span of the trained groups
+/// ratios), off-policy spans and staleness, turns and tool calls per trajectory, failures; plus the submission span of the trained groups
 /// (`step − submit_step + 1`, what the buffer's staleness rule bounds).
 pub fn batch_metrics(samples: &[Sample], response: &SampleResponse, step: u64, max_prompt: usize, out: &mut Metrics) {
     stats(&samples.iter().map(|s| s.response.len() as f64).collect::<Vec<_>>(), "response_length", out);
@@ -27,6 +27,7 @@ pub fn batch_metrics(samples: &[Sample], response: &SampleResponse, step: u64, m
         out.insert("prompt_length/clip_ratio".into(), prompt_clipped);
         if samples.iter().any(|s| s.num_turns > 0) {
             stats(&samples.iter().map(|s| f64::from(s.num_turns)).collect::<Vec<_>>(), "training/num_turns", out);
+            stats(&samples.iter().map(|s| f64::from(s.tool_calls)).collect::<Vec<_>>(), "training/tool_calls", out);
         }
     }
     stats(
@@ -190,5 +191,28 @@ mod tests {
         let out = agg.finish();
         assert_eq!(out["training/num_turns/mean"], 1.5, "a mean over local updates, not their sum");
         assert_eq!(out["training/num_turns/max"], 3.0);
+        let mut agg = Aggregator::default();
+        agg.add(m(&[("training/tool_calls/mean", 1.0), ("training/tool_calls/min", 1.0)]), 1.0);
+        agg.add(m(&[("training/tool_calls/mean", 0.0), ("training/tool_calls/min", 0.0)]), 1.0);
+        let out = agg.finish();
+        assert_eq!((out["training/tool_calls/mean"], out["training/tool_calls/min"]), (0.5, 0.0));
+    }
+
+    #[test]
+    fn turns_and_tool_calls_are_counted_per_trajectory() {
+        let sample = |num_turns, tool_calls| Sample {
+            prompt: vec![1],
+            response: vec![2],
+            num_turns,
+            tool_calls,
+            ..Sample::default()
+        };
+        let mut out = Metrics::new();
+        batch_metrics(&[sample(2, 0), sample(4, 1), sample(6, 2)], &SampleResponse::default(), 1, 8, &mut out);
+        assert_eq!(out["training/num_turns/max"], 6.0);
+        assert_eq!(
+            (out["training/tool_calls/min"], out["training/tool_calls/mean"], out["training/tool_calls/max"]),
+            (0.0, 1.0, 2.0)
+        );
     }
 }

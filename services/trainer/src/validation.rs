@@ -14,7 +14,7 @@
 //!
 //! [`validate`] runs verl's `_validate`: every validation prompt generated with `rollout.val_kwargs` (greedy by
 //! default), `n` times, scored; one score per session (its final output); `val-aux/num_turns/{min,max,mean}`
-//! over those outputs; the generations dumped to `validation_data_dir/<step>.jsonl` and `log_val_generations` of
+//! and `val-aux/tool_calls/{min,max,mean}` over those outputs; the generations dumped to `validation_data_dir/<step>.jsonl` and `log_val_generations` of
 //! them logged.
 
 use std::collections::{BTreeMap, HashMap};
@@ -83,6 +83,10 @@ pub async fn validate(
         out.insert("val-aux/num_turns/min".into(), turns.iter().copied().fold(f64::INFINITY, f64::min));
         out.insert("val-aux/num_turns/max".into(), turns.iter().copied().fold(f64::NEG_INFINITY, f64::max));
         out.insert("val-aux/num_turns/mean".into(), turns.iter().sum::<f64>() / turns.len() as f64);
+        let calls: Vec<f64> = generations.samples.iter().map(|s| f64::from(s.tool_calls)).collect();
+        out.insert("val-aux/tool_calls/min".into(), calls.iter().copied().fold(f64::INFINITY, f64::min));
+        out.insert("val-aux/tool_calls/max".into(), calls.iter().copied().fold(f64::NEG_INFINITY, f64::max));
+        out.insert("val-aux/tool_calls/mean".into(), calls.iter().sum::<f64>() / calls.len() as f64);
     }
     let dump_dir = cfg.trainer.validation_data_dir.clone();
     let log_n = cfg.trainer.log_val_generations as usize;

@@ -44,6 +44,8 @@ pub struct SessionOutput {
     pub stop_reason: String,
     /// verl: user turns + assistant turns + 1 (2 for a single turn)
     pub num_turns: u32,
+    /// one per tool call run, in call order (failed, hung and unknown-tool calls included, with reward 0): its
+    /// length is the session's tool-call count (the trainer's `training/tool_calls/*`)
     pub tool_rewards: Vec<f64>,
     pub time_to_first_token: Option<Duration>,
 }
