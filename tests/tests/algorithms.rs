@@ -9,7 +9,9 @@
 //! - adaptive in-reward KL and the KL loss, with validation (`val_before_train`, `test_freq`, `val_only`);
 //! - DAPO's `filter_groups`: groups without a reward spread are left out, the batch is refilled to full, and
 //!   `max_num_gen_batches` bounds the refills;
-//! - rollout correction (TIS with sequence rejection, IcePop) in separate_async.
+//! - rollout correction (TIS with sequence rejection, IcePop) in separate_async;
+//! - multi-turn tool use (configs/demo-tools.yaml): calculator calls run, their answers reach the trained batch
+//!   with mask 0, and the turn and tool-call counts show them.
 //!
 //! The jobs run one at a time ([`ONE_JOB`]): the machine's cores are what each job's timing is measured against.
 
@@ -533,4 +535,105 @@ fn rollout_correction_weights_show_in_the_metrics_and_corrected_runs_learn_like_
             "{name}: reward {RC_LEVEL} reached at step {reached:?}, step {plain} without correction"
         );
     }
+}
+
+/// The calculator's answer to a call whose expression is `digits * digits * …` (what the `tiny-tools` vocabulary
+/// can write that the calculator accepts without powers), or `None` for any other expression.
+fn simple_product(expression: &str) -> Option<u128> {
+    expression.split('*').try_fold(1u128, |product, factor| {
+        let factor = factor.trim();
+        if factor.is_empty() || !factor.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        product.checked_mul(factor.parse().ok()?).filter(|p| *p < 1_000_000_000_000_000)
+    })
+}
+
+/// Multi-turn tool use through the services (configs/demo-tools.yaml: the tiny-tools model, the multiply task,
+/// `tool_agent` with the calculator): every step trains; the turn and tool-call counts show calls; every tool
+/// turn in the trained batch holds the calculator's answer to the call before it, with mask 0 and log-prob 0;
+/// the reward scores each response's last line; validation reports the same counts.
+///
+/// What it does not show: that the policy learns to use the tool. A random-init policy writes a call in ~2% of
+/// sessions, never one with the prompt's operands, and its calls (answers to other expressions) score lower
+/// than its guesses; learning the call from the reward alone would take a policy that can already copy.
+#[test]
+#[ignore = "slow tier: multi-turn calculator tool use through the services"]
+fn tool_agent_runs_the_calculator_and_its_answers_reach_the_trained_batch_and_the_metrics() {
+    let _one = one_job();
+    let dir = jetrl_tests::test_dir("tools");
+    let rollouts = dir.path().join("rollouts");
+    let model_dir = dir.path().join("model");
+    let overrides: Vec<String> = vec![
+        format!("model.path={}", model_dir.display()),
+        format!("trainer.rollout_data_dir={}", rollouts.display()),
+        "trainer.total_training_steps=20".into(),
+        "trainer.test_freq=10".into(),
+    ];
+    let run_dir =
+        jetrl_tests::demo_run_of("demo-tools.yaml", dir.path(), "tools", &overrides, Duration::from_secs(300));
+    let rows = steps(&run_dir);
+    assert_eq!(rows.len(), 20, "every step trained");
+    for key in ["actor/pg_loss", "actor/entropy", "actor/grad_norm", "training/tool_calls/mean"] {
+        series(&rows, key);
+    }
+    let (calls, turns) = (series(&rows, "training/tool_calls/max"), series(&rows, "training/num_turns/max"));
+    assert!(
+        calls.iter().zip(&turns).any(|(c, t)| *c > 0.0 && *t > 2.0),
+        "no step trained a trajectory with a tool turn: tool_calls/max {calls:?}, num_turns/max {turns:?}"
+    );
+    for step in [10, 20] {
+        let row = &rows[step - 1];
+        for key in ["val-aux/num_turns/mean", "val-aux/tool_calls/min", "val-aux/tool_calls/max"] {
+            value(row, key);
+        }
+        value(row, "val-aux/tool_calls/mean");
+    }
+
+    let tokenizer = jetrl_model::Tokenizer::from_dir(&model_dir).unwrap();
+    let open = jetrl_model::TOOL_CALL_TOKENS[0];
+    let close = jetrl_model::TOOL_CALL_TOKENS[1];
+    let (mut tool_turns, mut answered, mut scores) = (0, 0, [(0.0, 0usize), (0.0, 0usize)]);
+    for step in 1..=20 {
+        for r in dump(&rollouts, step) {
+            let (response, mask) = (ids(&r, "response_ids"), ids(&r, "response_mask"));
+            let logprobs: Vec<f64> =
+                r["rollout_log_probs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+            assert_eq!((mask.len(), logprobs.len()), (response.len(), response.len()));
+            let score = r["score"].as_f64().unwrap();
+            let calls = r["tool_calls"].as_u64().unwrap() as usize;
+            let slot = &mut scores[usize::from(calls > 0)];
+            *slot = (slot.0 + score, slot.1 + 1);
+            // the reward is the digit rule on the last line of the response text (tool turns included)
+            let text = tokenizer.decode(&response, true).unwrap();
+            let rule = jetrl_reward::rule::digits::compute_final_line_score(&text, r["gts"].as_str().unwrap());
+            assert_eq!(score, rule.score, "step {step}: {text:?} scored {score}");
+            let Some(start) = mask.iter().position(|&m| m == 0) else {
+                assert_eq!(r["num_turns"], 2, "step {step}: no tool turn, one model turn: {r}");
+                continue;
+            };
+            tool_turns += 1;
+            assert!(calls >= 1 && r["num_turns"].as_u64().unwrap() > 2, "step {step}: a tool turn without a call: {r}");
+            let end = start + mask[start..].iter().position(|&m| m == 1).unwrap_or(mask.len() - start);
+            assert!(logprobs[start..end].iter().all(|&lp| lp == 0.0), "step {step}: tool tokens with a log-prob: {r}");
+            // the first call of the model's first turn is the one that ran (max_parallel_calls 1)
+            let turn = tokenizer.decode(&response[..start], false).unwrap();
+            let call = turn.split(open).nth(1).and_then(|rest| rest.split(close).next()).unwrap();
+            let answer = tokenizer.decode(&response[start..end], true).unwrap();
+            if let Some(product) = simple_product(call) {
+                assert_eq!(answer.trim(), product.to_string(), "step {step}: calculator({call:?}) answered {answer:?}");
+                answered += 1;
+            }
+        }
+    }
+    let mean = |(sum, n): (f64, usize)| sum / n.max(1) as f64;
+    eprintln!(
+        "tools: {tool_turns} trained trajectories with a tool turn, {answered} of them checked against the product; \
+         mean score {:.3} with a tool call ({} trajectories), {:.3} without ({})",
+        mean(scores[1]),
+        scores[1].1,
+        mean(scores[0]),
+        scores[0].1
+    );
+    assert!(answered > 0, "no tool turn answered a product the test could check ({tool_turns} tool turns)");
 }

@@ -166,6 +166,10 @@ fn tiny_tools_writes_a_calculator_call_with_two_added_tokens_that_decode_to_thei
         serde_json::json!({"role": "tool", "content": "2146"}),
     ];
     let chat = tok.apply_chat_template(&messages, true).unwrap();
+    // what transformers 5.25's AutoTokenizer (Qwen2Tokenizer) gives for this directory and these messages
+    let hf: [u32; 31] =
+        [1, 14, 6, 10, 16, 8, 11, 15, 2, 14, 1, 14, 17, 6, 10, 16, 8, 11, 18, 2, 14, 1, 14, 5, 4, 7, 9, 2, 14, 1, 14];
+    assert_eq!(chat, hf);
     assert_eq!(
         tok.decode(&chat, false).unwrap(),
         format!("<|im_start|>\n37*58=<|im_end|>\n<|im_start|>\n{call}<|im_end|>\n<|im_start|>\n2146<|im_end|>\n<|im_start|>\n")
