@@ -1,29 +1,34 @@
 #!/usr/bin/env bash
-# The whole test suite, both tiers (`just test`, `./dev.sh test`, `.ci/run`): `cargo test` with the slow tier
-# included, then the golden vectors; at the end the ten slowest test binaries with their times, so the cost of
-# each test binary stays visible. Arguments go to `cargo test` before `--` (e.g. `-p jetrl-trainer`).
-# The full log is kept in target/test-suite.log.
+# The whole test suite, both tiers (`just test`, `./dev.sh test`, `.ci/run`): every test binary of
+# `cargo test --workspace` with the slow tier included (`-- --include-ignored`), two binaries at a time
+# (scripts/run-test-binaries.py says why and how), then the doc tests and the golden vectors; at the end the ten
+# slowest test binaries with their wall and CPU times, so the cost of each test binary stays visible. Arguments go
+# to `cargo test` before `--` (e.g. `-p jetrl-trainer`). The full log is kept in target/test-suite.log.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 log=target/test-suite.log
+times=target/test-times.tsv
 mkdir -p target
 started=$(date +%s)
-cargo test --workspace --no-fail-fast "$@" -- --include-ignored 2>&1 | tee "$log"
-tests_rc=${PIPESTATUS[0]}
+: >"$log"
+cargo test --workspace --no-run --message-format=json-render-diagnostics "$@" 2> >(tee -a "$log" >&2) \
+  >target/test-artifacts.jsonl
+build_rc=$?
+tests_rc=1
+if [ "$build_rc" -eq 0 ]; then
+  python3 scripts/run-test-binaries.py target/test-artifacts.jsonl "$times" -- --include-ignored 2>&1 | tee -a "$log"
+  tests_rc=${PIPESTATUS[0]}
+fi
+cargo test --workspace --doc "$@" 2>&1 | tee -a "$log"
+doc_rc=${PIPESTATUS[0]}
 ./target/debug/jetrl-golden tests/golden/algos_sample.json tests/golden/rewards_sample.json
 golden_rc=$?
 elapsed=$(( $(date +%s) - started ))
 
-# `Running <source> (<binary>)` opens a binary's output; its `test result: ... finished in <s>s` closes it.
 echo
-echo "== slowest test binaries (of this run, $((elapsed / 60)) min $((elapsed % 60)) s in all) =="
-awk '
-  /^ *Running / { name = $2 }
-  /^ *Doc-tests / { name = "doc-tests " $2 }
-  /^test result:/ {
-    for (i = 1; i <= NF; i++) if ($i == "in") { t = $(i + 1); sub(/s$/, "", t) }
-    printf "%8.1f s  %s  (%s)\n", t, name, $4 " passed, " $6 " failed, " $8 " ignored"
-  }
-' "$log" | sort -rn | head -10
+echo "== slowest test binaries (of this run, $((elapsed / 60)) min $((elapsed % 60)) s in all; two ran at a time) =="
+printf '%8s  %8s  %s\n' wall cpu binary
+awk -F'\t' '{ printf "%7.1fs  %7.1fs  %s%s\n", $1, $2, $4, ($3 == 0 ? "" : "  (FAILED, exit " $3 ")") }' "$times" \
+  2>/dev/null | head -10
 echo "passed: $(grep -o '[0-9]* passed' "$log" | awk '{s += $1} END {print s + 0}'), failed: $(grep -o '[0-9]* failed' "$log" | awk '{s += $1} END {print s + 0}')"
-[ "$tests_rc" -eq 0 ] && [ "$golden_rc" -eq 0 ]
+[ "$build_rc" -eq 0 ] && [ "$tests_rc" -eq 0 ] && [ "$doc_rc" -eq 0 ] && [ "$golden_rc" -eq 0 ]
