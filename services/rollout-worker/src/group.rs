@@ -418,7 +418,7 @@ impl<'a> GroupPublisher<'a> {
             num_turns: out.num_turns,
             tool_rewards: out.tool_rewards,
             agent_name: self.agent.as_str().into(),
-            stop_reason: out.stop_reason,
+            stop_reason: out.stop_reason.as_str().into(),
             raw_prompt: task.messages.clone(),
             // the baseline of a remax group is the session after its n samples
             greedy_baseline: task.greedy_baseline && out.session == task.n.max(1) as usize,

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 use jetrl_config::MultiTurnConfig;
 use jetrl_model::{Finish, Request, Sampling, SequenceOutput, Tokenizer};
-use jetrl_rollout_worker::agent::{AgentPrompt, Llm, SessionOutput, ToolAgent, ToolTurnEncoder};
+use jetrl_rollout_worker::agent::{AgentPrompt, Llm, SessionOutput, StopReason, ToolAgent, ToolTurnEncoder};
 use jetrl_rollout_worker::engine::EngineError;
 use jetrl_rollout_worker::tools::{Calculator, Tool, ToolError, ToolOutput, ToolRegistry};
 use serde_json::{json, Value};
@@ -168,7 +168,7 @@ async fn tool_calls_run_and_their_output_is_appended_with_mask_zero_until_the_mo
     assert_eq!(seen[1], [prompt.clone(), out.response_ids[..first_len + tool_len].to_vec()].concat());
     assert_eq!(out.num_turns, 4, "verl: user turns + assistant turns + 1");
     assert_eq!(out.tool_rewards, vec![0.0]);
-    assert_eq!(out.stop_reason, "no_tool_call");
+    assert_eq!(out.stop_reason, StopReason::NoToolCall);
     assert!(!out.truncated);
     assert_eq!((out.min_version, out.max_version), (3, 4), "the version span covers both turns");
     assert_eq!(out.version_runs.len(), 2, "one version run per turn version: {:?}", out.version_runs);
@@ -202,7 +202,7 @@ async fn failing_hanging_and_unknown_tools_answer_with_error_text_and_reward_zer
     assert!(text.contains("Error when executing tool: invalid arguments: unknown tool `nonexistent`"), "{text}");
     assert!(text.contains("<|im_start|>tool\ncorrect<|im_end|>"), "{text}");
     assert!(!text.contains("<|im_start|>tool\n2<|im_end|>"), "the fifth call exceeded max_parallel_calls");
-    assert_eq!(out.stop_reason, "no_tool_call");
+    assert_eq!(out.stop_reason, StopReason::NoToolCall);
 }
 
 #[tokio::test]
@@ -213,20 +213,20 @@ async fn turn_limits_and_the_response_budget_end_the_loop_like_verl() {
 
     let limited = agent(&tok, MultiTurnConfig { max_assistant_turns: Some(2), ..MultiTurnConfig::default() });
     let (_, out) = run(&limited, &Script::new(&tok, &turns), 4000).await;
-    assert_eq!(out.stop_reason, "max_assistant_turns");
+    assert_eq!(out.stop_reason, StopReason::MaxAssistantTurns);
     assert_eq!(out.tool_rewards.len(), 1, "one tool turn between the two assistant turns");
     assert_eq!(out.num_turns, 4);
 
     let limited = agent(&tok, MultiTurnConfig { max_user_turns: Some(1), ..MultiTurnConfig::default() });
     let (_, out) = run(&limited, &Script::new(&tok, &turns), 4000).await;
-    assert_eq!(out.stop_reason, "max_user_turns");
+    assert_eq!(out.stop_reason, StopReason::MaxUserTurns);
     assert_eq!(out.tool_rewards.len(), 1);
 
     // A budget that ends inside the first tool turn: the tool turn is not appended.
     let plain = agent(&tok, MultiTurnConfig::default());
     let first_len = tok.encode(&calc, false).unwrap().len() + 1;
     let (_, out) = run(&plain, &Script::new(&tok, &turns), first_len + 5).await;
-    assert_eq!(out.stop_reason, "response_budget");
+    assert_eq!(out.stop_reason, StopReason::ResponseBudget);
     assert!(out.truncated);
     assert_eq!(out.response_ids.len(), first_len);
     assert!(out.response_mask.iter().all(|&m| m == 1));
@@ -235,7 +235,7 @@ async fn turn_limits_and_the_response_budget_end_the_loop_like_verl() {
     let (_, out) = run(&plain, &Script::new(&tok, &turns), 7).await;
     assert!(out.truncated);
     assert_eq!(out.response_ids.len(), 7);
-    assert_eq!(out.stop_reason, "length");
+    assert_eq!(out.stop_reason, StopReason::Length);
 
     // A turn whose end-of-turn token is the last one the budget allows: the loop ends for the budget (the tool
     // call is not run), and says so rather than "eos".
@@ -243,7 +243,7 @@ async fn turn_limits_and_the_response_budget_end_the_loop_like_verl() {
     assert_eq!(out.response_ids.len(), first_len);
     assert!(out.tool_rewards.is_empty());
     assert!(out.truncated);
-    assert_eq!(out.stop_reason, "response_budget");
+    assert_eq!(out.stop_reason, StopReason::ResponseBudget);
 }
 
 #[tokio::test]

@@ -41,7 +41,7 @@ pub struct SessionOutput {
     /// the response budget ran out (else it ended on its own or at a turn limit)
     pub truncated: bool,
     pub aborted: bool,
-    pub stop_reason: String,
+    pub stop_reason: StopReason,
     /// verl: user turns + assistant turns + 1 (2 for a single turn)
     pub num_turns: u32,
     /// one per tool call run, in call order (failed, hung and unknown-tool calls included, with reward 0): its
@@ -64,7 +64,7 @@ impl SessionOutput {
             version_runs: output.version_runs,
             truncated: output.finish == Finish::Length,
             aborted: output.finish == Finish::Aborted,
-            stop_reason: stop_reason(&output.finish).into(),
+            stop_reason: StopReason::from(&output.finish),
             num_turns: 2,
             tool_rewards: Vec::new(),
             time_to_first_token: output.time_to_first_token,
@@ -72,13 +72,62 @@ impl SessionOutput {
     }
 }
 
-fn stop_reason(finish: &Finish) -> &'static str {
-    match finish {
-        Finish::Eos(_) => "eos",
-        Finish::StopToken(_) => "stop_token",
-        Finish::StopString(_) => "stop_string",
-        Finish::Length => "length",
-        Finish::Aborted => "aborted",
+/// Why a session ended: the last turn's own finish, or the loop's limit (the trajectory's `stop_reason` on the
+/// wire is [`StopReason::as_str`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StopReason {
+    /// the last turn ended with an end-of-sequence token
+    #[default]
+    Eos,
+    /// ... with one of `rollout.stop_token_ids`
+    StopToken,
+    /// ... with one of `rollout.stop` strings
+    StopString,
+    /// the engine's per-turn token limit
+    Length,
+    /// the engine aborted the turn (shutdown, a superseded task)
+    Aborted,
+    /// the response budget (`data.max_response_length`) ran out, or the next tool turn did not fit in it
+    ResponseBudget,
+    /// `rollout.multi_turn.max_assistant_turns`
+    MaxAssistantTurns,
+    /// `rollout.multi_turn.max_user_turns`
+    MaxUserTurns,
+    /// the model's turn held no tool call: the answer
+    NoToolCall,
+}
+
+impl StopReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StopReason::Eos => "eos",
+            StopReason::StopToken => "stop_token",
+            StopReason::StopString => "stop_string",
+            StopReason::Length => "length",
+            StopReason::Aborted => "aborted",
+            StopReason::ResponseBudget => "response_budget",
+            StopReason::MaxAssistantTurns => "max_assistant_turns",
+            StopReason::MaxUserTurns => "max_user_turns",
+            StopReason::NoToolCall => "no_tool_call",
+        }
+    }
+}
+
+impl From<&Finish> for StopReason {
+    fn from(finish: &Finish) -> Self {
+        match finish {
+            Finish::Eos(_) => StopReason::Eos,
+            Finish::StopToken(_) => StopReason::StopToken,
+            Finish::StopString(_) => StopReason::StopString,
+            Finish::Length => StopReason::Length,
+            Finish::Aborted => StopReason::Aborted,
+        }
+    }
+}
+
+impl std::fmt::Display for StopReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -167,7 +216,7 @@ impl ToolAgent {
             version_runs: Vec::new(),
             truncated: false,
             aborted: false,
-            stop_reason: String::new(),
+            stop_reason: StopReason::default(),
             num_turns: 0,
             tool_rewards: Vec::new(),
             time_to_first_token: None,
@@ -179,7 +228,7 @@ impl ToolAgent {
             let max_tokens = budget.saturating_sub(out.response_ids.len()).min(room);
             if max_tokens == 0 {
                 out.truncated = true;
-                out.stop_reason = "response_budget".into();
+                out.stop_reason = StopReason::ResponseBudget;
                 break;
             }
             let request = Request {
@@ -214,7 +263,7 @@ impl ToolAgent {
             out.response_mask.extend(std::iter::repeat_n(1u8, generated.tokens.len()));
             out.response_ids.extend_from_slice(&generated.tokens);
             out.logprobs.extend_from_slice(&generated.logprobs);
-            out.stop_reason = stop_reason(&generated.finish).into();
+            out.stop_reason = StopReason::from(&generated.finish);
             if generated.finish == Finish::Aborted {
                 out.aborted = true;
                 break;
@@ -227,21 +276,21 @@ impl ToolAgent {
                 // The turn ended on its own (end-of-turn token) with the budget's last token: the loop ends for
                 // the budget, as verl's does, and a tool call in it is not run.
                 out.truncated = true;
-                out.stop_reason = "response_budget".into();
+                out.stop_reason = StopReason::ResponseBudget;
                 break;
             }
             if self.multi_turn.max_assistant_turns.is_some_and(|m| turns.assistant >= m) {
-                out.stop_reason = "max_assistant_turns".into();
+                out.stop_reason = StopReason::MaxAssistantTurns;
                 break;
             }
             if self.multi_turn.max_user_turns.is_some_and(|m| turns.user >= m) {
-                out.stop_reason = "max_user_turns".into();
+                out.stop_reason = StopReason::MaxUserTurns;
                 break;
             }
             let text = self.tokenizer.decode(&generated.tokens, false).unwrap_or_default();
             let calls = hermes::parse(&text);
             if calls.is_empty() {
-                out.stop_reason = "no_tool_call".into();
+                out.stop_reason = StopReason::NoToolCall;
                 break;
             }
             let parallel = (self.multi_turn.max_parallel_calls.max(1) as usize).min(calls.len());
@@ -254,7 +303,7 @@ impl ToolAgent {
             if out.response_ids.len() + tool_ids.len() >= budget {
                 // verl: a tool turn that does not fit ends the trajectory without being appended.
                 out.truncated = true;
-                out.stop_reason = "response_budget".into();
+                out.stop_reason = StopReason::ResponseBudget;
                 break;
             }
             context.extend_from_slice(&tool_ids);
