@@ -45,6 +45,7 @@ use crate::critic::{Critic, ValueTargets};
 use crate::dist::Comm;
 use crate::optim::{AdamW, LrSchedule};
 use crate::ranks::{Command, Leader};
+use crate::step_metrics::{Phase, StepTimings};
 
 pub use crate::checkpoint::ActorState;
 pub use crate::error::ActorError;
@@ -80,7 +81,7 @@ struct Settings {
 #[derive(Debug, Clone, Default)]
 pub struct TrainOutput {
     pub metrics: BTreeMap<String, f64>,
-    pub timings: BTreeMap<String, f64>,
+    pub timings: StepTimings,
 }
 
 /// Which weights give π_old, the log-probs the PPO ratio is taken against.
@@ -532,7 +533,7 @@ impl Actor {
             rollout_probs_diff(&batch.rows, &rollout, &old, &mask, width, &mut out.metrics);
             (old, spsq)
         };
-        out.timings.insert("old_log_prob".into(), t.elapsed().as_secs_f64());
+        out.timings.since(Phase::OldLogProb, t);
 
         let t = Instant::now();
         let reference = match &self.reference {
@@ -546,7 +547,7 @@ impl Actor {
             None => None,
         };
         if reference.is_some() {
-            out.timings.insert("ref".into(), t.elapsed().as_secs_f64());
+            out.timings.since(Phase::Ref, t);
         }
         let t = Instant::now();
         let mut values = match &self.critic {
@@ -558,7 +559,7 @@ impl Actor {
             None => None,
         };
         if values.is_some() {
-            out.timings.insert("values".into(), t.elapsed().as_secs_f64());
+            out.timings.since(Phase::Values, t);
         }
 
         // token rewards: the score on the last response token, minus β·KL(π_old‖π_ref) when in the reward
@@ -636,18 +637,18 @@ impl Actor {
             scores = take(&scores);
         }
         data_metrics(&cols, &scores, &rewards, &returns, values.as_deref(), &mut out.metrics);
-        out.timings.insert("adv".into(), t.elapsed().as_secs_f64());
+        out.timings.since(Phase::Adv, t);
 
         if let (Some(critic), Some(values)) = (self.critic.as_mut(), values.as_ref()) {
             let t = Instant::now();
             let targets = ValueTargets { width, mask: &cols.mask, values, returns: &returns };
             out.metrics.extend(critic.update(&batch, &targets, step)?);
-            out.timings.insert("update_critic".into(), t.elapsed().as_secs_f64());
+            out.timings.since(Phase::UpdateCritic, t);
         }
         if self.settings.critic_warmup <= step {
             let t = Instant::now();
             out.metrics.extend(self.update_policy(&batch, &cols, step)?);
-            out.timings.insert("update_actor".into(), t.elapsed().as_secs_f64());
+            out.timings.since(Phase::UpdateActor, t);
         }
         Ok(out)
     }

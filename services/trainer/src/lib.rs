@@ -301,8 +301,6 @@ impl Trainer {
         let blob = self.weights_blob().await?;
         self.weights.publish(self.start_step, blob).await?;
         self.weights.wait_for_workers(self.start_step, true).await?;
-        // sync mode: tasks need the weights of the step before theirs
-        self.client.min_policy_version = if self.cfg.trainer.mode.is_async() { 0 } else { self.start_step };
         // the group records of an earlier trainer of this job, if any, are brought to this timeline: without a
         // checkpoint its trained rows are rolled back and trained again from step 1, never counted twice
         self.client.resume(self.start_step).await?;

@@ -17,6 +17,7 @@ use crate::actor::{OldPolicy, Sample, TrainOutput};
 use crate::checkpoint::ActorState;
 use crate::error::TrainerError;
 use crate::learner::Learner;
+use crate::step_metrics::Phase;
 
 /// The paced stand-in learner.
 pub struct PacedLearner {
@@ -72,7 +73,7 @@ impl Learner for PacedLearner {
             out.metrics.insert("actor/ppo_kl".into(), 0.0);
             out.metrics.insert("simulate/updates".into(), updates as f64);
             out.metrics.insert("simulate/modelled_update_s".into(), modelled);
-            out.timings.insert("update_actor".into(), modelled / self.simulate.time_scale);
+            out.timings.set(Phase::UpdateActor, modelled / self.simulate.time_scale);
             Ok(out)
         })
     }

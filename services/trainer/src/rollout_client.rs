@@ -70,13 +70,27 @@ pub struct RolloutClient {
     /// remax: every train group comes with the greedy rollout of its prompt, whose score is the group's baseline
     greedy_baseline: bool,
     sample_wait: Duration,
-    /// sync mode: train tasks must be generated with at least this weight version (see
-    /// `PromptTask.min_policy_version`); 0 in the async modes
-    pub min_policy_version: u64,
+    /// sync mode: a train task of step `s` must be generated with the weights of step `s - 1` at least (see
+    /// [`policy_floor`])
+    sync: bool,
     /// releases sent in the background (nothing waits on one), awaited before the run ends
     releases: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     /// this trainer process (its start time, unix ms), carried by every sample request
     incarnation: u64,
+}
+
+/// The weight version a task of `step` must be generated with at least (`PromptTask.min_policy_version`; a worker
+/// on an older version hands the task back): validation scores the policy of its step, just published, in every
+/// mode; a sync train task needs the weights of the step before its own (a refill, or a group re-issued after a
+/// resume, included); the async modes take any version and bound staleness at the buffer.
+fn policy_floor(sync: bool, step: u64, validation: bool) -> u64 {
+    if validation {
+        step
+    } else if sync {
+        step.saturating_sub(1)
+    } else {
+        0
+    }
 }
 
 impl RolloutClient {
@@ -120,7 +134,7 @@ impl RolloutClient {
             val_n: kw.n.max(1),
             greedy_baseline: cfg.algorithm.adv_estimator == jetrl_config::AdvantageEstimator::Remax,
             sample_wait: Duration::from_secs_f64(cfg.trainer.sample_wait_s.max(0.1)),
-            min_policy_version: 0,
+            sync: !cfg.trainer.mode.is_async(),
             releases: Default::default(),
         })
     }
@@ -170,7 +184,7 @@ impl RolloutClient {
             agent_name: example.agent_name.clone().unwrap_or_default(),
             row_index: example.index,
             prompt_ids: packed::pack_u32(&ids),
-            min_policy_version: self.min_policy_version,
+            min_policy_version: policy_floor(self.sync, step, validation),
             epoch: drawn.epoch,
             dataset_row: drawn.row,
             greedy_baseline: self.greedy_baseline && !validation,
@@ -577,4 +591,21 @@ fn row_seed(run_seed: u64, partition: &str, epoch: u64, row: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::policy_floor;
+
+    #[test]
+    fn the_policy_floor_is_the_previous_step_in_sync_the_step_itself_for_validation_and_none_in_async() {
+        // sync: step 5's tasks need the weights published after step 4; step 1's the initial weights (0)
+        assert_eq!(policy_floor(true, 5, false), 4);
+        assert_eq!(policy_floor(true, 1, false), 0);
+        // validation at step 5 scores the weights of step 5, in every mode
+        assert_eq!(policy_floor(true, 5, true), 5);
+        assert_eq!(policy_floor(false, 5, true), 5);
+        // async: any version; the buffer bounds staleness
+        assert_eq!(policy_floor(false, 5, false), 0);
+    }
 }

@@ -56,16 +56,121 @@ pub fn batch_metrics(samples: &[Sample], response: &SampleResponse, step: u64, m
     out.insert("training/num_trajectories".into(), samples.len() as f64);
 }
 
+/// A timed phase of a step: `timing_s/<name>` (verl's names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Phase {
+    /// waiting for the batch (the sample request)
+    Gen,
+    /// reading the batch's trajectories
+    Fetch,
+    /// colocate_async: pausing the co-located worker
+    Pause,
+    OldLogProb,
+    Ref,
+    Values,
+    Adv,
+    UpdateCritic,
+    UpdateActor,
+    SaveCheckpoint,
+    /// colocate_async: resuming the co-located worker
+    Resume,
+    UpdateWeights,
+}
+
+impl Phase {
+    pub const ALL: [Phase; 12] = [
+        Phase::Gen,
+        Phase::Fetch,
+        Phase::Pause,
+        Phase::OldLogProb,
+        Phase::Ref,
+        Phase::Values,
+        Phase::Adv,
+        Phase::UpdateCritic,
+        Phase::UpdateActor,
+        Phase::SaveCheckpoint,
+        Phase::Resume,
+        Phase::UpdateWeights,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Gen => "gen",
+            Phase::Fetch => "fetch",
+            Phase::Pause => "pause",
+            Phase::OldLogProb => "old_log_prob",
+            Phase::Ref => "ref",
+            Phase::Values => "values",
+            Phase::Adv => "adv",
+            Phase::UpdateCritic => "update_critic",
+            Phase::UpdateActor => "update_actor",
+            Phase::SaveCheckpoint => "save_checkpoint",
+            Phase::Resume => "resume",
+            Phase::UpdateWeights => "update_weights",
+        }
+    }
+
+    /// The metric key of its seconds.
+    pub fn key(self) -> String {
+        format!("timing_s/{}", self.name())
+    }
+}
+
+/// The seconds the phases of one step (or one update) took.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepTimings(BTreeMap<Phase, f64>);
+
+impl StepTimings {
+    pub fn set(&mut self, phase: Phase, seconds: f64) {
+        self.0.insert(phase, seconds);
+    }
+
+    /// Sets `phase` to the time since `since`.
+    pub fn since(&mut self, phase: Phase, since: Instant) {
+        self.set(phase, since.elapsed().as_secs_f64());
+    }
+
+    pub fn get(&self, phase: Phase) -> Option<f64> {
+        self.0.get(&phase).copied()
+    }
+
+    /// Takes every phase `other` timed (replacing this one's).
+    pub fn extend(&mut self, other: StepTimings) {
+        self.0.extend(other.0);
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (Phase, f64)> + '_ {
+        self.0.iter().map(|(&p, &s)| (p, s))
+    }
+
+    /// Writes `timing_s/<phase>` of each phase into `out`.
+    pub fn write(&self, out: &mut Metrics) {
+        for (phase, seconds) in self.iter() {
+            out.insert(phase.key(), seconds);
+        }
+    }
+
+    /// The phases `timing_s/<phase>` of `metrics` holds (separate_async's local updates, averaged).
+    pub fn read(metrics: &Metrics) -> Self {
+        Self(Phase::ALL.into_iter().filter_map(|p| metrics.get(&p.key()).map(|&s| (p, s))).collect())
+    }
+}
+
 /// Timings (`timing_s/<phase>`, verl's per-token `timing_per_token_ms/<phase>`) and throughput of a step.
-pub fn timing_metrics(timings: &BTreeMap<String, f64>, samples: &[Sample], step_s: f64, out: &mut Metrics) {
+pub fn timing_metrics(timings: &StepTimings, samples: &[Sample], step_s: f64, out: &mut Metrics) {
     let tokens: usize = samples.iter().map(|s| s.prompt.len() + s.response.len()).sum();
     let response_tokens: usize = samples.iter().map(|s| s.response.len()).sum();
-    for (phase, seconds) in timings {
-        out.insert(format!("timing_s/{phase}"), *seconds);
-        // verl's per-token timings: generation per response token, the rest per token of the batch
-        let per = if phase == "gen" { response_tokens } else { tokens };
-        if !matches!(phase.as_str(), "step" | "fetch" | "pause" | "resume") && per > 0 {
-            out.insert(format!("timing_per_token_ms/{phase}"), seconds * 1000.0 / per as f64);
+    timings.write(out);
+    for (phase, seconds) in timings.iter() {
+        // verl's per-token timings: generation per response token, the rest per token of the batch; none for
+        // the transfers and the co-located worker's handshakes
+        let per = match phase {
+            Phase::Fetch | Phase::Pause | Phase::Resume => continue,
+            Phase::Gen => response_tokens,
+            _ => tokens,
+        };
+        if per > 0 {
+            out.insert(format!("timing_per_token_ms/{}", phase.name()), seconds * 1000.0 / per as f64);
         }
     }
     out.insert("timing_s/step".into(), step_s);
@@ -213,6 +318,31 @@ mod tests {
         assert_eq!(
             (out["training/tool_calls/min"], out["training/tool_calls/mean"], out["training/tool_calls/max"]),
             (0.0, 1.0, 2.0)
+        );
+    }
+
+    #[test]
+    fn step_timings_write_verl_keys_and_per_token_figures_except_for_transfers_and_handshakes() {
+        let sample = Sample { prompt: vec![1; 3], response: vec![2; 2], ..Sample::default() };
+        let mut timings = StepTimings::default();
+        timings.set(Phase::Gen, 0.4);
+        timings.set(Phase::Fetch, 0.1);
+        timings.set(Phase::UpdateActor, 1.0);
+        let mut out = Metrics::new();
+        timing_metrics(&timings, &[sample.clone(), sample], 2.0, &mut out);
+        assert_eq!((out["timing_s/gen"], out["timing_s/fetch"], out["timing_s/update_actor"]), (0.4, 0.1, 1.0));
+        // generation per response token (4), the update per token of the batch (10)
+        assert_eq!(out["timing_per_token_ms/gen"], 100.0);
+        assert_eq!(out["timing_per_token_ms/update_actor"], 100.0);
+        assert!(!out.contains_key("timing_per_token_ms/fetch"));
+        assert_eq!(out["timing_s/step"], 2.0);
+        // what `write` puts in metrics, `read` gets back (separate_async averages local updates through metrics)
+        let mut metrics = Metrics::new();
+        timings.write(&mut metrics);
+        assert_eq!(StepTimings::read(&metrics), timings);
+        assert_eq!(
+            Phase::ALL.iter().map(|p| p.name()).collect::<std::collections::BTreeSet<_>>().len(),
+            Phase::ALL.len()
         );
     }
 }

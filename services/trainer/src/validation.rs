@@ -37,9 +37,6 @@ pub async fn validate(
     step: u64,
     incarnation: &str,
 ) -> Result<BTreeMap<String, f64>, TrainerError> {
-    // every mode validates the policy of `step`, with the weights just published: a worker still on an older
-    // version hands the task back (an async step sets its own minimum again before it submits)
-    client.min_policy_version = step;
     let chunk = cfg.data.val_batch_size.map(|b| b as usize).unwrap_or(val.len()).max(1);
     let mut request_ids = Vec::new();
     let mut responses = Vec::new();

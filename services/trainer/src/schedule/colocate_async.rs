@@ -6,27 +6,25 @@
 //! every sequence from its prefix: trajectories then span versions, within the buffer's staleness bound. Both
 //! handshakes have a deadline; a worker that misses one is reported and the trainer goes on.
 
-use std::collections::BTreeMap;
 use std::time::Instant;
 
 use crate::actor::OldPolicy;
 use crate::error::TrainerError;
 use crate::schedule::batch_record;
-use crate::step_metrics::{timing_metrics, IdleClock, Metrics};
+use crate::step_metrics::{timing_metrics, IdleClock, Metrics, Phase, StepTimings};
 use crate::Trainer;
 
 pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerError> {
     let started = Instant::now();
     let clock = IdleClock::start(t.weights.fleet());
-    let mut timings = BTreeMap::new();
+    let mut timings = StepTimings::default();
     let batch_size = t.cfg.data.train_batch_size;
-    t.client.min_policy_version = 0;
     t.submit_step(step, batch_size as usize).await?;
 
     let request_id = format!("train-{}-{step}", t.incarnation);
     let batch = t.sample_batch(&request_id, step, batch_size).await?;
-    timings.insert("gen".to_string(), batch.wait_s);
-    timings.insert("fetch".to_string(), batch.fetch_s);
+    timings.set(Phase::Gen, batch.wait_s);
+    timings.set(Phase::Fetch, batch.fetch_s);
     let mut metrics = batch_record(&batch, step, t.cfg.data.max_prompt_length as usize);
 
     let t0 = Instant::now();
@@ -40,7 +38,7 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
             metrics.insert("colocate/handshake_missed".into(), 1.0);
         }
     }
-    timings.insert("pause".to_string(), t0.elapsed().as_secs_f64());
+    timings.since(Phase::Pause, t0);
 
     let samples = batch.samples.clone();
     let out = t.train_on(&batch, step, OldPolicy::Current).await?;
@@ -61,10 +59,10 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
             *metrics.entry("colocate/handshake_missed".into()).or_insert(0.0) += 1.0;
         }
     }
-    timings.insert("resume".to_string(), t0.elapsed().as_secs_f64());
+    timings.since(Phase::Resume, t0);
     // the registry last: a worker that restarts finds this version, and the co-located one already has it
     t.weights.announce(manifest).await?;
-    timings.insert("update_weights".to_string(), t0.elapsed().as_secs_f64());
+    timings.since(Phase::UpdateWeights, t0);
 
     timing_metrics(&timings, &samples, started.elapsed().as_secs_f64(), &mut metrics);
     clock.finish(t.weights.fleet(), batch.wait_s, &mut metrics);

@@ -34,7 +34,7 @@ use crate::actor::{OldPolicy, TrainOutput};
 use crate::batch::Sample;
 use crate::checkpoint::{self, CheckpointError, TrainerState};
 use crate::error::TrainerError;
-use crate::step_metrics::Metrics;
+use crate::step_metrics::{Metrics, Phase, StepTimings};
 use crate::weight_sync::SyncReport;
 use crate::Trainer;
 
@@ -133,7 +133,7 @@ impl Trainer {
         &self,
         step: u64,
         metrics: &Metrics,
-        timings: &mut BTreeMap<String, f64>,
+        timings: &mut StepTimings,
     ) -> Result<(), TrainerError> {
         let save_freq = self.cfg.trainer.save_freq;
         if !(save_freq > 0 && (step % save_freq as u64 == 0 || step == self.total_steps)) {
@@ -156,16 +156,14 @@ impl Trainer {
         };
         checkpoint::write_json(&staging.join(checkpoint::TRAINER_STATE_FILE), &state)?;
         let mut known = metrics.clone();
-        for (phase, seconds) in timings.iter() {
-            known.insert(format!("timing_s/{phase}"), *seconds);
-        }
+        timings.write(&mut known);
         known.insert("training/global_step".into(), step as f64);
         known.insert("training/epoch".into(), state.dataloader.epoch as f64);
         known.insert("training/total_steps".into(), self.total_steps as f64);
         checkpoint::write_json(&staging.join(checkpoint::STEP_METRICS_FILE), &known)?;
         let dir = checkpoint::commit(&self.ckpt_root, step, checkpoint::keep_count(&self.cfg))?;
         tracing::info!(dir = %dir.display(), step, "checkpoint saved");
-        timings.insert("save_checkpoint".into(), t.elapsed().as_secs_f64());
+        timings.since(Phase::SaveCheckpoint, t);
         Ok(())
     }
 }
@@ -186,7 +184,7 @@ impl Trainer {
         &self,
         step: u64,
         metrics: &Metrics,
-        timings: &mut BTreeMap<String, f64>,
+        timings: &mut StepTimings,
         request_ids: Vec<String>,
     ) -> Result<(), TrainerError> {
         self.maybe_checkpoint(step, metrics, timings).await?;

@@ -6,13 +6,12 @@
 //! reweights by the behaviour log-probs the trajectories carry. Workers swap the new weights in between decode
 //! steps; the trainer does not wait for them (their lag shows in `training/off_policy/*` and `weight_sync/*`).
 
-use std::collections::BTreeMap;
 use std::time::Instant;
 
 use crate::actor::OldPolicy;
 use crate::error::TrainerError;
 use crate::schedule::batch_record;
-use crate::step_metrics::{timing_metrics, Aggregator, IdleClock, Metrics};
+use crate::step_metrics::{timing_metrics, Aggregator, IdleClock, Metrics, Phase, StepTimings};
 use crate::Trainer;
 
 pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerError> {
@@ -21,7 +20,6 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     let local_updates = t.cfg.trainer.separate_async.parameter_sync_step.max(1);
     let batch_size = t.cfg.data.train_batch_size;
     let mini = t.cfg.actor.ppo_mini_batch_size.unwrap_or(batch_size / local_updates).max(1);
-    t.client.min_policy_version = 0;
     t.submit_step(step, batch_size as usize).await?;
     t.learner.snapshot().await?;
 
@@ -34,32 +32,30 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
         let batch = t.sample_batch(&request_id, step, mini).await?;
         waited += batch.wait_s;
         let mut metrics = batch_record(&batch, step, t.cfg.data.max_prompt_length as usize);
-        metrics.insert("timing_s/gen".into(), batch.wait_s);
-        metrics.insert("timing_s/fetch".into(), batch.fetch_s);
+        let mut timings = StepTimings::default();
+        timings.set(Phase::Gen, batch.wait_s);
+        timings.set(Phase::Fetch, batch.fetch_s);
         let weight = batch.samples.len() as f64;
         trained.extend(batch.samples.iter().cloned());
         // the first local update's π_old is the current policy itself; later ones read the snapshot
         let pi_old = if i == 0 { OldPolicy::Current } else { OldPolicy::CycleStart };
         let out = t.train_on(&batch, step, pi_old).await?;
         metrics.extend(out.metrics);
-        for (phase, seconds) in out.timings {
-            metrics.insert(format!("timing_s/{phase}"), seconds);
-        }
+        timings.extend(out.timings);
+        timings.write(&mut metrics);
         local.add(metrics, weight);
         request_ids.push(request_id);
     }
     let mut metrics = local.finish();
-    let mut timings: BTreeMap<String, f64> = BTreeMap::new();
-    for (key, value) in metrics.iter().filter(|(k, _)| k.starts_with("timing_s/")) {
-        timings.insert(key.trim_start_matches("timing_s/").to_string(), *value);
-    }
+    // each phase's seconds averaged over the local updates (weighted by their batches)
+    let mut timings = StepTimings::read(&metrics);
     t.checkpoint_and_release(step, &metrics, &mut timings, request_ids).await?;
 
     let t0 = Instant::now();
     let blob = t.weights_blob().await?;
     metrics.insert("weight_sync/bytes".into(), blob.len() as f64);
     t.weights.publish(step, blob).await?;
-    timings.insert("update_weights".to_string(), t0.elapsed().as_secs_f64());
+    timings.since(Phase::UpdateWeights, t0);
     // rollout does not wait for the trainer, nor the trainer for rollout: report who is behind
     let behind = t.weights.fleet().views().into_iter().filter(|w| w.version + 1 < step).count();
     metrics.insert("weight_sync/lagging_workers".into(), behind as f64);

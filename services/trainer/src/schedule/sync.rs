@@ -2,28 +2,26 @@
 //! then the weights of `step` published and loaded by every live worker before the next batch. Tasks carry the
 //! version they need, so a worker that could not load it never generates for the step: staleness stays 0.
 
-use std::collections::BTreeMap;
 use std::time::Instant;
 
 use crate::actor::OldPolicy;
 use crate::error::TrainerError;
 use crate::schedule::{batch_record, sync_metrics};
-use crate::step_metrics::{timing_metrics, IdleClock, Metrics};
+use crate::step_metrics::{timing_metrics, IdleClock, Metrics, Phase, StepTimings};
 use crate::Trainer;
 
 pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerError> {
     let started = Instant::now();
     let clock = IdleClock::start(t.weights.fleet());
-    let mut timings = BTreeMap::new();
+    let mut timings = StepTimings::default();
     let batch_size = t.cfg.data.train_batch_size;
-    t.client.min_policy_version = step - 1;
     t.submit_step(step, batch_size as usize).await?;
 
     let request_id = format!("train-{}-{step}", t.incarnation);
     let batch = t.sample_batch(&request_id, step, batch_size).await?;
     tracing::debug!(step, groups = batch.response.groups.len(), "batch sampled");
-    timings.insert("gen".to_string(), batch.wait_s);
-    timings.insert("fetch".to_string(), batch.fetch_s);
+    timings.set(Phase::Gen, batch.wait_s);
+    timings.set(Phase::Fetch, batch.fetch_s);
     let mut metrics = batch_record(&batch, step, t.cfg.data.max_prompt_length as usize);
 
     let out = t.train_on(&batch, step, OldPolicy::Current).await?;
@@ -38,7 +36,7 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     t.weights.publish(step, blob).await?;
     tracing::debug!(step, "weights published; waiting for the workers to load them");
     let report = t.weights.wait_for_workers(step, false).await?;
-    timings.insert("update_weights".to_string(), t0.elapsed().as_secs_f64());
+    timings.since(Phase::UpdateWeights, t0);
     sync_metrics(&report, &mut metrics);
 
     timing_metrics(&timings, &batch.samples, started.elapsed().as_secs_f64(), &mut metrics);
