@@ -7,10 +7,10 @@
 //! (`global_step_<n>/actor/` is an HF model directory); this service keeps only the versions in flight.
 
 use std::collections::BTreeMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use jetrl_bus::{consume, Bus, BusError, Cause, Patience};
+use jetrl_bus::{consume, Bus, BusError, Cause, Delays, Patience};
 use jetrl_config::JobConfig;
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::v1::{ErrorCode, WeightAnnounce, WeightAnnounceResponse, WeightManifest};
@@ -19,7 +19,7 @@ use jetrl_wire::Message;
 const SERVICE: &str = jetrl_wire::ServiceKind::Checkpoint.as_str();
 
 /// How long an announced blob may stay invisible (a lagging replica) before the announcement is rejected.
-const BLOB_LOOKUP_PATIENCE: std::time::Duration = std::time::Duration::from_secs(5);
+const BLOB_LOOKUP_PATIENCE: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -147,14 +147,13 @@ impl Registry {
         // In a cluster the blob's metadata may be read from a replica that has not caught up with the trainer's
         // write yet: a lookup that fails is asked again with backoff for a few seconds before it counts.
         let started = std::time::Instant::now();
-        let mut delay = std::time::Duration::from_millis(100);
+        let mut delays = Delays::new(Duration::from_millis(100), Duration::from_secs(1));
         let size = loop {
             match self.bus.weights_size(&manifest.location).await {
                 Ok(size) => break size,
                 Err(err) if started.elapsed() < BLOB_LOOKUP_PATIENCE => {
                     tracing::debug!(version, error = %err, "weight blob not visible yet; looking again");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(std::time::Duration::from_secs(1));
+                    delays.sleep().await;
                 }
                 Err(err) => return Err(err.into()),
             }

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use jetrl_bus::{GroupStore, Recovery};
+use jetrl_bus::{Delays, GroupStore, Recovery};
 use jetrl_wire::v1::GroupStatus;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -43,7 +43,7 @@ async fn run(groups: GroupStore, mut rx: mpsc::Receiver<Retired>) {
 }
 
 async fn archive(groups: &GroupStore, batch: &[(GroupStatus, u64)]) {
-    let mut backoff = FIRST_BACKOFF;
+    let mut backoff = Delays::new(FIRST_BACKOFF, FIRST_BACKOFF * 2u32.pow(ATTEMPTS));
     for attempt in 1..=ATTEMPTS {
         match groups.archive(batch).await {
             Ok(purged) => {
@@ -52,9 +52,8 @@ async fn archive(groups: &GroupStore, batch: &[(GroupStatus, u64)]) {
                 return;
             }
             Err(err) if attempt < ATTEMPTS && err.recovery() != Recovery::Permanent => {
-                tracing::warn!(attempt, groups = batch.len(), error = %err, ?backoff, "archiving group records; trying again");
-                tokio::time::sleep(backoff).await;
-                backoff *= 2;
+                tracing::warn!(attempt, groups = batch.len(), error = %err, delay = ?backoff.peek(), "archiving group records; trying again");
+                backoff.sleep().await;
             }
             Err(err) => {
                 metrics::counter!("jetrl_buffer_archive_errors_total").increment(1);

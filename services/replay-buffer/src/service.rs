@@ -9,7 +9,7 @@ use async_nats::jetstream::consumer::{self, DeliverPolicy};
 use futures::StreamExt;
 use jetrl_bus::groups::decode_entry;
 use jetrl_bus::publish::Outgoing;
-use jetrl_bus::{consume, Bus, BusError, Cause, GroupStore, Patience};
+use jetrl_bus::{consume, Bus, BusError, Cause, Delays, GroupStore, Patience};
 use jetrl_config::JobConfig;
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::subjects::{self, Names};
@@ -421,15 +421,14 @@ impl Buffer {
     /// starts; a permanent failure (the bucket gone, a refusal) ends the service, for its supervisor to restart.
     async fn watch_again(&self, seen: u64, why: &'static str) -> Result<async_nats::jetstream::kv::Watch, BufferError> {
         metrics::counter!("jetrl_buffer_watch_restarts_total", "reason" => why).increment(1);
-        let mut delay = Duration::from_millis(200);
+        let mut delays = Delays::new(Duration::from_millis(200), Duration::from_secs(5));
         loop {
             match self.groups.watch_from(seen + 1).await {
                 Ok(watch) => return Ok(watch),
                 Err(err) if !err.recovery().retryable() => return Err(err.into()),
                 Err(err) => {
                     tracing::warn!(error = %err, "groups watch not restarted; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(5));
+                    delays.sleep().await;
                 }
             }
         }

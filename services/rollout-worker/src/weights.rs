@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use jetrl_bus::{consume, watch, weights, BusError, Cause};
+use jetrl_bus::{consume, watch, weights, BusError, Cause, Delays};
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::v1::{Heartbeat, WeightManifest, WorkerState};
 use jetrl_wire::Message;
@@ -119,7 +119,9 @@ impl Worker {
 /// again.
 pub(crate) async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
     let mut pending: Option<WeightManifest> = None;
-    let mut backoff = Duration::from_secs(1);
+    let mut backoff = Delays::new(Duration::from_secs(1), Duration::from_secs(30));
+    // re-opening the watch after the broker refused it (it is back within seconds, or the job is stopping)
+    let mut rewatch = Delays::new(Duration::from_secs(1), Duration::from_secs(5));
     let mut attempt = 0u32;
     // when a failed load is tried again (a deadline, not a sleep: the watch check must not keep postponing it)
     let mut retry_at: Option<tokio::time::Instant> = None;
@@ -139,11 +141,14 @@ pub(crate) async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
         let (kv, mut entries) = match watch.await {
             Ok(w) => w,
             Err(err) => {
-                tracing::warn!(error = %err, "cannot watch weights; retrying");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                continue;
+                tracing::warn!(error = %err, retry_in_s = rewatch.peek().as_secs_f64(), "cannot watch weights; retrying");
+                tokio::select! {
+                    _ = shutdown.wait() => return,
+                    _ = rewatch.sleep() => continue,
+                }
             }
         };
+        rewatch.reset();
         let mut check = tokio::time::interval_at((Instant::now() + watch::WATCH_CHECK).into(), watch::WATCH_CHECK);
         check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -178,7 +183,7 @@ pub(crate) async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
                         if !(m.version == worker.engine.version() && m.version != 0) {
                             pending = Some(m);
                             attempt = 0;
-                            backoff = Duration::from_secs(1);
+                            backoff.reset();
                             retry_at = None;
                         }
                     }
@@ -195,6 +200,7 @@ pub(crate) async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
                 Ok(()) => {
                     pending = None;
                     attempt = 0;
+                    backoff.reset();
                     retry_at = None;
                     if worker.status.get().0 == WorkerState::LoadFailed {
                         worker.status.set(WorkerState::Ready, "");
@@ -203,14 +209,12 @@ pub(crate) async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
                 }
                 Err(err) => {
                     attempt += 1;
+                    let delay = backoff.next_delay();
                     metrics::counter!("jetrl_rollout_weight_load_failures_total").increment(1);
-                    tracing::error!(version = manifest.version, attempt, retry_in_s = backoff.as_secs_f64(), error = %err, "weight load failed; taking no new groups until it loads");
+                    tracing::error!(version = manifest.version, attempt, retry_in_s = delay.as_secs_f64(), error = %err, "weight load failed; taking no new groups until it loads");
                     worker.status.set(WorkerState::LoadFailed, format!("v{}: {err}", manifest.version));
                     let _ = worker.heartbeat().await;
-                    if attempt > 1 {
-                        backoff = (backoff * 2).min(Duration::from_secs(30));
-                    }
-                    retry_at = Some(tokio::time::Instant::now() + backoff);
+                    retry_at = Some(tokio::time::Instant::now() + delay);
                 }
             }
         }

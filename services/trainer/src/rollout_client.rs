@@ -7,7 +7,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use jetrl_bus::publish::Outgoing;
-use jetrl_bus::{Bus, GroupStore, Publisher};
+use jetrl_bus::{Bus, Delays, GroupStore, Publisher};
 use jetrl_config::JobConfig;
 use jetrl_data::prompt::{PromptLimits, PromptTokenizer};
 use jetrl_data::{ChatMessage, DataLoader, Drawn, Example, LoaderState, Prompt};
@@ -293,7 +293,7 @@ impl RolloutClient {
             ..Default::default()
         };
         let mut failures = 0u32;
-        let mut backoff = Duration::from_millis(200);
+        let mut backoff = Delays::new(Duration::from_millis(200), Duration::from_secs(5));
         let asked = Instant::now();
         let mut next_warn = asked + SLOW_BATCH_WARN;
         loop {
@@ -311,8 +311,10 @@ impl RolloutClient {
                     failures += 1;
                     tracing::warn!(request_id, error = %resp.error, attempts = failures, "replay buffer unavailable; retrying");
                     metrics::counter!("jetrl_trainer_buffer_retries_total").increment(1);
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    tokio::select! {
+                        _ = self.shutdown.wait() => return Err(TrainerError::Shutdown),
+                        _ = backoff.sleep() => {}
+                    }
                 }
                 Ok(resp) if !resp.error.is_empty() => {
                     let (code, message) = (resp.code(), resp.error);
@@ -338,7 +340,7 @@ impl RolloutClient {
                         );
                     }
                     failures = 0;
-                    backoff = Duration::from_millis(200);
+                    backoff.reset();
                 }
                 Ok(resp) => return Ok((resp, request.refilled)),
                 // refused by the server, or an answer that does not decode: asking again gets the same
@@ -349,8 +351,10 @@ impl RolloutClient {
                         tracing::warn!(error = %err, request_id, attempts = failures, "replay buffer not answering; retrying");
                     }
                     metrics::counter!("jetrl_trainer_buffer_retries_total").increment(1);
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    tokio::select! {
+                        _ = self.shutdown.wait() => return Err(TrainerError::Shutdown),
+                        _ = backoff.sleep() => {}
+                    }
                 }
             }
         }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use jetrl_bus::weights::{manifest_for, WeightTransport};
-use jetrl_bus::Bus;
+use jetrl_bus::{Bus, Delays};
 use jetrl_config::{JobConfig, TrainerMode, WeightTransportKind};
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::v1::{
@@ -108,7 +108,7 @@ impl WeightSync {
         // A store that fails (a chunk not acknowledged while a cluster elects a leader, a full disk being
         // cleared) is tried again with backoff until the weight-sync deadline; then the error is the trainer's.
         let started = Instant::now();
-        let mut backoff = Duration::from_millis(200);
+        let mut backoff = Delays::new(Duration::from_millis(200), Duration::from_secs(5));
         // A stop lets a store in progress finish (one cut short leaves chunks behind), unless the broker has been
         // gone for `jetrl_bus::SETTLE_RECONNECT` (then it cannot finish); it starts no other.
         let stopped = async {
@@ -126,14 +126,13 @@ impl WeightSync {
             };
             match attempt {
                 Ok(location) => break location,
-                Err(err) if started.elapsed() + backoff < self.deadline => {
-                    tracing::warn!(version, error = %err, ?backoff, "weights not stored; trying again");
+                Err(err) if started.elapsed() + backoff.peek() < self.deadline => {
+                    tracing::warn!(version, error = %err, delay = ?backoff.peek(), "weights not stored; trying again");
                     metrics::counter!("jetrl_trainer_weight_store_retries_total").increment(1);
                     tokio::select! {
                         _ = self.shutdown.wait() => return Err(TrainerError::Shutdown),
-                        _ = tokio::time::sleep(backoff) => {}
+                        _ = backoff.sleep() => {}
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
                 Err(err) => return Err(err.into()),
             }
@@ -147,7 +146,7 @@ impl WeightSync {
         let version = manifest.version;
         let announce = WeightAnnounce { manifest: Some(manifest.clone()) };
         let started = Instant::now();
-        let mut backoff = Duration::from_millis(200);
+        let mut backoff = Delays::new(Duration::from_millis(200), Duration::from_secs(5));
         let mut attempt = 0u32;
         // an attempt sent to a checkpoint-sync that dies with it must not use up the whole deadline
         let attempt_timeout = (self.deadline / 4).clamp(Duration::from_secs(1), Duration::from_secs(30));
@@ -174,7 +173,7 @@ impl WeightSync {
             if attempt % 5 == 1 {
                 tracing::warn!(error = %last, version, attempt, "checkpoint-sync not answering; retrying");
             }
-            if started.elapsed() + backoff > self.deadline {
+            if started.elapsed() + backoff.peek() > self.deadline {
                 return Err(TrainerError::WeightSync {
                     version,
                     reason: WeightSyncFailure::Unacknowledged { seconds: started.elapsed().as_secs_f64(), last },
@@ -182,9 +181,8 @@ impl WeightSync {
             }
             tokio::select! {
                 _ = self.shutdown.wait() => return Err(TrainerError::Shutdown),
-                _ = tokio::time::sleep(backoff) => {}
+                _ = backoff.sleep() => {}
             }
-            backoff = (backoff * 2).min(Duration::from_secs(5));
         }
     }
 

@@ -13,7 +13,7 @@ use jetrl_config::{JobConfig, NatsConfig};
 use jetrl_wire::subjects::Names;
 use tokio::sync::watch;
 
-use crate::{BusError, Cause};
+use crate::{BusError, Cause, Delays};
 
 /// How long a stopping service waits for a lost broker to come back before it leaves without the broker work of
 /// its way out ([`Bus::wait_connected`]): what it skips is settled by the broker itself (a task not acked is
@@ -65,7 +65,7 @@ impl Bus {
         })?;
         let started = Instant::now();
         let deadline = Duration::from_secs_f64(cfg.connect_timeout_s.max(0.0));
-        let mut delay = Duration::from_millis(200);
+        let mut delays = Delays::new(Duration::from_millis(200), Duration::from_secs(5));
         let mut attempts = 0u32;
         let refusals = Refusals::default();
         let (up, connected) = watch::channel(false);
@@ -91,7 +91,7 @@ impl Bus {
                 Err(err) => {
                     let waited = started.elapsed();
                     let permanent = permanent_connect_failure(&err);
-                    if permanent.is_some() || waited + delay > deadline {
+                    if permanent.is_some() || waited + delays.peek() > deadline {
                         return Err(BusError::Connect {
                             url: cfg.url.clone(),
                             attempts,
@@ -102,9 +102,8 @@ impl Bus {
                             },
                         });
                     }
-                    tracing::warn!(url = %cfg.url, attempt = attempts, retry_in_ms = delay.as_millis() as u64, error = %err, "NATS not reachable yet");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(5));
+                    tracing::warn!(url = %cfg.url, attempt = attempts, retry_in_ms = delays.peek().as_millis() as u64, error = %err, "NATS not reachable yet");
+                    delays.sleep().await;
                 }
             }
         }

@@ -195,7 +195,8 @@ impl GroupStore {
                 Ok(Err(err)) if crate::error::lost_compare_and_set(&err) => {
                     tracing::debug!(%key, attempt, "group record changed concurrently; retrying");
                     if attempt > 0 {
-                        tokio::time::sleep(Duration::from_millis(1 << attempt.min(6))).await;
+                        let delays = crate::Delays::new(Duration::from_millis(2), Duration::from_millis(64));
+                        tokio::time::sleep(delays.nth(attempt)).await;
                     }
                 }
                 failed => {

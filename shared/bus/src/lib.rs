@@ -43,7 +43,7 @@ pub use groups::GroupStore;
 pub use harness::NatsServer;
 pub use lease::Lease;
 pub use publish::Publisher;
-pub use retry::Patience;
+pub use retry::{Delays, Patience};
 pub use score::ScoreRequestBuilder;
 
 #[cfg(test)]

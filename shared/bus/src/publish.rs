@@ -137,7 +137,7 @@ impl Publisher {
     async fn settle_one(&mut self) -> Result<(), BusError> {
         let Some((message, sent, result)) = self.inflight.next().await else { return Ok(()) };
         let attempt = sent.number;
-        let backoff = FIRST_BACKOFF.saturating_mul(1 << (attempt - 1).min(8)).min(MAX_BACKOFF);
+        let backoff = crate::Delays::new(FIRST_BACKOFF, MAX_BACKOFF).nth(attempt);
         let patient = sent.first.elapsed() + backoff < self.bus.topology_wait();
         match result {
             Ok(acked) => {

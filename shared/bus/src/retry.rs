@@ -55,7 +55,7 @@ impl Patience {
 
     /// Starts the clock of one call.
     pub fn start(&self) -> Backoff {
-        Backoff { patience: *self, started: Instant::now(), delay: self.first, attempt: 1 }
+        Backoff { patience: *self, started: Instant::now(), delays: Delays::new(self.first, self.max), attempt: 1 }
     }
 
     /// Runs `op` until it succeeds, fails permanently, or the deadline is reached.
@@ -78,12 +78,56 @@ impl Patience {
     }
 }
 
+/// Waits that double from `first` to `max`, for a loop that asks again until something changes (a broker comes
+/// back, a weight version appears) rather than until a deadline; [`Backoff`] adds the deadline and the
+/// permanent-error rule for one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Delays {
+    first: Duration,
+    max: Duration,
+    next: Duration,
+}
+
+impl Delays {
+    pub fn new(first: Duration, max: Duration) -> Self {
+        Self { first, max: max.max(first), next: first }
+    }
+
+    /// The wait the next [`Delays::next_delay`] returns.
+    pub fn peek(&self) -> Duration {
+        self.next
+    }
+
+    /// This wait, doubling the next one (up to `max`).
+    pub fn next_delay(&mut self) -> Duration {
+        let delay = self.next;
+        self.next = (self.next * 2).min(self.max);
+        delay
+    }
+
+    /// The wait after the `n`th failure in a row (`first` after the first), for a loop that counts its failures
+    /// rather than keeping a `Delays`.
+    pub fn nth(&self, n: u32) -> Duration {
+        self.first.saturating_mul(1 << n.saturating_sub(1).min(20)).min(self.max)
+    }
+
+    /// After a success: the next wait is `first` again.
+    pub fn reset(&mut self) {
+        self.next = self.first;
+    }
+
+    /// Sleeps this wait.
+    pub async fn sleep(&mut self) {
+        tokio::time::sleep(self.next_delay()).await;
+    }
+}
+
 /// The retry state of one call.
 #[derive(Debug)]
 pub struct Backoff {
     patience: Patience,
     started: Instant,
-    delay: Duration,
+    delays: Delays,
     attempt: u32,
 }
 
@@ -92,13 +136,13 @@ impl Backoff {
     /// (`err` is permanent or the deadline is reached).
     pub async fn wait(&mut self, what: &str, err: &BusError) -> bool {
         let recovery = err.recovery();
-        if recovery == Recovery::Permanent || self.started.elapsed() + self.delay > self.patience.deadline {
+        if recovery == Recovery::Permanent || self.started.elapsed() + self.delays.peek() > self.patience.deadline {
             return false;
         }
         metrics::counter!("jetrl_bus_retries_total", "kind" => err.kind(), "recovery" => recovery.label()).increment(1);
-        tracing::warn!(what, attempt = self.attempt, recovery = recovery.label(), error = %err, delay_s = self.delay.as_secs_f64(), "asking again");
-        tokio::time::sleep(self.delay).await;
-        self.delay = (self.delay * 2).min(self.patience.max);
+        let delay = self.delays.next_delay();
+        tracing::warn!(what, attempt = self.attempt, recovery = recovery.label(), error = %err, delay_s = delay.as_secs_f64(), "asking again");
+        tokio::time::sleep(delay).await;
         self.attempt += 1;
         true
     }
@@ -110,5 +154,27 @@ impl Backoff {
 
     pub fn elapsed(&self) -> Duration {
         self.started.elapsed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Delays;
+    use std::time::Duration;
+
+    #[test]
+    fn delays_double_up_to_their_cap_and_start_over_after_a_reset() {
+        let ms = Duration::from_millis;
+        let mut delays = Delays::new(ms(100), ms(500));
+        let taken: Vec<_> = (0..5).map(|_| delays.next_delay()).collect();
+        assert_eq!(taken, [ms(100), ms(200), ms(400), ms(500), ms(500)]);
+        delays.reset();
+        assert_eq!(delays.peek(), ms(100));
+        // a cap below the first wait is the first wait
+        assert_eq!(Delays::new(ms(300), ms(10)).next_delay(), ms(300));
+        // counted instead of kept: the same waits
+        let delays = Delays::new(ms(100), ms(500));
+        assert_eq!((1..=5).map(|n| delays.nth(n)).collect::<Vec<_>>(), taken);
+        assert_eq!(delays.nth(1000), ms(500));
     }
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer, kv, object_store, stream};
 
-use crate::{Bus, BusError, Cause, Recovery};
+use crate::{Bus, BusError, Cause, Delays, Recovery};
 
 /// The shortest time a published id (a trajectory key, a reward batch, a prompt task, an archived record) is
 /// remembered for de-duplication; the job's streams use [`dedup_window`].
@@ -324,7 +324,7 @@ impl Bus {
     /// with backoff (0.1 s doubling to 2 s) while the declaration is younger than `nats.connect_timeout_s`. A
     /// refusal by the server is permanent and ends it at once.
     async fn look_up(&self, part: &Part, started: Instant) -> Result<Option<jetstream::stream::Stream>, BusError> {
-        let mut delay = Duration::from_millis(100);
+        let mut delays = Delays::new(Duration::from_millis(100), Duration::from_secs(2));
         loop {
             let (refusals, since) = (self.refusals(), Instant::now());
             let lookup = tokio::select! {
@@ -336,10 +336,9 @@ impl Bus {
             match lookup {
                 Ok(existing) => return Ok(Some(existing)),
                 Err(err) if is_not_found(&err) => return Ok(None),
-                Err(err) if started.elapsed() + delay < self.topology_wait() => {
-                    tracing::warn!(part = %part.what(), error = %err, ?delay, "JetStream did not answer a lookup; asking again");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(2));
+                Err(err) if started.elapsed() + delays.peek() < self.topology_wait() => {
+                    tracing::warn!(part = %part.what(), error = %err, delay = ?delays.peek(), "JetStream did not answer a lookup; asking again");
+                    delays.sleep().await;
                 }
                 Err(err) => {
                     let waited = started.elapsed().as_secs_f64();
@@ -368,7 +367,7 @@ impl Bus {
     /// with the hint.
     async fn create_part(&self, part: &Part, started: Instant) -> Result<(), BusError> {
         let js = self.jetstream();
-        let mut delay = Duration::from_millis(100);
+        let mut delays = Delays::new(Duration::from_millis(100), Duration::from_secs(2));
         let created = loop {
             let created = self
                 .api_call(async {
@@ -380,10 +379,9 @@ impl Bus {
                 })
                 .await;
             match created {
-                Err(cause) if is_no_placement(&cause) && started.elapsed() + delay < self.topology_wait() => {
-                    tracing::warn!(part = %part.what(), error = %cause, ?delay, "JetStream cannot place it yet; asking again");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(2));
+                Err(cause) if is_no_placement(&cause) && started.elapsed() + delays.peek() < self.topology_wait() => {
+                    tracing::warn!(part = %part.what(), error = %cause, delay = ?delays.peek(), "JetStream cannot place it yet; asking again");
+                    delays.sleep().await;
                 }
                 created => break created,
             }
@@ -463,7 +461,7 @@ impl Bus {
     /// `nats.connect_timeout_s` with an error naming what is missing and who declares it.
     pub async fn expect_topology(&self) -> Result<(), BusError> {
         let started = Instant::now();
-        let mut delay = Duration::from_millis(100);
+        let mut delays = Delays::new(Duration::from_millis(100), Duration::from_secs(2));
         let mut last_log = None::<Instant>;
         loop {
             let mut missing = Vec::new();
@@ -484,7 +482,7 @@ impl Bus {
                 return Ok(());
             }
             let waited = started.elapsed();
-            if waited + delay > self.topology_wait() {
+            if waited + delays.peek() > self.topology_wait() {
                 return Err(BusError::Declare {
                     what: format!("job {}", self.names().namespace()),
                     cause: Cause::new(
@@ -502,8 +500,7 @@ impl Bus {
                 tracing::info!(?missing, "waiting for the job's topology: {WHO_DECLARES}");
                 last_log = Some(Instant::now());
             }
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_secs(2));
+            delays.sleep().await;
         }
     }
 

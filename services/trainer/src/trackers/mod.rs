@@ -349,12 +349,12 @@ impl Delivery {
 struct Backoff {
     policy: Policy,
     tries: u32,
-    next: Duration,
+    delays: jetrl_bus::Delays,
 }
 
 impl Backoff {
     fn new(policy: Policy) -> Self {
-        Self { policy, tries: 1, next: policy.first_backoff }
+        Self { policy, tries: 1, delays: jetrl_bus::Delays::new(policy.first_backoff, policy.max_backoff) }
     }
 
     /// After a failed try: sleeps and returns `Ok` when the failure may pass and tries are left, else the
@@ -362,9 +362,8 @@ impl Backoff {
     async fn wait(&mut self, failure: Failure) -> Result<(), Failure> {
         match failure {
             Failure::Retry(why) if self.tries < self.policy.max_attempts => {
-                tracing::debug!(why, tries = self.tries, backoff = ?self.next, "tracker delivery failed; retrying");
-                tokio::time::sleep(self.next).await;
-                self.next = (self.next * 2).min(self.policy.max_backoff);
+                tracing::debug!(why, tries = self.tries, backoff = ?self.delays.peek(), "tracker delivery failed; retrying");
+                self.delays.sleep().await;
                 self.tries += 1;
                 Ok(())
             }
