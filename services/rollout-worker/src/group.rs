@@ -78,10 +78,8 @@ impl Worker {
             }
             if self.status.load_failed() || tokio::time::Instant::now() >= deadline {
                 metrics::counter!("jetrl_rollout_version_waits_total", "outcome" => "handed_back").increment(1);
-                return Err(TaskError::Retry(format!(
-                    "the task needs weights v{version}, this worker holds v{}",
-                    self.engine.version()
-                )));
+                let held = self.engine.version();
+                return Err(TaskError::Retry(Transient::OlderWeights { needed: version, held }));
             }
             tokio::select! {
                 _ = changed => {}
@@ -115,7 +113,7 @@ impl Worker {
                 drop(slots);
                 match this.slots.clone().acquire_many_owned(need as u32).await {
                     Ok(all) => all,
-                    Err(_) => return Err(TaskError::Retry("the worker's slot semaphore is closed".into())),
+                    Err(_) => return Err(TaskError::Retry(Transient::SlotsClosed)),
                 }
             } else {
                 slots
@@ -170,9 +168,9 @@ impl Worker {
             .await;
         match started {
             Ok(Some(_)) => {}
-            Ok(None) => return Err(TaskError::Skip("group is already terminal (duplicate delivery)".into())),
-            Err(GroupUpdateError::Missing { key }) => return Err(TaskError::Skip(format!("no group record {key}"))),
-            Err(err) => return Err(TaskError::Retry(err.to_string())),
+            Ok(None) => return Err(TaskError::Skip(Skip::AlreadyTerminal)),
+            Err(GroupUpdateError::Missing { key }) => return Err(TaskError::Skip(Skip::NoRecord { key })),
+            Err(err) => return Err(TaskError::Retry(Transient::GroupRecord(err))),
         }
         let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
         if delivered > 1 {
@@ -180,7 +178,7 @@ impl Worker {
         }
 
         let (keys, failure) = match self.generate_and_publish(task, received).await {
-            Err(TaskError::Fail(reason)) => (Vec::new(), Some(reason)),
+            Err(TaskError::Fail(err)) => (Vec::new(), Some(err.to_string())),
             other => other?,
         };
         // Terminal status last: every trajectory above is already durable.
@@ -204,9 +202,9 @@ impl Worker {
             }
             // evicted meanwhile (and perhaps already archived out of GROUPS): nothing will read these trajectories
             Err(GroupUpdateError::IllegalTransition { .. } | GroupUpdateError::Missing { .. }) => {
-                Err(TaskError::Skip("group was settled elsewhere".into()))
+                Err(TaskError::Skip(Skip::SettledElsewhere))
             }
-            Err(err) => Err(TaskError::Retry(err.to_string())),
+            Err(err) => Err(TaskError::Retry(Transient::GroupRecord(err))),
         }
     }
 
@@ -268,14 +266,14 @@ impl Worker {
                 for request in requests {
                     match self.engine.submit(request).await {
                         Ok(g) => generations.push(Box::pin(outputs(g))),
-                        Err(EngineError::Stopped) => return Err(TaskError::Retry("engine stopped".into())),
+                        Err(EngineError::Stopped) => return Err(TaskError::Retry(Transient::EngineStopped)),
                         Err(err) => return Ok((Vec::new(), Some(err.to_string()))),
                     }
                 }
                 while let Some(result) = generations.next().await {
                     match result {
                         Ok(sample) => out.publish(&prompt, SessionOutput::single_turn(sample)).await?,
-                        Err(EngineError::Stopped) => return Err(TaskError::Retry("engine stopped".into())),
+                        Err(EngineError::Stopped) => return Err(TaskError::Retry(Transient::EngineStopped)),
                         Err(err) => out.fail(err.to_string()),
                     }
                 }
@@ -316,7 +314,7 @@ impl Worker {
                     match result {
                         Ok(session) => out.publish(&prompt, session).await?,
                         Err(agent::AgentError::Engine(EngineError::Stopped)) => {
-                            return Err(TaskError::Retry("engine stopped".into()))
+                            return Err(TaskError::Retry(Transient::EngineStopped))
                         }
                         Err(err) => out.fail(err.to_string()),
                     }
@@ -444,14 +442,42 @@ impl<'a> GroupPublisher<'a> {
 }
 
 /// Why a task was not completed.
+#[derive(Debug)]
 enum TaskError {
-    /// nothing to do (duplicate delivery, group gone): acknowledge
-    Skip(String),
+    /// nothing to do: acknowledge
+    Skip(Skip),
     /// transient (broker or engine trouble): nak for redelivery
-    Retry(String),
+    Retry(Transient),
     /// permanent (a trajectory or score request above the server's max_payload): generating the group again
     /// would fail again, so it ends `failure` with the reason, without trajectories
-    Fail(String),
+    Fail(jetrl_bus::BusError),
+}
+
+/// Why a task needs no work.
+#[derive(Debug, thiserror::Error)]
+enum Skip {
+    #[error("group is already terminal (duplicate delivery)")]
+    AlreadyTerminal,
+    #[error("no group record {key}")]
+    NoRecord { key: String },
+    /// evicted while it ran (and perhaps already archived out of GROUPS)
+    #[error("group was settled elsewhere")]
+    SettledElsewhere,
+}
+
+/// Why a task is handed back for another try.
+#[derive(Debug, thiserror::Error)]
+enum Transient {
+    #[error("the task needs weights v{needed}, this worker holds v{held}")]
+    OlderWeights { needed: u64, held: u64 },
+    #[error("the worker's slot semaphore is closed")]
+    SlotsClosed,
+    #[error("engine stopped")]
+    EngineStopped,
+    #[error("group record: {0}")]
+    GroupRecord(#[source] GroupUpdateError),
+    #[error(transparent)]
+    Bus(jetrl_bus::BusError),
 }
 
 /// A broker error while publishing a group: a message the server can never take fails the group for good;
@@ -460,9 +486,9 @@ fn task_error(err: jetrl_bus::BusError) -> TaskError {
     match err {
         jetrl_bus::BusError::PayloadTooLarge { .. } => {
             metrics::counter!("jetrl_rollout_permanent_failures_total", "reason" => "payload_too_large").increment(1);
-            TaskError::Fail(err.to_string())
+            TaskError::Fail(err)
         }
-        other => TaskError::Retry(other.to_string()),
+        other => TaskError::Retry(Transient::Bus(other)),
     }
 }
 

@@ -93,10 +93,10 @@ impl Worker {
     }
 
     /// Reads, checks (size and per-tensor CRCs) and loads one announced version into the engine.
-    pub(crate) async fn load_version(&self, manifest: &WeightManifest) -> Result<(), String> {
+    pub(crate) async fn load_version(&self, manifest: &WeightManifest) -> Result<(), WeightLoadError> {
         let started = Instant::now();
         let blob = self.read_version(manifest).await?;
-        self.engine.swap(blob, manifest.version).await.map_err(|e| e.to_string())?;
+        self.engine.swap(blob, manifest.version).await.map_err(WeightLoadError::Swap)?;
         metrics::gauge!("jetrl_rollout_policy_version").set(manifest.version as f64);
         tracing::info!(version = manifest.version, elapsed_ms = started.elapsed().as_millis() as u64, "weights loaded");
         self.status.loaded();
@@ -104,11 +104,22 @@ impl Worker {
     }
 
     /// The blob of `manifest`, checked against it.
-    pub(crate) async fn read_version(&self, manifest: &WeightManifest) -> Result<bytes::Bytes, String> {
-        let blob = self.bus.load_weights(&manifest.location).await.map_err(|e| e.to_string())?;
-        weights::verify(manifest, &blob).map_err(|e| e.to_string())?;
+    pub(crate) async fn read_version(&self, manifest: &WeightManifest) -> Result<bytes::Bytes, WeightLoadError> {
+        let blob = self.bus.load_weights(&manifest.location).await.map_err(WeightLoadError::Read)?;
+        weights::verify(manifest, &blob).map_err(WeightLoadError::Verify)?;
         Ok(blob)
     }
+}
+
+/// Why a weight version did not load (each keeps its cause).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum WeightLoadError {
+    #[error("reading the blob: {0}")]
+    Read(#[source] BusError),
+    #[error("the blob does not match its manifest: {0}")]
+    Verify(#[source] BusError),
+    #[error(transparent)]
+    Swap(crate::engine::EngineError),
 }
 
 /// Follows the `latest` manifest in the WEIGHTS bucket and loads each new version (a `latest` that goes back is

@@ -24,7 +24,9 @@
 //! uninterrupted one exactly: the checkpoint holds no opaque generator state.
 
 use std::collections::BTreeMap;
+use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use jetrl_algos::{
@@ -943,6 +945,8 @@ type Job = Box<dyn FnOnce(&mut Actor) + Send>;
 #[derive(Clone)]
 pub struct ActorHandle {
     tx: tokio::sync::mpsc::Sender<Job>,
+    /// the message of the panic that ended the thread, if one did
+    panicked: Arc<Mutex<Option<String>>>,
 }
 
 impl ActorHandle {
@@ -989,7 +993,7 @@ impl ActorHandle {
             })
             .map_err(ActorError::Spawn)?;
         ready_rx.recv().map_err(|_| ActorError::Stopped)??;
-        Ok(Self { tx })
+        Ok(Self { tx, panicked: Arc::default() })
     }
 
     /// Runs `f` on the actor thread and returns its result.
@@ -998,10 +1002,33 @@ impl ActorHandle {
         f: impl FnOnce(&mut Actor) -> R + Send + 'static,
     ) -> Result<R, ActorError> {
         let (reply, rx) = oneshot::channel();
-        let job: Job = Box::new(move |actor| {
-            let _ = reply.send(f(actor));
+        let panicked = self.panicked.clone();
+        let job: Job = Box::new(move |actor| match std::panic::catch_unwind(AssertUnwindSafe(|| f(actor))) {
+            Ok(result) => {
+                let _ = reply.send(result);
+            }
+            // the caller gets the message, then the thread unwinds as it would have (its state is not to be trusted)
+            Err(payload) => {
+                let message = panic_message(payload.as_ref());
+                *panicked.lock().unwrap_or_else(PoisonError::into_inner) = Some(message);
+                drop(reply);
+                std::panic::resume_unwind(payload);
+            }
         });
-        self.tx.send(job).await.map_err(|_| ActorError::Stopped)?;
-        rx.await.map_err(|_| ActorError::Stopped)
+        let stopped = || match self.panicked.lock().unwrap_or_else(PoisonError::into_inner).clone() {
+            Some(message) => ActorError::Panicked(message),
+            None => ActorError::Stopped,
+        };
+        self.tx.send(job).await.map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())
+    }
+}
+
+/// The text a panic was raised with (`panic!("...")` gives a `&str` or a `String`).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    match (payload.downcast_ref::<&str>(), payload.downcast_ref::<String>()) {
+        (Some(text), _) => (*text).to_string(),
+        (_, Some(text)) => text.clone(),
+        _ => "a panic without a message".into(),
     }
 }

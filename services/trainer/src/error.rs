@@ -60,7 +60,22 @@ pub enum WeightSyncFailure {
     Rejected(String),
     /// checkpoint-sync did not answer within the deadline (retried with backoff until then)
     #[error("checkpoint-sync did not acknowledge within {seconds:.0}s (last error: {last})")]
-    Unacknowledged { seconds: f64, last: String },
+    Unacknowledged {
+        seconds: f64,
+        #[source]
+        last: AnnounceAttempt,
+    },
+}
+
+/// Why one announcement to checkpoint-sync went unanswered.
+#[derive(Debug, thiserror::Error)]
+pub enum AnnounceAttempt {
+    /// checkpoint-sync answered that it cannot register the version now (its store failed)
+    #[error("checkpoint-sync unavailable: {0}")]
+    Unavailable(String),
+    /// the request itself failed (no responder, a timeout, the broker gone)
+    #[error(transparent)]
+    Bus(Box<jetrl_bus::BusError>),
 }
 
 impl TrainerError {
@@ -107,6 +122,9 @@ pub enum ActorError {
     Spawn(#[source] std::io::Error),
     #[error("the actor thread has stopped")]
     Stopped,
+    /// the actor thread panicked (its message); the thread is gone, and every later call gets the same error
+    #[error("the actor thread panicked: {0}")]
+    Panicked(String),
 }
 
 impl jetrl_telemetry::ServiceError for TrainerError {

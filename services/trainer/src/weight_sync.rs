@@ -23,7 +23,7 @@ use jetrl_wire::v1::{
     WeightManifest,
 };
 
-use crate::error::{TrainerError, WeightSyncFailure};
+use crate::error::{AnnounceAttempt, TrainerError, WeightSyncFailure};
 use crate::fleet::{Fleet, WorkerView};
 
 /// How a wait for the workers ended.
@@ -162,11 +162,11 @@ impl WeightSync {
             let last = match reply {
                 Ok(resp) if resp.error.is_empty() => return Ok(manifest),
                 // checkpoint-sync could not do it now (its store failed): worth another attempt
-                Ok(resp) if resp.code() == ErrorCode::Unavailable => resp.error,
+                Ok(resp) if resp.code() == ErrorCode::Unavailable => AnnounceAttempt::Unavailable(resp.error),
                 Ok(resp) => {
                     return Err(TrainerError::WeightSync { version, reason: WeightSyncFailure::Rejected(resp.error) })
                 }
-                Err(err) => err.to_string(),
+                Err(err) => AnnounceAttempt::Bus(Box::new(err)),
             };
             attempt += 1;
             metrics::counter!("jetrl_trainer_announce_retries_total").increment(1);

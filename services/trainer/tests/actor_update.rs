@@ -5,8 +5,9 @@
 use std::collections::BTreeMap;
 
 use jetrl_config::JobConfig;
-use jetrl_trainer::actor::{Actor, OldPolicy, RankBatch, Sample};
+use jetrl_trainer::actor::{Actor, ActorHandle, OldPolicy, RankBatch, Sample};
 use jetrl_trainer::dist::Comm;
+use jetrl_trainer::error::ActorError;
 use tch::Tensor;
 
 /// Two prompt groups of two trajectories with different scores (non-zero advantages).
@@ -135,4 +136,23 @@ fn packed_micro_batches_train_the_actor_and_critic_as_padded_ones() {
             assert!((a - b).abs() <= 1e-5 * a.abs().max(1.0), "{key}: {a} vs {b} (checkpointing {checkpointing})");
         }
     }
+}
+
+/// A job that panics on the actor thread reaches its caller as `ActorError::Panicked` with the panic's message,
+/// and so does every later call (the thread is gone), instead of an "actor thread has stopped" that says nothing.
+#[test]
+fn a_panic_on_the_actor_thread_reaches_its_caller_with_its_message() {
+    let dir = tempfile::tempdir().unwrap();
+    jetrl_model::init_model("tiny", dir.path(), 3).unwrap();
+    let mut cfg = JobConfig::default();
+    cfg.model.path = dir.path().display().to_string();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let actor = ActorHandle::spawn(cfg, 1, None, Comm::Solo, 0).unwrap();
+        assert_eq!(actor.call(|_| 7).await.unwrap(), 7);
+        let first = actor.call(|_| -> u32 { panic!("ran out of {}", "patience") }).await.unwrap_err();
+        assert!(matches!(&first, ActorError::Panicked(m) if m == "ran out of patience"), "{first:?}");
+        let later = actor.call(|_| 7).await.unwrap_err();
+        assert!(matches!(&later, ActorError::Panicked(m) if m == "ran out of patience"), "{later:?}");
+    });
 }
