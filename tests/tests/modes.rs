@@ -313,7 +313,7 @@ async fn separate_async_survives_a_killed_worker_and_every_group_is_accounted_fo
                 *trained.entry(entry.uid.clone()).or_insert(0) += 1;
             }
             jetrl_wire::v1::GroupState::Evicted => {
-                assert!(!entry.evicted_reason.is_empty(), "{} evicted silently", entry.uid)
+                assert_ne!(entry.eviction(), jetrl_wire::v1::Eviction::Unspecified, "{} evicted silently", entry.uid)
             }
             _ => {}
         }

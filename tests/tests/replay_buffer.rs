@@ -10,7 +10,7 @@ use jetrl_bus::{Bus, GroupStore, NatsServer, Publisher};
 use jetrl_config::JobConfig;
 use jetrl_tests::sim::{self, GroupSpec};
 use jetrl_wire::v1::{
-    ErrorCode, GroupState, LedgerRequest, LedgerResponse, ReleaseRequest, ReleaseResponse, ReleasedGroups,
+    ErrorCode, Eviction, GroupState, LedgerRequest, LedgerResponse, ReleaseRequest, ReleaseResponse, ReleasedGroups,
     SampleRequest, SampleResponse,
 };
 use jetrl_wire::Message;
@@ -300,7 +300,8 @@ async fn the_ledger_says_for_every_group_trained_at_which_step_evicted_why_or_in
     let row =
         |uid: &str| ledger.entries.iter().find(|e| e.uid == uid).unwrap_or_else(|| panic!("{uid} missing")).clone();
     assert_eq!(row("stale").state, GroupState::Evicted as i32);
-    assert_eq!(row("stale").evicted_reason, "off_policy");
+    assert_eq!(row("stale").eviction(), Eviction::OffPolicy);
+    assert!(row("stale").evicted_reason.starts_with("submission span "), "{:?}", row("stale"));
     assert_eq!(row("fresh").state, GroupState::Sampled as i32);
     assert_eq!(row("fresh").sampled_step, 5);
     assert_eq!(row("inflight").state, GroupState::Pending as i32);

@@ -245,6 +245,9 @@ struct EntryView {
     submit_step: u64,
     sampled_step: u64,
     trajectories: u32,
+    /// why it was evicted (`off_policy`, `rolled_back`, ...; empty unless evicted)
+    eviction: &'static str,
+    /// the eviction with its detail, as a person reads it
     evicted_reason: String,
 }
 
@@ -311,7 +314,12 @@ async fn snapshot(bus: &Bus, target: &Target, options: &Options) -> anyhow::Resu
                 submit_step: e.submit_step,
                 sampled_step: e.sampled_step,
                 trajectories: e.trajectories,
-                evicted_reason: e.evicted_reason.clone(),
+                eviction: if e.state == GroupState::Evicted as i32 { e.eviction().label() } else { "" },
+                evicted_reason: if e.state == GroupState::Evicted as i32 {
+                    e.eviction().describe(&e.evicted_reason)
+                } else {
+                    String::new()
+                },
             })
             .collect()
     });

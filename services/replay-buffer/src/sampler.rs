@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 
-use jetrl_wire::v1::{GroupState, SampleRequest};
+use jetrl_wire::v1::{Eviction, GroupState, SampleRequest};
 
 use crate::state::{BufferState, Group};
 
@@ -71,13 +71,26 @@ pub enum EvictReason {
 }
 
 impl EvictReason {
-    pub fn label(&self) -> &'static str {
+    /// The group record's `eviction`.
+    pub fn eviction(&self) -> Eviction {
         match self {
-            EvictReason::OffPolicy { .. } => "off_policy",
-            EvictReason::FilterGroups => "filter_groups",
-            EvictReason::RolloutFailure => "rollout_failure",
-            EvictReason::DiscardedSurplus => "discarded_surplus",
+            EvictReason::OffPolicy { .. } => Eviction::OffPolicy,
+            EvictReason::FilterGroups => Eviction::FilterGroups,
+            EvictReason::RolloutFailure => Eviction::RolloutFailure,
+            EvictReason::DiscardedSurplus => Eviction::DiscardedSurplus,
         }
+    }
+
+    /// The group record's `evicted_reason` (the detail beside the eviction).
+    pub fn detail(&self) -> String {
+        match self {
+            EvictReason::OffPolicy { span } => format!("submission span {span}"),
+            _ => String::new(),
+        }
+    }
+
+    pub fn label(&self) -> &'static str {
+        self.eviction().label()
     }
 }
 
@@ -432,7 +445,7 @@ mod tests {
                 match next_action(&self.state, cfg, req, progress) {
                     Action::Evict(list) => {
                         for (uid, reason) in &list {
-                            self.state.mark_evicted("train", uid, reason.label(), 0);
+                            self.state.mark_evicted("train", uid, reason.eviction(), &reason.detail(), 0);
                         }
                         progress.record_eviction(&list);
                         evicted.extend(list);
@@ -440,7 +453,7 @@ mod tests {
                     Action::Answer { selected, discard } => {
                         let list: Vec<_> = discard.iter().map(|u| (u.clone(), EvictReason::DiscardedSurplus)).collect();
                         for uid in &discard {
-                            self.state.mark_evicted("train", uid, "discarded_surplus", 0);
+                            self.state.mark_evicted("train", uid, Eviction::DiscardedSurplus, "", 0);
                         }
                         progress.record_eviction(&list);
                         evicted.extend(list);

@@ -775,20 +775,19 @@ impl Buffer {
         groups: &[(String, EvictReason)],
     ) -> Vec<(String, EvictReason)> {
         // Owned inputs (no borrowed closure arguments) keep this future `Send` for every lifetime.
-        let jobs: Vec<(GroupStore, String, String, &'static str)> = groups
+        let jobs: Vec<(GroupStore, String, String, EvictReason)> = groups
             .iter()
-            .map(|(uid, reason)| (self.groups.clone(), partition.to_string(), uid.clone(), reason.label()))
+            .map(|(uid, reason)| (self.groups.clone(), partition.to_string(), uid.clone(), reason.clone()))
             .collect();
-        let results = futures::future::join_all(
-            jobs.into_iter()
-                .map(|(store, partition, uid, label)| async move { store.evict(&partition, &uid, label, step).await }),
-        )
+        let results = futures::future::join_all(jobs.into_iter().map(|(store, partition, uid, reason)| async move {
+            store.evict(&partition, &uid, reason.eviction(), &reason.detail(), step).await
+        }))
         .await;
         let mut done = Vec::new();
         for ((uid, reason), result) in groups.iter().zip(results) {
             match result {
                 Ok(revision) => {
-                    self.state.mark_evicted(partition, uid, reason.label(), revision.unwrap_or(0));
+                    self.state.mark_evicted(partition, uid, reason.eviction(), &reason.detail(), revision.unwrap_or(0));
                     metrics::counter!("jetrl_buffer_evicted_groups_total", "reason" => reason.label()).increment(1);
                     done.push((uid.clone(), reason.clone()));
                 }

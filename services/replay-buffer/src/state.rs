@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use jetrl_wire::keys::TrajectoryKey;
-use jetrl_wire::v1::{GroupState, GroupStatus, LedgerEntry, Reward, SampledGroup};
+use jetrl_wire::v1::{Eviction, GroupState, GroupStatus, LedgerEntry, Reward, SampledGroup};
 
 /// `(session_id, index)`: a trajectory's place in its group (its key is `{uid}_{session_id}_{index}`).
 pub type Slot = (u32, u32);
@@ -129,6 +129,7 @@ struct Retired {
     state: GroupState,
     submit_step: u64,
     sampled_step: u64,
+    eviction: Eviction,
     evicted_reason: Option<Arc<str>>,
     /// trajectories the worker listed
     listed: u32,
@@ -230,6 +231,7 @@ impl BufferState {
             state: s.state(),
             submit_step: s.submit_step,
             sampled_step: s.sampled_step,
+            eviction: s.eviction(),
             evicted_reason: (!s.evicted_reason.is_empty()).then(|| self.intern(&s.evicted_reason)),
             listed: group.expected.len() as u32,
             uid: s.uid.into_boxed_str(),
@@ -482,11 +484,12 @@ impl BufferState {
 
     /// Marks a group evicted locally (the KV write is done by the caller; `revision` is the one it wrote, 0 if
     /// unknown): it retires with that revision, so its archive purges the record and the write's echo is ignored.
-    pub fn mark_evicted(&mut self, partition: &str, uid: &str, reason: &str, revision: u64) {
+    pub fn mark_evicted(&mut self, partition: &str, uid: &str, eviction: Eviction, detail: &str, revision: u64) {
         let k = key(partition, uid);
         if let Some(group) = self.groups.get_mut(&k) {
             group.status.set_state(GroupState::Evicted);
-            group.status.evicted_reason = reason.to_string();
+            group.status.set_eviction(eviction);
+            group.status.evicted_reason = detail.to_string();
             if revision > 0 {
                 group.revision = revision;
             }
@@ -634,6 +637,7 @@ impl BufferState {
             sampled_step: g.status.sampled_step,
             evicted_reason: g.status.evicted_reason.clone(),
             trajectories: g.expected.len() as u32,
+            eviction: g.status.eviction,
         });
         let retired = self.retired.values().filter(|r| wanted(&r.partition, &r.uid)).map(|r| LedgerEntry {
             uid: r.uid.to_string(),
@@ -643,6 +647,7 @@ impl BufferState {
             sampled_step: r.sampled_step,
             evicted_reason: r.evicted_reason.as_deref().unwrap_or_default().to_string(),
             trajectories: r.listed,
+            eviction: r.eviction as i32,
         });
         let mut rows: Vec<LedgerEntry> = live.chain(retired).collect();
         rows.sort_by(|a, b| a.submit_step.cmp(&b.submit_step).then_with(|| a.uid.cmp(&b.uid)));
@@ -806,10 +811,11 @@ mod tests {
         }
         s.mark_sampled("train", "a", 1, "r1", 0);
         s.release(&["r1".into()]);
-        s.mark_evicted("train", "b", "staleness", 0);
+        s.mark_evicted("train", "b", Eviction::OffPolicy, "submission span 3", 0);
         // the KV echo of the buffer's own writes changes nothing
         let mut echo = status("b", GroupState::Evicted, 1, &["b_0_0"]);
-        echo.evicted_reason = "staleness".into();
+        echo.set_eviction(Eviction::OffPolicy);
+        echo.evicted_reason = "submission span 3".into();
         s.apply_group(echo);
         assert_eq!(s.live.len(), 1, "only c is live");
         assert_eq!(s.select("train", 1).unwrap(), vec!["c".to_string()]);
@@ -839,14 +845,16 @@ mod tests {
         assert_eq!((row.state(), row.sampled_step, row.trajectories), (GroupState::Sampled, 1, 2));
         // a resume rolls the training back: the record comes again, evicted with a reason
         let mut retracted = status("a", GroupState::Evicted, 1, &["a_0_0", "a_1_0"]);
-        retracted.evicted_reason = "rolled back".into();
+        retracted.set_eviction(Eviction::RolledBack);
+        retracted.evicted_reason = "trained at step 1 after the checkpoint of step 0".into();
         s.apply_group(retracted);
         assert!(s.groups.is_empty() && s.live.is_empty());
         let counts = s.counts("train");
         assert_eq!((counts.get("sampled").copied().unwrap_or(0), counts["evicted"]), (0, 1));
         let rows = s.ledger("train", &[], 10);
         assert_eq!(rows.len(), 1);
-        assert_eq!((rows[0].state(), rows[0].evicted_reason.as_str()), (GroupState::Evicted, "rolled back"));
+        assert_eq!((rows[0].state(), rows[0].eviction()), (GroupState::Evicted, Eviction::RolledBack));
+        assert_eq!(rows[0].evicted_reason, "trained at step 1 after the checkpoint of step 0");
         assert!(s.apply_release_marker(&["train.a".into()]).is_empty(), "a marker for it changes nothing");
     }
 

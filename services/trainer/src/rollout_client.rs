@@ -15,8 +15,8 @@ use jetrl_model::Tokenizer;
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::keys::new_uid;
 use jetrl_wire::v1::{
-    self, GroupState, GroupStatus, PromptTask, ReleaseRequest, ReleaseResponse, SampleRequest, SampleResponse,
-    Trajectory,
+    self, Eviction, GroupState, GroupStatus, PromptTask, ReleaseRequest, ReleaseResponse, SampleRequest,
+    SampleResponse, Trajectory,
 };
 use jetrl_wire::{packed, subjects, Message};
 
@@ -439,11 +439,7 @@ impl RolloutClient {
         for g in records {
             by_row.entry((g.epoch, g.dataset_row)).or_default().push(g);
         }
-        let bookkeeping = |g: &GroupStatus| {
-            g.state() == GroupState::Evicted
-                && (jetrl_bus::ledger::SUPERSEDED.contains(&g.evicted_reason.as_str())
-                    || g.evicted_reason.starts_with(jetrl_bus::ledger::ROLLED_BACK))
-        };
+        let bookkeeping = jetrl_bus::ledger::is_bookkeeping;
         let since = if k == 0 {
             "the trainer started again from step 0 (no checkpoint)".to_string()
         } else {
@@ -463,26 +459,22 @@ impl RolloutClient {
                 if keep {
                     continue;
                 }
-                let reason = match g.state() {
+                let (eviction, detail) = match g.state() {
                     GroupState::Sampled => {
                         rolled_back += 1;
-                        format!("{}: trained at step {} after {since}", jetrl_bus::ledger::ROLLED_BACK, g.sampled_step)
+                        (Eviction::RolledBack, format!("trained at step {} after {since}", g.sampled_step))
                     }
                     GroupState::Evicted => {
                         rolled_back += 1;
-                        format!(
-                            "{}: evicted at step {} ({}) after {since}",
-                            jetrl_bus::ledger::ROLLED_BACK,
-                            g.evicted_step,
-                            g.evicted_reason
-                        )
+                        let was = g.eviction().describe(&g.evicted_reason);
+                        (Eviction::RolledBack, format!("evicted at step {} ({was}) after {since}", g.evicted_step))
                     }
                     _ => {
                         superseded += 1;
-                        "superseded_by_resume".to_string()
+                        (Eviction::SupersededByResume, String::new())
                     }
                 };
-                self.groups.retract_known(g, &reason, k).await.map_err(TrainerError::GroupRecord)?;
+                self.groups.retract_known(g, eviction, &detail, k).await.map_err(TrainerError::GroupRecord)?;
             }
             if decided {
                 continue;
@@ -495,7 +487,8 @@ impl RolloutClient {
         // validation groups of the old incarnation are never trained: retire them
         for g in self.groups.list(subjects::VAL_PARTITION).await? {
             if g.state().is_inflight() || g.state().is_terminal() {
-                self.groups.retract_known(&g, "superseded_by_resume", k).await.map_err(TrainerError::GroupRecord)?;
+                let superseded = Eviction::SupersededByResume;
+                self.groups.retract_known(&g, superseded, "", k).await.map_err(TrainerError::GroupRecord)?;
             }
         }
         let submitted = self.submit(subjects::TRAIN_PARTITION, k + 1, &again, false).await?;
@@ -519,9 +512,8 @@ impl RolloutClient {
 
     /// Records that the sampled group `uid` could not be trained on (fate `failed`, with the reason).
     pub async fn reject(&self, uid: &str, reason: &str, step: u64) -> Result<(), TrainerError> {
-        let reason = format!("rejected: {reason}");
         tokio::select! {
-            retracted = self.groups.retract(subjects::TRAIN_PARTITION, uid, &reason, step) => {
+            retracted = self.groups.retract(subjects::TRAIN_PARTITION, uid, Eviction::Rejected, reason, step) => {
                 retracted.map_err(TrainerError::GroupRecord)
             }
             () = self.shutdown.wait() => Err(TrainerError::Shutdown),

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use jetrl_bus::{Bus, GroupStore};
 use jetrl_tests::TestJob;
 use jetrl_trainer::checkpoint::{self, TrainerState};
-use jetrl_wire::v1::GroupState;
+use jetrl_wire::v1::{Eviction, GroupState};
 use tokio::sync::watch;
 
 /// A shutdown future that resolves when the sender says so.
@@ -97,7 +97,7 @@ async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             let all = groups.records("train").await.unwrap();
-            let superseded = all.iter().filter(|g| g.evicted_reason == "superseded_by_resume").count();
+            let superseded = all.iter().filter(|g| g.eviction() == Eviction::SupersededByResume).count();
             if superseded == stranded.len() {
                 break;
             }
@@ -114,7 +114,7 @@ async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
         // what the records say when the second trainer hangs
         for g in groups.records("train").await.unwrap() {
             let (uid, step, state, worker, reason) =
-                (&g.uid, g.submit_step, g.state(), &g.worker_id, &g.evicted_reason);
+                (&g.uid, g.submit_step, g.state(), &g.worker_id, g.eviction().describe(&g.evicted_reason));
             eprintln!("group {uid}: submitted at step {step}, {state:?}, worker {worker:?}, reason {reason:?}");
         }
     }
@@ -139,7 +139,7 @@ async fn trainer_restarted_after_a_checkpoint_resumes_and_finishes_the_run() {
     let all = groups.records("train").await.unwrap();
     for uid in &stranded {
         let g = all.iter().find(|g| &g.uid == uid).expect("stranded group record");
-        assert_eq!((g.state(), g.evicted_reason.as_str()), (GroupState::Evicted, "superseded_by_resume"));
+        assert_eq!((g.state(), g.eviction()), (GroupState::Evicted, Eviction::SupersededByResume));
     }
     let sampled = all.iter().filter(|g| g.state() == GroupState::Sampled).count();
     assert_eq!(sampled, 16, "4 steps of 4 groups were trained on");

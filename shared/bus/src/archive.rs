@@ -20,7 +20,7 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::pull::OrderedConfig;
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use futures::StreamExt;
-use jetrl_wire::v1::{GroupState, GroupStatus};
+use jetrl_wire::v1::{Eviction, GroupState, GroupStatus};
 use jetrl_wire::{subjects, Message};
 
 use crate::groups::{kv_err, GroupUpdateError};
@@ -163,23 +163,30 @@ impl GroupStore {
     }
 
     /// [`GroupStore::retract`] for a record read with [`GroupStore::records`]: when its key has been archived and
-    /// purged, the retraction (the record as read, evicted at `step` with `reason`) is appended to the archive
-    /// instead.
-    pub async fn retract_known(&self, record: &GroupStatus, reason: &str, step: u64) -> Result<(), GroupUpdateError> {
-        match self.retract(&record.partition, &record.uid, reason, step).await {
+    /// purged, the retraction (the record as read, evicted at `step` with `eviction` and `detail`) is appended to
+    /// the archive instead.
+    pub async fn retract_known(
+        &self,
+        record: &GroupStatus,
+        eviction: Eviction,
+        detail: &str,
+        step: u64,
+    ) -> Result<(), GroupUpdateError> {
+        match self.retract(&record.partition, &record.uid, eviction, detail, step).await {
             Err(GroupUpdateError::Missing { .. }) => {}
             other => return other,
         }
-        if record.state() == GroupState::Evicted && record.evicted_reason == reason {
+        if crate::groups::is_evicted_as(record, eviction, detail) {
             return Ok(());
         }
         let mut amended = compact(record);
-        amended.evicted_reason = reason.to_string();
+        amended.set_eviction(eviction);
+        amended.evicted_reason = detail.to_string();
         amended.evicted_step = step;
         amended.set_state(GroupState::Evicted);
         amended.updated_unix_ms = jetrl_wire::now_unix_ms();
         let key = subjects::group_key(&record.partition, &record.uid);
-        let id = format!("{key}@amended:{step}:{reason}");
+        let id = format!("{key}@amended:{step}:{}", eviction.describe(detail));
         let subject = self.bus.names().ledger_subject(&record.partition);
         let message = Outgoing::protobuf(subject, Some(id), &amended).header(AMENDED_HEADER, step.to_string());
         self.bus.publish_durable(message).await?;

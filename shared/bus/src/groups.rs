@@ -12,7 +12,7 @@
 use std::time::Duration;
 
 use async_nats::jetstream::kv;
-use jetrl_wire::v1::{GroupState, GroupStatus};
+use jetrl_wire::v1::{Eviction, GroupState, GroupStatus};
 use jetrl_wire::{subjects, Message};
 
 use crate::retry::Patience;
@@ -292,45 +292,58 @@ impl GroupStore {
         &self,
         partition: &str,
         uid: &str,
-        reason: &str,
+        eviction: Eviction,
+        detail: &str,
         step: u64,
     ) -> Result<Option<u64>, GroupUpdateError> {
-        self.evict_unless(partition, uid, reason, step, |s, _| {
+        self.evict_unless(partition, uid, eviction, detail, step, |s| {
             matches!(s.state(), GroupState::Sampled | GroupState::Evicted)
         })
         .await
     }
 
-    /// Marks a group evicted at `step` with `reason` whatever state it is in: a sampled one (a rollback after a
-    /// resume, a group the trainer rejected) or an evicted one (its reason amended by a rollback).
-    pub async fn retract(&self, partition: &str, uid: &str, reason: &str, step: u64) -> Result<(), GroupUpdateError> {
-        self.evict_unless(partition, uid, reason, step, |s, reason| {
-            s.state() == GroupState::Evicted && s.evicted_reason == reason
-        })
-        .await
-        .map(drop)
+    /// Marks a group evicted at `step` with `eviction` (and its `detail`) whatever state it is in: a sampled one (a
+    /// rollback after a resume, a group the trainer rejected) or an evicted one (its reason amended by a rollback).
+    pub async fn retract(
+        &self,
+        partition: &str,
+        uid: &str,
+        eviction: Eviction,
+        detail: &str,
+        step: u64,
+    ) -> Result<(), GroupUpdateError> {
+        self.evict_unless(partition, uid, eviction, detail, step, |s| is_evicted_as(s, eviction, detail))
+            .await
+            .map(drop)
     }
 
-    /// Evicts the group at `step` with `reason`, unless `keep(record, reason)` says to leave it as it is.
+    /// Evicts the group at `step` with `eviction` and `detail`, unless `keep(record)` says to leave it as it is.
     async fn evict_unless(
         &self,
         partition: &str,
         uid: &str,
-        reason: &str,
+        eviction: Eviction,
+        detail: &str,
         step: u64,
-        keep: impl Fn(&GroupStatus, &str) -> bool,
+        keep: impl Fn(&GroupStatus) -> bool,
     ) -> Result<Option<u64>, GroupUpdateError> {
         self.update_from(partition, uid, None, |s| {
-            if keep(s, reason) {
+            if keep(s) {
                 return None;
             }
-            s.evicted_reason = reason.to_string();
+            s.set_eviction(eviction);
+            s.evicted_reason = detail.to_string();
             s.evicted_step = step;
             Some(GroupState::Evicted)
         })
         .await
         .map(|written| written.map(|(_, revision)| revision))
     }
+}
+
+/// Whether `record` is already evicted with `eviction` and `detail` (a retraction of it writes nothing).
+pub(crate) fn is_evicted_as(record: &GroupStatus, eviction: Eviction, detail: &str) -> bool {
+    record.state() == GroupState::Evicted && record.eviction() == eviction && record.evicted_reason == detail
 }
 
 #[cfg(test)]

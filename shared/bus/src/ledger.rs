@@ -1,8 +1,8 @@
 //! The exactly-once ledger: what became of every dataset row a job drew, from the group records in GROUPS.
 //!
 //! The unit is the row, `(epoch, dataset_row)`: a row may have had several groups (a group re-created after a
-//! resume, a trained step rolled back). Groups retired by the trainer's own bookkeeping — superseded by a resume
-//! ([`SUPERSEDED`]) or re-issued — do not decide a row's fate when another group of the row exists; of the rest a
+//! resume, a trained step rolled back). Groups retired by the trainer's own bookkeeping — superseded by a resume or
+//! rolled back ([`Eviction::is_bookkeeping`](jetrl_wire::v1::Eviction::is_bookkeeping)) — do not decide a row's fate when another group of the row exists; of the rest a
 //! row must have exactly one, whose state is the row's fate: trained (sampled at a step), evicted or failed (with
 //! the reason and the step), or in flight. Two deciding groups for one row is a duplicate: the ledger reports it
 //! instead of hiding it.
@@ -10,12 +10,6 @@
 use std::collections::BTreeMap;
 
 use jetrl_wire::v1::{GroupState, GroupStatus};
-
-/// Eviction reasons that only record the trainer's bookkeeping: the row got (or gets) another group.
-pub const SUPERSEDED: &[&str] = &["superseded_by_resume", "reissued", "reissue_without_task"];
-
-/// A reason that starts with this rolled back a step trained after the checkpoint a trainer resumed from.
-pub const ROLLED_BACK: &str = "rolled_back";
 
 /// What became of a row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -36,7 +30,7 @@ pub struct LedgerRow {
     pub fate: Fate,
     /// the step it was trained or evicted at (0 while in flight)
     pub step: u64,
-    /// why it was evicted or failed (empty otherwise)
+    /// why it was evicted or failed, with its detail (`off_policy: submission span 3`; empty otherwise)
     pub reason: String,
 }
 
@@ -68,18 +62,17 @@ pub fn ledger(records: &[GroupStatus]) -> (Vec<LedgerRow>, Vec<Vec<LedgerRow>>) 
     (rows, duplicates)
 }
 
-/// A group retired by the trainer's bookkeeping (superseded by a resume, re-issued, rolled back).
-fn is_bookkeeping(g: &GroupStatus) -> bool {
-    g.state() == GroupState::Evicted
-        && (SUPERSEDED.contains(&g.evicted_reason.as_str()) || g.evicted_reason.starts_with(ROLLED_BACK))
+/// A group retired by the trainer's bookkeeping (superseded by a resume, rolled back).
+pub fn is_bookkeeping(g: &GroupStatus) -> bool {
+    g.state() == GroupState::Evicted && g.eviction().is_bookkeeping()
 }
 
 fn row_of(epoch: u64, row: u64, g: &GroupStatus) -> LedgerRow {
     let (fate, step, reason) = match g.state() {
         GroupState::Sampled => (Fate::Trained, g.sampled_step, String::new()),
         GroupState::Evicted => {
-            let failed = g.evicted_reason.starts_with("rollout_failure") || g.evicted_reason.starts_with("rejected");
-            (if failed { Fate::Failed } else { Fate::Evicted }, g.evicted_step, g.evicted_reason.clone())
+            let fate = if g.eviction().is_failure() { Fate::Failed } else { Fate::Evicted };
+            (fate, g.evicted_step, g.eviction().describe(&g.evicted_reason))
         }
         _ => (Fate::InFlight, 0, String::new()),
     };
@@ -89,32 +82,38 @@ fn row_of(epoch: u64, row: u64, g: &GroupStatus) -> LedgerRow {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use jetrl_wire::v1::Eviction;
 
-    fn group(uid: &str, row: u64, state: GroupState, step: u64, reason: &str, updated: i64) -> GroupStatus {
+    fn group(uid: &str, row: u64, state: GroupState, step: u64, eviction: Eviction, updated: i64) -> GroupStatus {
         let mut g = GroupStatus {
             uid: uid.into(),
             partition: "train".into(),
             dataset_row: row,
             sampled_step: if state == GroupState::Sampled { step } else { 0 },
             evicted_step: if state == GroupState::Evicted { step } else { 0 },
-            evicted_reason: reason.into(),
             updated_unix_ms: updated,
             ..Default::default()
         };
         g.set_state(state);
+        g.set_eviction(eviction);
         g
     }
 
     #[test]
     fn a_row_superseded_by_a_resume_takes_the_fate_of_its_replacement() {
         let records = vec![
-            group("a", 0, GroupState::Sampled, 1, "", 1),
-            group("b", 1, GroupState::Evicted, 2, "superseded_by_resume", 2),
-            group("c", 1, GroupState::Sampled, 3, "", 3),
-            group("d", 2, GroupState::Evicted, 4, "rolled_back: trained at step 4 after the checkpoint of step 2", 4),
-            group("e", 2, GroupState::Running, 0, "", 5),
-            group("f", 3, GroupState::Evicted, 2, "off_policy", 6),
-            group("g", 4, GroupState::Evicted, 2, "rollout_failure", 7),
+            group("a", 0, GroupState::Sampled, 1, Eviction::Unspecified, 1),
+            group("b", 1, GroupState::Evicted, 2, Eviction::SupersededByResume, 2),
+            group("c", 1, GroupState::Sampled, 3, Eviction::Unspecified, 3),
+            group("d", 2, GroupState::Evicted, 4, Eviction::RolledBack, 4),
+            group("e", 2, GroupState::Running, 0, Eviction::Unspecified, 5),
+            {
+                let mut f = group("f", 3, GroupState::Evicted, 2, Eviction::OffPolicy, 6);
+                f.evicted_reason = "submission span 3".into();
+                f
+            },
+            group("g", 4, GroupState::Evicted, 2, Eviction::RolloutFailure, 7),
+            group("h", 5, GroupState::Evicted, 3, Eviction::Rejected, 8),
         ];
         let (rows, duplicates) = ledger(&records);
         assert!(duplicates.is_empty(), "{duplicates:?}");
@@ -127,14 +126,19 @@ mod tests {
                 (2, "e", Fate::InFlight, 0),
                 (3, "f", Fate::Evicted, 2),
                 (4, "g", Fate::Failed, 2),
+                (5, "h", Fate::Failed, 3),
             ]
         );
-        assert_eq!(rows[3].reason, "off_policy");
+        assert_eq!(rows[3].reason, "off_policy: submission span 3");
+        assert_eq!(rows[4].reason, "rollout_failure");
     }
 
     #[test]
     fn a_row_trained_twice_is_reported_as_a_duplicate() {
-        let records = vec![group("a", 7, GroupState::Sampled, 3, "", 1), group("b", 7, GroupState::Sampled, 5, "", 2)];
+        let records = vec![
+            group("a", 7, GroupState::Sampled, 3, Eviction::Unspecified, 1),
+            group("b", 7, GroupState::Sampled, 5, Eviction::Unspecified, 2),
+        ];
         let (rows, duplicates) = ledger(&records);
         assert_eq!(rows.len(), 2, "the row appears once per group that decided it");
         assert_eq!(duplicates.len(), 1);

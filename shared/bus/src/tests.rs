@@ -5,7 +5,7 @@ use std::time::Duration;
 use async_nats::jetstream::AckKind;
 use jetrl_config::NatsConfig;
 use jetrl_wire::subjects::Names;
-use jetrl_wire::v1::{GroupState, GroupStatus, Trajectory};
+use jetrl_wire::v1::{Eviction, GroupState, GroupStatus, Trajectory};
 
 use crate::consume::{decode_or_term, pull_collect};
 use crate::groups::GroupUpdateError;
@@ -723,7 +723,7 @@ async fn archived_records_leave_groups_and_are_still_read_with_their_rollbacks()
         archived.push((status, revision));
     }
     // c is retracted after the buffer saw it: its newer revision must survive the purge of the older one
-    groups.retract("train", "c", "rolled_back: test", 4).await.unwrap();
+    groups.retract("train", "c", Eviction::RolledBack, "test", 4).await.unwrap();
     assert_eq!(groups.archive(&archived).await.unwrap(), 3);
     assert_eq!(groups.archive(&archived[..1]).await.unwrap(), 1, "archiving again is harmless");
     let live: Vec<String> = groups.list("train").await.unwrap().into_iter().map(|g| g.uid).collect();
@@ -742,11 +742,12 @@ async fn archived_records_leave_groups_and_are_still_read_with_their_rollbacks()
     assert_eq!(all["c"].state(), GroupState::Evicted, "the live, newer record wins");
 
     // a resume rolls back b, which is only in the archive
-    groups.retract_known(&all["b"], "rolled_back: trained at step 4 after the checkpoint of step 2", 2).await.unwrap();
+    let detail = "trained at step 4 after the checkpoint of step 2";
+    groups.retract_known(&all["b"], Eviction::RolledBack, detail, 2).await.unwrap();
     let all = by_uid(groups.records("train").await.unwrap());
     assert_eq!(all["b"].state(), GroupState::Evicted);
     assert_eq!((all["b"].evicted_step, all["b"].dataset_row), (2, 1));
-    assert!(all["b"].evicted_reason.starts_with("rolled_back"));
+    assert_eq!((all["b"].eviction(), all["b"].evicted_reason.as_str()), (Eviction::RolledBack, detail));
     let (rows, duplicates) = crate::ledger::ledger(&all.into_values().collect::<Vec<_>>());
     assert!(duplicates.is_empty() && rows.len() == 3, "{rows:?}");
 

@@ -75,6 +75,42 @@ impl v1::GroupState {
     }
 }
 
+impl v1::Eviction {
+    /// Short lowercase name (`off_policy`, `rolled_back`, ...), for the ledger, logs and metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            v1::Eviction::Unspecified => "evicted",
+            v1::Eviction::OffPolicy => "off_policy",
+            v1::Eviction::FilterGroups => "filter_groups",
+            v1::Eviction::RolloutFailure => "rollout_failure",
+            v1::Eviction::DiscardedSurplus => "discarded_surplus",
+            v1::Eviction::Rejected => "rejected",
+            v1::Eviction::SupersededByResume => "superseded_by_resume",
+            v1::Eviction::RolledBack => "rolled_back",
+        }
+    }
+
+    /// An eviction written by a resumed trainer's bookkeeping (superseded, rolled back): it does not decide the
+    /// fate of its dataset row when another group of the row exists.
+    pub fn is_bookkeeping(self) -> bool {
+        matches!(self, v1::Eviction::SupersededByResume | v1::Eviction::RolledBack)
+    }
+
+    /// A row that could not be trained (the ledger's fate `failed`) rather than one left out by a rule.
+    pub fn is_failure(self) -> bool {
+        matches!(self, v1::Eviction::RolloutFailure | v1::Eviction::Rejected)
+    }
+
+    /// The label with its detail, as a person reads it: `off_policy: submission span 3`.
+    pub fn describe(self, detail: &str) -> String {
+        if detail.is_empty() {
+            self.label().to_string()
+        } else {
+            format!("{}: {detail}", self.label())
+        }
+    }
+}
+
 impl v1::WorkerState {
     /// Short lowercase name (`ready`, `paused`, `load_failed`, ...), for logs, metrics and `jetrl status`.
     pub fn label(self) -> &'static str {
