@@ -247,7 +247,8 @@ fn same_weights(a: &BTreeMap<String, tch::Tensor>, b: &BTreeMap<String, tch::Ten
 /// steps with `critic_warmup=6`: every step writes `critic/values/*`, `critic/vf_loss` and
 /// `critic/vf_explained_var`; the critic's loss falls while it learns the (fixed) policy's returns; the actor is
 /// not updated before step 6 (no policy loss, the checkpoint of step 5 holds the initial weights, and the KL of
-/// π_old against the reference is exactly 0 up to step 6, positive after); the fixed coefficient never moves.
+/// π_old against the reference is 0 up to step 6, up to float rounding, and well above it after); the fixed
+/// coefficient never moves.
 #[test]
 #[ignore = "slow tier: PPO with a critic through the services"]
 fn ppo_with_a_critic_writes_values_its_loss_falls_and_the_actor_waits_for_critic_warmup() {
@@ -282,10 +283,12 @@ fn ppo_with_a_critic_writes_values_its_loss_falls_and_the_actor_waits_for_critic
         assert_eq!(updated, step >= 6, "step {step}: actor updated = {updated} with critic_warmup 6");
         assert_eq!(value(row, "actor/reward_kl_penalty_coeff"), 0.001, "step {step}: a fixed coefficient");
         let kl = value(row, "actor/reward_kl_penalty");
+        // The actor and the reference are two copies of the same weights, which need not round alike: the warm-up
+        // steps' mean KL is within ±2e-8 on the 2-core development machine, the steps after it 0.06–0.09.
         if step <= 6 {
-            assert_eq!(kl, 0.0, "step {step}: π_old is still the reference");
+            assert!(kl.abs() < 1e-7, "step {step}: π_old is still the reference, KL {kl}");
         } else {
-            assert!(kl > 0.0, "step {step}: the actor moved away from the reference, KL {kl}");
+            assert!(kl > 1e-7, "step {step}: the actor moved away from the reference, KL {kl}");
         }
     }
     let initial = actor_weights(&dir.path().join("model"));

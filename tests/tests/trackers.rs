@@ -92,7 +92,7 @@ struct MlflowServer {
 }
 
 impl MlflowServer {
-    /// Starts it; it answers later (`wait_ready`): the test starts its job meanwhile.
+    /// Starts it; it answers later (`wait_ready`): the test makes its job meanwhile.
     fn start(dir: &Path) -> Self {
         let port = jetrl_bus::harness::free_ports(1).unwrap()[0];
         let mlflow = python().with_file_name("mlflow");
@@ -197,8 +197,10 @@ fn mlflow_gets_params_every_step_and_artifacts_and_a_killed_server_never_stops_t
     let store = tempfile::tempdir().unwrap();
     let mut server = MlflowServer::start(store.path());
     let mut first = job(3, "[console, mlflow]");
-    first.spawn_services(1, 1);
+    // the services start once the server answers: they wait for the trainer's topology for nats.connect_timeout_s
+    // (20 s here), and the server's start (Python imports, its database) can take longer on a loaded machine
     server.wait_ready(store.path(), Duration::from_secs(240));
+    first.spawn_services(1, 1);
     let env = [("MLFLOW_TRACKING_URI", OsString::from(&server.uri))];
     let mut trainer = spawn_trainer(&first, &env);
     let status = wait_trainer(&first, &mut trainer, Duration::from_secs(300));
