@@ -523,18 +523,17 @@ impl NatsWatch {
     }
 }
 
-/// `HH:MM:SS` of a wall-clock time, in UTC.
-/// Why a tracker of `trainer.logger` would record nothing: mlflow without an http:// `MLFLOW_TRACKING_URI`,
+/// Why a tracker of `trainer.logger` would record nothing: mlflow without an http(s):// `MLFLOW_TRACKING_URI`,
 /// wandb without the package in the Python the trainer runs it with (`JETRL_PYTHON`, else `python3`).
 fn tracker_warnings(cfg: &JobConfig) -> Vec<String> {
     use jetrl_config::Logger;
     let mut out = Vec::new();
     if cfg.trainer.logger.contains(&Logger::Mlflow) {
         match std::env::var("MLFLOW_TRACKING_URI") {
-            Ok(uri) if uri.starts_with("http://") => {}
+            Ok(uri) if jetrl_telemetry::http::HttpEndpoint::parse(uri.trim_end_matches('/')).is_ok() => {}
             Ok(uri) => out.push(format!(
-                "trainer.logger has mlflow, but MLFLOW_TRACKING_URI {uri:?} is not an http:// address of an MLflow \
-                 tracking server: nothing will reach MLflow"
+                "trainer.logger has mlflow, but MLFLOW_TRACKING_URI {uri:?} is not the http:// or https:// address \
+                 of an MLflow tracking server: nothing will reach MLflow"
             )),
             Err(_) => out.push(
                 "trainer.logger has mlflow, but MLFLOW_TRACKING_URI is not set: nothing will reach MLflow".into(),
@@ -559,6 +558,7 @@ fn tracker_warnings(cfg: &JobConfig) -> Vec<String> {
     out
 }
 
+/// `HH:MM:SS` of a wall-clock time, in UTC.
 fn utc_time(t: SystemTime) -> String {
     let secs = t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()) % 86_400;
     format!("{:02}:{:02}:{:02}", secs / 3600, secs / 60 % 60, secs % 60)

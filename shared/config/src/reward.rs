@@ -180,7 +180,8 @@ pub enum RewardModelApi {
 #[serde(deny_unknown_fields, default)]
 pub struct RewardModelConfig {
     pub enable: bool,
-    /// base address of the server, `http://host:port[/prefix]` (https needs a TLS-terminating proxy in front)
+    /// base address of the server, `http://host:port[/prefix]` or `https://…` (its certificate checked against the
+    /// system's roots, or `SSL_CERT_FILE` / `SSL_CERT_DIR`)
     pub url: String,
     pub api: RewardModelApi,
     /// the `model` field of each request (verl sends `reward_model.model_path`)
@@ -225,9 +226,9 @@ impl RewardModelConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let key = "reward.reward_model";
         ensure(
-            self.url.starts_with("http://"),
+            self.url.starts_with("http://") || self.url.starts_with("https://"),
             &format!("{key}.url"),
-            format!("must start with http:// (got {:?}; put a TLS-terminating proxy in front of https)", self.url),
+            format!("must start with http:// or https:// (got {:?})", self.url),
         )?;
         ensure(self.max_concurrency > 0, &format!("{key}.max_concurrency"), "must be > 0")?;
         ensure(self.retries > 0, &format!("{key}.retries"), "must be > 0 (it counts attempts)")?;
@@ -408,12 +409,14 @@ reward_kwargs:
     }
 
     #[test]
-    fn enabled_reward_model_needs_a_plain_http_url() {
+    fn enabled_reward_model_needs_an_http_or_https_url() {
         let mut cfg = RewardConfig::default();
         cfg.reward_model.enable = true;
-        cfg.reward_model.url = "https://rm.example".into();
+        cfg.reward_model.url = "grpc://rm.example".into();
         assert!(cfg.validate().unwrap_err().to_string().contains("reward.reward_model.url"));
         cfg.reward_model.url = "http://rm.example:8000".into();
+        cfg.validate().unwrap();
+        cfg.reward_model.url = "https://rm.example".into();
         cfg.validate().unwrap();
     }
 }

@@ -1,12 +1,15 @@
 //! A minimal HTTP/1.1 client (reward-model servers, MLflow's REST API): one connection per request
 //! (`Connection: close`), any method and extra headers, response bodies sized by `Content-Length`, chunked
-//! encoding or end of stream. Plain `http://` only; an `https://` server needs a TLS-terminating proxy in front
-//! (kept out to keep the build lean).
+//! encoding or end of stream. `http://` and `https://` (TLS 1.2/1.3 by rustls; the server's certificate is checked
+//! against the system's trusted roots, or the bundle `SSL_CERT_FILE` / the folder `SSL_CERT_DIR` names, as
+//! OpenSSL-based clients such as MLflow's Python client read them).
 
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
+use tokio_rustls::rustls;
 
 const MAX_HEAD_BYTES: usize = 64 << 10;
 const MAX_BODY_BYTES: usize = 64 << 20;
@@ -14,10 +17,16 @@ const MAX_BODY_BYTES: usize = 64 << 20;
 /// Why an HTTP exchange failed before a status code was known.
 #[derive(Debug, thiserror::Error)]
 pub enum HttpError {
-    #[error("url {0:?} is not of the form http://host[:port][/path]")]
+    #[error("url {0:?} is not of the form http[s]://host[:port][/path]")]
     InvalidUrl(String),
     #[error("connect to {address}: {source}")]
     Connect { address: String, source: std::io::Error },
+    /// no trusted root certificate could be loaded (from the system, `SSL_CERT_FILE` or `SSL_CERT_DIR`)
+    #[error("TLS: no trusted root certificates ({0})")]
+    NoRoots(String),
+    /// the TLS handshake failed (an untrusted or mismatched certificate, no common protocol)
+    #[error("TLS handshake with {address}: {source}")]
+    Tls { address: String, source: std::io::Error },
     #[error("send: {0}")]
     Send(std::io::Error),
     #[error("receive: {0}")]
@@ -28,9 +37,10 @@ pub enum HttpError {
     Timeout(Duration),
 }
 
-/// Where requests go: `http://host:port/prefix`.
+/// Where requests go: `http://host:port/prefix` or `https://host:port/prefix`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HttpEndpoint {
+    tls: bool,
     host: String,
     port: u16,
     /// path prefix without a trailing `/` (empty for the root)
@@ -40,7 +50,12 @@ pub struct HttpEndpoint {
 impl HttpEndpoint {
     pub fn parse(url: &str) -> Result<Self, HttpError> {
         let invalid = || HttpError::InvalidUrl(url.to_string());
-        let rest = url.strip_prefix("http://").ok_or_else(invalid)?;
+        let (tls, rest) = match (url.strip_prefix("http://"), url.strip_prefix("https://")) {
+            (Some(rest), _) => (false, rest),
+            (_, Some(rest)) => (true, rest),
+            _ => return Err(invalid()),
+        };
+        let default_port = if tls { 443 } else { 80 };
         let (authority, path) = match rest.find('/') {
             Some(slash) => rest.split_at(slash),
             None => (rest, ""),
@@ -50,20 +65,25 @@ impl HttpEndpoint {
             let (host, after) = bracketed.split_once(']').ok_or_else(invalid)?;
             let port = match after.strip_prefix(':') {
                 Some(port) => port.parse().map_err(|_| invalid())?,
-                None if after.is_empty() => 80,
+                None if after.is_empty() => default_port,
                 None => return Err(invalid()),
             };
             (host.to_string(), port)
         } else {
             match authority.rsplit_once(':') {
                 Some((host, port)) => (host.to_string(), port.parse().map_err(|_| invalid())?),
-                None => (authority.to_string(), 80),
+                None => (authority.to_string(), default_port),
             }
         };
         if host.is_empty() {
             return Err(invalid());
         }
-        Ok(Self { host, port, base_path: path.trim_end_matches('/').to_string() })
+        Ok(Self { tls, host, port, base_path: path.trim_end_matches('/').to_string() })
+    }
+
+    /// Whether requests go over TLS (`https://`).
+    pub fn is_tls(&self) -> bool {
+        self.tls
     }
 
     fn host_header(&self) -> String {
@@ -138,9 +158,50 @@ fn request_head(endpoint: &HttpEndpoint, request: &Request<'_>) -> String {
 
 async fn exchange(endpoint: &HttpEndpoint, request: &Request<'_>) -> Result<HttpResponse, HttpError> {
     let address = (endpoint.host.as_str(), endpoint.port);
-    let mut stream = TcpStream::connect(address)
+    let stream = TcpStream::connect(address)
         .await
         .map_err(|source| HttpError::Connect { address: endpoint.host_header(), source })?;
+    if !endpoint.tls {
+        return exchange_on(stream, endpoint, request).await;
+    }
+    let name = rustls::pki_types::ServerName::try_from(endpoint.host.clone())
+        .map_err(|_| HttpError::InvalidUrl(format!("https://{}", endpoint.host_header())))?;
+    let stream = tokio_rustls::TlsConnector::from(tls_config()?)
+        .connect(name, stream)
+        .await
+        .map_err(|source| HttpError::Tls { address: endpoint.host_header(), source })?;
+    exchange_on(stream, endpoint, request).await
+}
+
+/// The TLS client settings, built once: the trusted roots (the system's, or `SSL_CERT_FILE` / `SSL_CERT_DIR`).
+fn tls_config() -> Result<Arc<rustls::ClientConfig>, HttpError> {
+    static CONFIG: OnceLock<Result<Arc<rustls::ClientConfig>, String>> = OnceLock::new();
+    CONFIG
+        .get_or_init(|| {
+            let found = rustls_native_certs::load_native_certs();
+            let mut roots = rustls::RootCertStore::empty();
+            let (added, _) = roots.add_parsable_certificates(found.certs);
+            if added == 0 {
+                let errors: Vec<String> = found.errors.iter().map(ToString::to_string).collect();
+                return Err(if errors.is_empty() { "none found".into() } else { errors.join("; ") });
+            }
+            let provider = Arc::new(rustls::crypto::ring::default_provider());
+            let config = rustls::ClientConfig::builder_with_provider(provider)
+                .with_safe_default_protocol_versions()
+                .map_err(|e| e.to_string())?
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+            Ok(Arc::new(config))
+        })
+        .clone()
+        .map_err(HttpError::NoRoots)
+}
+
+async fn exchange_on<S: AsyncRead + AsyncWrite + Unpin>(
+    mut stream: S,
+    endpoint: &HttpEndpoint,
+    request: &Request<'_>,
+) -> Result<HttpResponse, HttpError> {
     stream.write_all(request_head(endpoint, request).as_bytes()).await.map_err(HttpError::Send)?;
     stream.write_all(request.body).await.map_err(HttpError::Send)?;
     stream.flush().await.map_err(HttpError::Send)?;
@@ -253,8 +314,11 @@ mod tests {
     }
 
     #[test]
-    fn https_and_malformed_urls_are_rejected() {
-        assert!(HttpEndpoint::parse("https://rm.local").is_err());
+    fn https_urls_default_to_port_443_and_malformed_urls_are_rejected() {
+        let tls = HttpEndpoint::parse("https://mlflow.example.com/prefix").unwrap();
+        assert!(tls.is_tls() && !HttpEndpoint::parse("http://rm.local").unwrap().is_tls());
+        assert_eq!((tls.port, tls.base_path.as_str()), (443, "/prefix"));
+        assert!(HttpEndpoint::parse("ftp://rm.local").is_err());
         assert!(HttpEndpoint::parse("http://:80").is_err());
         assert!(HttpEndpoint::parse("http://rm.local:port").is_err());
     }

@@ -87,15 +87,15 @@ impl Mlflow {
     pub fn from_env(cfg: &JobConfig, run_dir: &Path, resume: bool) -> Result<Self, String> {
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
         let uri = var("MLFLOW_TRACKING_URI").ok_or(
-            "MLFLOW_TRACKING_URI is not set: set it to the http:// address of an MLflow tracking server \
-             (`mlflow server`)",
+            "MLFLOW_TRACKING_URI is not set: set it to the http:// or https:// address of an MLflow tracking \
+             server (`mlflow server`)",
         )?;
         let uri = uri.trim_end_matches('/').to_string();
         let endpoint = HttpEndpoint::parse(&uri).map_err(|_| {
             format!(
-                "MLFLOW_TRACKING_URI {uri:?} is not an http://host[:port][/path] URL: jetrl talks to an MLflow \
-                 tracking server over plain HTTP (a file or database store needs `mlflow server` in front of it, \
-                 https a TLS-terminating proxy)"
+                "MLFLOW_TRACKING_URI {uri:?} is not an http[s]://host[:port][/path] URL: jetrl talks to an \
+                 MLflow tracking server over its REST API (a file or database store needs `mlflow server` in front \
+                 of it)"
             )
         })?;
         let auth = match (var("MLFLOW_TRACKING_TOKEN"), var("MLFLOW_TRACKING_USERNAME")) {
