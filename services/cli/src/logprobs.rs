@@ -135,7 +135,8 @@ impl Driver {
             _ => return Err(LineError::IdsOrMessages),
         };
         let config = self.model.config();
-        // Checked before any tensor exists: 40,000 ids on a 512-position model took 8.4 GB before this check.
+        // Checked before any tensor exists: the forward pass of a sequence past the context would allocate for
+        // all of it (gigabytes for tens of thousands of ids) before the model refused it.
         if ids.len() as u64 > config.max_position_embeddings as u64 {
             return Err(LineError::ContextExceeded { tokens: ids.len(), context: config.max_position_embeddings });
         }
