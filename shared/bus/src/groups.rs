@@ -286,8 +286,8 @@ impl GroupStore {
         Ok(out)
     }
 
-    /// Marks a group evicted at trainer step `step` with `reason` (ledger), whatever its non-final state. Returns
-    /// the revision written (None when the record was already sampled or evicted, and left as it is).
+    /// Marks a group evicted at trainer step `step` with `eviction` and its `detail` (ledger), whatever its non-final
+    /// state. Returns the revision written (None when the record was already sampled or evicted, and left as it is).
     pub async fn evict(
         &self,
         partition: &str,
