@@ -5,11 +5,33 @@
 # Any other argument is passed to `just` (see the justfile).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
+# On a clone whose .venv has no libtorch yet, pip's install of torch takes minutes that leave the cores idle: cargo
+# builds every crate that does not link libtorch meanwhile (LIBTORCH points nowhere, so the crates that need it
+# fail at once and are built after the setup; --keep-going builds the rest). Its log is target/warm-build.log.
+warm=""
+if [ ! -e .venv/libtorch ] && command -v cargo >/dev/null 2>&1; then
+  case "${1:-demo}" in
+    test) targets=(--bins --tests --examples) ;;
+    demo) targets=(--bins) ;;
+    *) targets=() ;;
+  esac
+  if [ ${#targets[@]} -gt 0 ]; then
+    mkdir -p target
+    CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}" LIBTORCH=/nonexistent/libtorch \
+      cargo build --workspace "${targets[@]}" --keep-going >target/warm-build.log 2>&1 &
+    warm=$!
+    trap 'kill "$warm" 2>/dev/null || true' EXIT
+  fi
+fi
 case "${1:-demo}" in
   test) scripts/setup.sh transformers peft wandb mlflow-server datasets ;;
   bench) scripts/setup.sh transformers peft ;;
   *) scripts/setup.sh ;;
 esac
+if [ -n "$warm" ]; then
+  wait "$warm" || true
+  trap - EXIT
+fi
 export PATH="$PWD/.venv/bin:$PATH"
 # From a clean clone, incremental compilation only writes caches (2 GB of a 7 GB build) that nothing reads
 # again. Someone editing code who wants them can run `just` directly, or set CARGO_INCREMENTAL=1.

@@ -18,7 +18,7 @@ demo config="configs/demo.yaml" *overrides="": build
 # cluster, soak and bench smoke runs, full fuzz counts, the tests that need python with transformers), then the
 # golden vectors; two test binaries at a time (scripts/run-test-binaries.py); prints the ten slowest test binaries
 # with wall and CPU seconds at the end (`./dev.sh test` installs transformers first)
-test *args="": build
+test *args="":
     scripts/test-suite.sh {{args}}
 
 # the fast tier alone (minutes): what to run after every change

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Runs the test binaries `cargo test --no-run --message-format=json` built, two at a time, each as `cargo test`
+"""Runs the test binaries `cargo build --tests --message-format=json` built, two at a time, each as `cargo test`
 would (working directory = its package's root, the arguments after `--` passed on), and prints each binary's whole
 output when it ends, headed by cargo's own `Running <source> (<binary>)` line. Exits 1 if any binary failed.
 

@@ -11,8 +11,10 @@ times=target/test-times.tsv
 mkdir -p target
 started=$(date +%s)
 : >"$log"
-cargo test --workspace --no-run --message-format=json-render-diagnostics "$@" 2> >(tee -a "$log" >&2) \
-  >target/test-artifacts.jsonl
+# One cargo invocation for the binaries the tests start and for the tests themselves (what `cargo test --no-run`
+# builds, examples included): two would leave a core idle while the first one's last binaries link.
+cargo build --workspace --bins --tests --examples --message-format=json-render-diagnostics "$@" \
+  2> >(tee -a "$log" >&2) >target/test-artifacts.jsonl
 build_rc=$?
 tests_rc=1
 if [ "$build_rc" -eq 0 ]; then
