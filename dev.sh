@@ -17,10 +17,11 @@ if [ ! -e .venv/libtorch ] && command -v cargo >/dev/null 2>&1; then
   esac
   if [ ${#targets[@]} -gt 0 ]; then
     mkdir -p target
+    # its own process group (setsid), so that stopping it stops the compilers it started too
     CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}" LIBTORCH=/nonexistent/libtorch \
-      cargo build --workspace "${targets[@]}" --keep-going >target/warm-build.log 2>&1 &
+      setsid cargo build --workspace "${targets[@]}" --keep-going >target/warm-build.log 2>&1 &
     warm=$!
-    trap 'kill "$warm" 2>/dev/null || true' EXIT
+    trap 'kill -TERM -- "-$warm" 2>/dev/null || true' EXIT
   fi
 fi
 case "${1:-demo}" in
@@ -28,8 +29,11 @@ case "${1:-demo}" in
   bench) scripts/setup.sh transformers peft ;;
   *) scripts/setup.sh ;;
 esac
+# Once torch is in place the real build starts at once: libtorch's own C++ (torch-sys, jetrl-torch-ext) then
+# compiles beside what the early build had left, instead of after it. What the early build had finished stays.
 if [ -n "$warm" ]; then
-  wait "$warm" || true
+  kill -TERM -- "-$warm" 2>/dev/null || true
+  wait "$warm" 2>/dev/null || true
   trap - EXIT
 fi
 export PATH="$PWD/.venv/bin:$PATH"

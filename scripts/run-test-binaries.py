@@ -27,7 +27,7 @@ WORKERS = 2
 EXPECTED_S = {
     "modes": 168, "crash_matrix": 165, "trainer_ranks": 104, "algorithms": 100, "replay_buffer": 60,
     "supervisor": 55, "nats_cluster": 44, "trackers": 37, "bench_gpu": 32, "service": 27, "bench_soak": 22,
-    "peft": 18, "faults": 12, "resume_service": 11, "scaling": 9, "c10d": 8, "cluster_sim": 8, "fuzz": 7,
+    "peft": 18, "faults": 12, "resume_service": 11, "scoring": 20, "c10d": 8, "cluster_sim": 8, "fuzz": 7,
 }
 
 # Binaries whose CPU time is about their wall time on both cores (they train the demo, or a model for many steps):

@@ -1,0 +1,3 @@
+fn main() {
+    jetrl_build_support::link_libtorch();
+}
