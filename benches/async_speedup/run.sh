@@ -10,5 +10,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # `just bench` has built the workspace; this keeps the script usable on its own.
-cargo build --quiet --bins
+cargo build --quiet --workspace --exclude jetrl-benches --bins  # the services and jetrl, not the benchmark drivers
 exec .venv/bin/python benches/async_speedup/bench.py

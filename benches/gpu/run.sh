@@ -32,7 +32,7 @@ mkdir "$work/elsewhere"
   ${JETRL_BENCH_GPU_SHAPE:+JETRL_BENCH_GPU_SHAPE="$JETRL_BENCH_GPU_SHAPE"} bash "$work/bundle/run.sh") \
   | tee "$work/bundle.out" >&2
 echo "[gpu bench] separate_async against sync on the demo job" >&2
-cargo build -q --bins
+cargo build -q --workspace --exclude jetrl-benches --bins  # the services and jetrl, not the benchmark drivers
 env "${async_env[@]}" JETRL_BENCH_WORKLOAD=demo JETRL_BENCH_MODES=sync,separate_async \
   "$py" benches/async_speedup/bench.py | tee "$work/async.out" >&2
 
