@@ -114,6 +114,11 @@ pub async fn run(
     let policy = RestartPolicy::from_config(&cfg.run.supervisor);
     let mut supervisor = Supervisor::new(policy.clone(), "trainer");
     let mut journal = Journal::create(&run_dir.join("supervisor.jsonl"), started)?;
+    // the journal in the order things happened: the broker first, then the services that connect to it (a reader
+    // that saw the services' lines, or the console's status line, finds the server's too)
+    if let Some(server) = &embedded {
+        journal.record("started", json!({"service": "nats-server", "pid": server.pid(), "port": server.port()}));
+    }
     let service = |name: String, binary: &str, extra: Vec<String>| {
         let mut args: Vec<OsString> = vec!["--config".into(), job_file.clone().into()];
         args.extend(extra.into_iter().map(OsString::from));
@@ -181,9 +186,6 @@ pub async fn run(
     };
     let console = Console { bar: bar.clone() };
     let mut broker = broker::watch(bus.clone());
-    if let Some(server) = &embedded {
-        journal.record("started", json!({"service": "nats-server", "pid": server.pid(), "port": server.port()}));
-    }
     let mut nats = NatsWatch {
         url: url.clone(),
         down_since: None,
