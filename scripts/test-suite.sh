@@ -3,7 +3,8 @@
 # `cargo test --workspace` with the slow tier included (`-- --include-ignored`), two binaries at a time
 # (scripts/run-test-binaries.py says why and how), then the doc tests and the golden vectors; at the end the ten
 # slowest test binaries with their wall and CPU times, so the cost of each test binary stays visible. Arguments go
-# to `cargo test` before `--` (e.g. `-p jetrl-trainer`). The full log is kept in target/test-suite.log.
+# to the build and to the doc tests (`cargo build`/`cargo test --doc`, e.g. `--features ...`). The full log is kept
+# in target/test-suite.log.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 log=target/test-suite.log
