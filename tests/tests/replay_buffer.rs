@@ -367,6 +367,33 @@ async fn a_waiting_request_is_answered_as_soon_as_its_last_group_completes_not_o
     drop(stop);
 }
 
+/// A request names the newest group record its trainer created (`groups_revision`): the buffer decides only once
+/// its watch has delivered that record, even when enough groups are complete without it. A sync DAPO step once
+/// answered while its last two refills were still unseen, so they were neither trained nor counted in that step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "slow tier: the buffer process through restarts, stalls and re-reads"]
+async fn a_request_naming_a_record_the_buffer_has_not_seen_waits_for_it() {
+    let server = NatsServer::start().unwrap();
+    let stop = start_buffer(job(&server.url(), "sync"));
+    let (bus, groups) = connect(&server.url()).await;
+    make_group(&bus, &groups, &GroupSpec::finished("a", 1, &[1.0])).await;
+    make_group(&bus, &groups, &GroupSpec::finished("b", 1, &[0.0])).await;
+    let newest = jetrl_bus::watch::newest(groups.kv(), None).await.expect("the bucket's last revision");
+    let mut ahead = request("train-1", 1, 2);
+    ahead.groups_revision = newest + 1;
+    ahead.wait_ms = 500;
+    let early = ask_once(&bus, &ahead, Duration::from_secs(10)).await;
+    assert!(early.not_ready && early.groups.is_empty(), "answered before the named record came: {early:?}");
+    // the record it names (a refill's pending record)
+    sim::submit(&groups, &GroupSpec::finished("c", 1, &[1.0])).await.unwrap();
+    ahead.wait_ms = 5000;
+    let answered = ask_once(&bus, &ahead, Duration::from_secs(10)).await;
+    let mut uids: Vec<&str> = answered.groups.iter().map(|g| g.uid.as_str()).collect();
+    uids.sort_unstable();
+    assert_eq!(uids, ["a", "b"], "{answered:?}");
+    drop(stop);
+}
+
 /// A resumed trainer (a newer incarnation) takes the groups its dead predecessor's request was waiting for: the
 /// old waiting request is dropped, a late request of the old incarnation is refused as SUPERSEDED, and a
 /// malformed request is answered MALFORMED (callers decide on the code, not the text).

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use jetrl_bus::service::{self, Start, Started};
 use jetrl_bus::{consume, Bus, BusError, Cause, Delays, Patience};
 use jetrl_config::JobConfig;
 use jetrl_telemetry::Shutdown;
@@ -48,12 +49,13 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), CheckpointError> {
     let shutdown = Shutdown::new(shutdown);
-    let bus = Bus::connect_job(&cfg, "jetrl-checkpoint-sync").await?;
-    bus.expect_topology().await?;
-    consume::route_dead_letters(&bus);
-    let heartbeat = jetrl_bus::heartbeat::start(&bus, &cfg, SERVICE, None, shutdown.clone());
-    let stop = shutdown.clone();
-    jetrl_telemetry::serve_metrics(&cfg.checkpoint.metrics_addr, async move { stop.wait().await }).await?;
+    let start = Start {
+        client: "jetrl-checkpoint-sync",
+        service: SERVICE,
+        instance: None,
+        metrics_addr: &cfg.checkpoint.metrics_addr,
+    };
+    let Started { bus, heartbeat } = service::start::<CheckpointError>(&cfg, start, &shutdown).await?;
     let mut registry = Registry::load(&bus, &cfg).await?;
     let mut announcements = bus
         .client()

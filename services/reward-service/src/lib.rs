@@ -49,7 +49,8 @@ pub mod pull;
 use std::sync::Arc;
 use std::time::Duration;
 
-use jetrl_bus::{Bus, BusError};
+use jetrl_bus::service::{self, Start, Started};
+use jetrl_bus::BusError;
 use jetrl_config::JobConfig;
 use jetrl_reward::RewardEngine;
 use jetrl_telemetry::Shutdown;
@@ -92,13 +93,13 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), RewardServiceError> {
     let shutdown = Shutdown::new(shutdown);
-    let bus = Bus::connect_job(&cfg, "jetrl-reward-service").await?;
-    bus.expect_topology().await?;
-    jetrl_bus::consume::route_dead_letters(&bus);
-    let heartbeat =
-        jetrl_bus::heartbeat::start(&bus, &cfg, SERVICE, cfg.reward.instance_id.as_deref(), shutdown.clone());
-    let stop = shutdown.clone();
-    jetrl_telemetry::serve_metrics(&cfg.reward.metrics_addr, async move { stop.wait().await }).await?;
+    let start = Start {
+        client: "jetrl-reward-service",
+        service: SERVICE,
+        instance: cfg.reward.instance_id.as_deref(),
+        metrics_addr: &cfg.reward.metrics_addr,
+    };
+    let Started { bus, heartbeat } = service::start::<RewardServiceError>(&cfg, start, &shutdown).await?;
     describe_metrics();
     let engine = Arc::new(RewardEngine::new(&cfg.reward).await?);
     let ack_wait = Duration::from_secs_f64(cfg.reward.ack_wait_s.max(1.0));

@@ -39,6 +39,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use jetrl_bus::service::{self, Topology};
 use jetrl_bus::{consume, Bus, BusError, GroupStore};
 use jetrl_config::{JobConfig, TrainerMode};
 use jetrl_model::engine::Detokenizer;
@@ -157,11 +158,9 @@ pub async fn run(
     let settings = settings(&cfg)?;
     let shutdown = Shutdown::new(shutdown);
     let instance = cfg.rollout.instance_id.clone().unwrap_or_else(default_instance_id);
-    let bus = Bus::connect_job(&cfg, &format!("jetrl-rollout-worker-{instance}")).await?;
-    bus.expect_topology().await?;
-    jetrl_bus::consume::route_dead_letters(&bus);
-    let stop = shutdown.clone();
-    jetrl_telemetry::serve_metrics(&cfg.rollout.metrics_addr, async move { stop.wait().await }).await?;
+    // the worker's heartbeat carries its engine's state: it beats by itself (`heartbeats`)
+    let bus = service::connect(&cfg, &format!("jetrl-rollout-worker-{instance}"), Topology::Expect).await?;
+    jetrl_telemetry::serve_metrics(&cfg.rollout.metrics_addr, shutdown.waiter()).await?;
     describe_metrics();
 
     let model_dir = PathBuf::from(&cfg.model.path);

@@ -10,7 +10,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use jetrl_bus::{consume, watch, weights, BusError, Cause, Delays};
 use jetrl_telemetry::Shutdown;
 use jetrl_wire::v1::{Heartbeat, WeightManifest, WorkerState};
@@ -124,109 +123,97 @@ pub(crate) enum WeightLoadError {
 
 /// Follows the `latest` manifest in the WEIGHTS bucket and loads each new version (a `latest` that goes back is
 /// a resumed trainer's: it is loaded too). Failed loads are retried with backoff until they succeed or a newer
-/// version replaces them; the worker reports `load_failed` meanwhile. A watch can stall without an error (in a
-/// cluster, when the node holding its consumer dies and the consumer is not recreated): while it delivers nothing,
-/// the revision of `latest` is read every [`watch::WATCH_CHECK`], and a newer one than the watch gave starts it
-/// again.
+/// version replaces them; the worker reports `load_failed` meanwhile. The watch is a [`watch::Follower`]: it is
+/// opened again when it fails or stalls behind the bucket (in a cluster, when the node holding its consumer dies
+/// and the consumer is not recreated).
 pub(crate) async fn follow_weights(worker: Arc<Worker>, shutdown: Shutdown) {
+    let bucket = worker.bus.names().weights_bucket();
+    // the bucket's handle (the broker may be restarting: asked again until it answers or the job is stopping)
+    let mut reopen = Delays::new(Duration::from_secs(1), Duration::from_secs(5));
+    let kv = loop {
+        match worker.bus.key_value(bucket).await {
+            Ok(kv) => break kv,
+            Err(err) => {
+                tracing::warn!(error = %err, retry_in_s = reopen.peek().as_secs_f64(), "cannot watch weights; retrying");
+                tokio::select! {
+                    _ = shutdown.wait() => return,
+                    _ = reopen.sleep() => {}
+                }
+            }
+        }
+    };
+    let mut entries = watch::Follower::new(
+        kv,
+        "latest",
+        "weights",
+        "jetrl_rollout_weight_watch_restarts_total",
+        watch::Resume::Newest,
+    );
     let mut pending: Option<WeightManifest> = None;
     let mut backoff = Delays::new(Duration::from_secs(1), Duration::from_secs(30));
-    // re-opening the watch after the broker refused it (it is back within seconds, or the job is stopping)
-    let mut rewatch = Delays::new(Duration::from_secs(1), Duration::from_secs(5));
     let mut attempt = 0u32;
     // when a failed load is tried again (a deadline, not a sleep: the watch check must not keep postponing it)
     let mut retry_at: Option<tokio::time::Instant> = None;
-    // the newest revision of `latest` the watch delivered
-    let mut seen = 0u64;
     loop {
-        let bucket = worker.bus.names().weights_bucket();
-        let watch = async {
-            let kv = worker.bus.key_value(bucket).await?;
-            let entries = kv.watch_with_history("latest").await.map_err(|e| BusError::Kv {
-                bucket: bucket.into(),
-                key: "latest".into(),
-                cause: Cause::of(e),
-            })?;
-            Ok::<_, BusError>((kv, entries))
-        };
-        let (kv, mut entries) = match watch.await {
-            Ok(w) => w,
-            Err(err) => {
-                tracing::warn!(error = %err, retry_in_s = rewatch.peek().as_secs_f64(), "cannot watch weights; retrying");
-                tokio::select! {
-                    _ = shutdown.wait() => return,
-                    _ = rewatch.sleep() => continue,
-                }
+        // wait for a new manifest, or (after a failed load) for the retry
+        let retry = async {
+            match (&pending, retry_at) {
+                (Some(_), Some(at)) => tokio::time::sleep_until(at).await,
+                _ => std::future::pending().await,
             }
         };
-        rewatch.reset();
-        let mut check = tokio::time::interval_at((Instant::now() + watch::WATCH_CHECK).into(), watch::WATCH_CHECK);
-        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            // wait for a new manifest, or (after a failed load) for the retry
-            let retry = async {
-                match (&pending, retry_at) {
-                    (Some(_), Some(at)) => tokio::time::sleep_until(at).await,
-                    _ => std::future::pending().await,
-                }
-            };
-            let next = tokio::select! {
-                _ = shutdown.wait() => return,
-                e = entries.next() => Some(e),
-                _ = retry => None,
-                _ = check.tick() => {
-                    if watch::behind(&kv, Some("latest"), seen).await {
-                        tracing::warn!(seen, "weights watch stalled behind the bucket; watching again");
-                        metrics::counter!("jetrl_rollout_weight_watch_restarts_total").increment(1);
-                        break;
-                    }
+        let next = tokio::select! {
+            _ = shutdown.wait() => return,
+            entry = entries.next() => match entry {
+                Ok(entry) => Some(entry),
+                Err(err) => {
+                    // refused for good (the follower waits a backoff before asking again)
+                    tracing::error!(error = %err, "cannot watch the weights; asking again");
                     continue;
                 }
-            };
-            if let Some(next) = next {
-                let Some(Ok(entry)) = next else { break };
-                seen = seen.max(entry.revision);
-                check.reset();
-                match WeightManifest::decode(entry.value.as_ref()) {
-                    Ok(m) => {
-                        worker.status.announced.store(m.version + 1, Ordering::SeqCst);
-                        worker.status.changed.notify_waiters();
-                        if !(m.version == worker.engine.version() && m.version != 0) {
-                            pending = Some(m);
-                            attempt = 0;
-                            backoff.reset();
-                            retry_at = None;
-                        }
+            },
+            _ = retry => None,
+        };
+        if let Some(entry) = next {
+            match WeightManifest::decode(entry.value.as_ref()) {
+                Ok(m) => {
+                    worker.status.announced.store(m.version + 1, Ordering::SeqCst);
+                    worker.status.changed.notify_waiters();
+                    if !(m.version == worker.engine.version() && m.version != 0) {
+                        pending = Some(m);
+                        attempt = 0;
+                        backoff.reset();
+                        retry_at = None;
                     }
-                    Err(err) => {
-                        let reason = format!("malformed weight manifest: {err}");
-                        consume::dead_letter(SERVICE, bucket, &entry.key, &reason, &entry.value);
-                        tracing::error!(error = %err, "malformed weight manifest ignored");
-                        continue;
-                    }
-                }
-            }
-            let Some(manifest) = pending.clone() else { continue };
-            match worker.load_version(&manifest).await {
-                Ok(()) => {
-                    pending = None;
-                    attempt = 0;
-                    backoff.reset();
-                    retry_at = None;
-                    if worker.status.get().0 == WorkerState::LoadFailed {
-                        worker.status.set(WorkerState::Ready, "");
-                    }
-                    let _ = worker.heartbeat().await;
                 }
                 Err(err) => {
-                    attempt += 1;
-                    let delay = backoff.next_delay();
-                    metrics::counter!("jetrl_rollout_weight_load_failures_total").increment(1);
-                    tracing::error!(version = manifest.version, attempt, retry_in_s = delay.as_secs_f64(), error = %err, "weight load failed; taking no new groups until it loads");
-                    worker.status.set(WorkerState::LoadFailed, format!("v{}: {err}", manifest.version));
-                    let _ = worker.heartbeat().await;
-                    retry_at = Some(tokio::time::Instant::now() + delay);
+                    let reason = format!("malformed weight manifest: {err}");
+                    consume::dead_letter(SERVICE, bucket, &entry.key, &reason, &entry.value);
+                    tracing::error!(error = %err, "malformed weight manifest ignored");
+                    continue;
                 }
+            }
+        }
+        let Some(manifest) = pending.clone() else { continue };
+        match worker.load_version(&manifest).await {
+            Ok(()) => {
+                pending = None;
+                attempt = 0;
+                backoff.reset();
+                retry_at = None;
+                if worker.status.get().0 == WorkerState::LoadFailed {
+                    worker.status.set(WorkerState::Ready, "");
+                }
+                let _ = worker.heartbeat().await;
+            }
+            Err(err) => {
+                attempt += 1;
+                let delay = backoff.next_delay();
+                metrics::counter!("jetrl_rollout_weight_load_failures_total").increment(1);
+                tracing::error!(version = manifest.version, attempt, retry_in_s = delay.as_secs_f64(), error = %err, "weight load failed; taking no new groups until it loads");
+                worker.status.set(WorkerState::LoadFailed, format!("v{}: {err}", manifest.version));
+                let _ = worker.heartbeat().await;
+                retry_at = Some(tokio::time::Instant::now() + delay);
             }
         }
     }

@@ -49,6 +49,7 @@ pub mod weight_sync;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use jetrl_bus::service::{self, Topology};
 use jetrl_bus::{Bus, Lease};
 use jetrl_config::{JobConfig, TrainerMode};
 use jetrl_data::prompt::PromptLimits;
@@ -94,8 +95,7 @@ pub async fn run(
     ranks::place_on_device(&mut cfg);
     if !RankPlan::of(&cfg).is_leader() {
         let shutdown = Shutdown::new(shutdown);
-        let stop = shutdown.clone();
-        jetrl_telemetry::serve_metrics(&cfg.trainer.metrics_addr, async move { stop.wait().await }).await?;
+        jetrl_telemetry::serve_metrics(&cfg.trainer.metrics_addr, shutdown.waiter()).await?;
         return match ranks::run_follower(cfg, shutdown).await {
             Err(TrainerError::Shutdown) => {
                 tracing::info!("trainer rank stopped by shutdown");
@@ -104,9 +104,7 @@ pub async fn run(
             other => other,
         };
     }
-    let bus = Bus::connect_job(&cfg, "jetrl-trainer").await?;
-    bus.declare_topology().await?;
-    jetrl_bus::consume::route_dead_letters(&bus);
+    let bus = service::connect(&cfg, "jetrl-trainer", Topology::Declare).await?;
     // One trainer per job: a second one is refused here; a trainer that loses the lease stops.
     let lease = Lease::acquire(&bus, subjects::TRAINER_LEASE_KEY).await?;
     let shutdown = Shutdown::new(lease.or_lost(shutdown));
@@ -142,8 +140,8 @@ async fn train(
     shutdown: Shutdown,
     heartbeat: jetrl_bus::heartbeat::StepMetrics,
 ) -> Result<(), TrainerError> {
-    let stop = shutdown.clone();
-    jetrl_telemetry::serve_metrics(&cfg.trainer.metrics_addr, async move { stop.wait().await }).await?;
+    // served once this trainer holds the lease (a second one, refused, binds nothing)
+    jetrl_telemetry::serve_metrics(&cfg.trainer.metrics_addr, shutdown.waiter()).await?;
     let mut trainer = Trainer::new(cfg, bus.clone(), shutdown.clone()).await?;
     trainer.sink.report_to(heartbeat);
     let result = trainer.train().await;

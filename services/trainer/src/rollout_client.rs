@@ -77,6 +77,8 @@ pub struct RolloutClient {
     releases: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     /// this trainer process (its start time, unix ms), carried by every sample request
     incarnation: u64,
+    /// the newest GROUPS revision this trainer created a record at, carried by every sample request
+    created_revision: std::sync::atomic::AtomicU64,
 }
 
 /// The weight version a task of `step` must be generated with at least (`PromptTask.min_policy_version`; a worker
@@ -107,6 +109,7 @@ impl RolloutClient {
         let kw = &cfg.rollout.val_kwargs;
         Ok(Self {
             incarnation: jetrl_wire::now_unix_ms().max(0) as u64,
+            created_revision: std::sync::atomic::AtomicU64::new(0),
             groups: GroupStore::open(&bus).await?,
             bus,
             tokenizer,
@@ -247,7 +250,8 @@ impl RolloutClient {
         // to `nats.connect_timeout_s` (and each publish ack for its own timeout): a stop does not wait for that.
         // A submit cut short leaves pending records without tasks, which the next trainer's resume retires.
         let write = async {
-            self.groups.create_many(&records).await?;
+            let revision = self.groups.create_many(&records).await?;
+            self.created_revision.fetch_max(revision, std::sync::atomic::Ordering::Relaxed);
             let mut publisher = Publisher::new(&self.bus, 512);
             for task in &tasks {
                 publisher
@@ -292,6 +296,7 @@ impl RolloutClient {
             incarnation: self.incarnation,
             ..Default::default()
         };
+        let created = || self.created_revision.load(std::sync::atomic::Ordering::Relaxed);
         let mut failures = 0u32;
         let mut backoff = Delays::new(Duration::from_millis(200), Duration::from_secs(5));
         let asked = Instant::now();
@@ -301,6 +306,8 @@ impl RolloutClient {
                 return Err(TrainerError::Shutdown);
             }
             let timeout = self.sample_wait + Duration::from_secs(5);
+            // every record created so far (this request's refills too) must be in the buffer's view first
+            request.groups_revision = created();
             let reply = tokio::select! {
                 _ = self.shutdown.wait() => return Err(TrainerError::Shutdown),
                 r = self.bus.request::<_, SampleResponse>(self.bus.names().buffer_sample(), &request, timeout) => r,

@@ -228,7 +228,8 @@ where
     }
 }
 
-/// Walks an error's sources for one that tells: a JetStream API error's code, an I/O error (transient). An error
+/// Walks an error's sources for one that tells: a JetStream API error's code (bare, or as a consumer creation's
+/// kind), an I/O error (transient). An error
 /// that says nothing more is a client or connection failure, taken as transient (its retry is bounded).
 fn from_sources(err: &(dyn StdError + 'static)) -> Recovery {
     err.source().map_or(Recovery::Transient, from_chain)
@@ -240,6 +241,12 @@ fn from_chain(err: &(dyn StdError + 'static)) -> Recovery {
     while let Some(source) = next {
         if let Some(api) = source.downcast_ref::<jetstream::Error>() {
             return api_recovery(api);
+        }
+        // a consumer's creation wrapped in another error (a KV watch's): its kind carries the API error
+        if let Some(recovery) =
+            source.downcast_ref::<jetstream::stream::ConsumerError>().and_then(|e| e.kind().recovery())
+        {
+            return recovery;
         }
         if source.is::<std::io::Error>() {
             return Recovery::Transient;

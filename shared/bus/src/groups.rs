@@ -110,10 +110,10 @@ impl GroupStore {
         }
     }
 
-    /// Creates many records with all requests in flight at once.
-    pub async fn create_many(&self, statuses: &[GroupStatus]) -> Result<(), BusError> {
+    /// Creates many records with all requests in flight at once; returns the newest revision written (0: none).
+    pub async fn create_many(&self, statuses: &[GroupStatus]) -> Result<u64, BusError> {
         let results = futures::future::join_all(statuses.iter().map(|s| self.create(s))).await;
-        results.into_iter().collect::<Result<Vec<_>, _>>().map(|_| ())
+        results.into_iter().try_fold(0, |newest, revision| revision.map(|r| newest.max(r)))
     }
 
     fn no_answer(&self) -> Cause {
@@ -213,25 +213,6 @@ impl GroupStore {
             }
         }
         Err(kv_err(&self.kv, &key, Cause::transient("too much contention")).counted().into())
-    }
-
-    /// Watches every record: first the current value of each key, then every change.
-    pub async fn watch(&self) -> Result<kv::Watch, BusError> {
-        self.patience
-            .retry("watch group records", || async {
-                self.kv.watch_with_history(">").await.map_err(|e| kv_err(&self.kv, ">", Cause::of(e)))
-            })
-            .await
-    }
-
-    /// Watches every record from `revision` on (a watch started again after it failed: nothing before it is
-    /// delivered twice, nothing after it is missed).
-    pub async fn watch_from(&self, revision: u64) -> Result<kv::Watch, BusError> {
-        self.patience
-            .retry("watch group records", || async {
-                self.kv.watch_all_from_revision(revision).await.map_err(|e| kv_err(&self.kv, ">", Cause::of(e)))
-            })
-            .await
     }
 }
 

@@ -4,6 +4,9 @@
 //!   ([`jetrl_wire::subjects::Names`]: every stream, bucket and subject belongs to one job), and the declaration
 //!   of every stream, consumer, KV bucket and object store the services use ([`topology`]: by the trainer; the
 //!   other services only wait for it).
+//! - [`service`]: what every service does first (connect, the topology, dead letters, heartbeat, `/metrics`).
+//! - [`watch`]: the [`watch::Follower`] of a KV watch that opens it again when it fails or stalls (the buffer's
+//!   group records, the rollout workers' weights, the trainer's view of the fleet).
 //! - [`heartbeat`]: every service's heartbeat in the job's WORKERS bucket, and the count of JetStream leader
 //!   elections.
 //! - [`Publisher`] ([`publish`]): JetStream publishes with `Nats-Msg-Id` de-duplication and pipelined,
@@ -33,6 +36,7 @@ pub mod ledger;
 pub mod publish;
 pub mod retry;
 pub mod score;
+pub mod service;
 pub mod topology;
 pub mod watch;
 pub mod weights;

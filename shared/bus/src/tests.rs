@@ -807,3 +807,146 @@ async fn connection_state_follows_the_clients_events() {
         .await
         .is_err());
 }
+
+/// A bucket of its own for the follower tests (history 1, like the job's buckets).
+async fn follower_bucket(bus: &Bus, name: &str) -> async_nats::jetstream::kv::Store {
+    bus.jetstream()
+        .create_key_value(async_nats::jetstream::kv::Config { bucket: name.into(), ..Default::default() })
+        .await
+        .expect("bucket")
+}
+
+/// The next entry within `within`, as `(key, revision)`.
+async fn next_of(follower: &mut watch::Follower, within: Duration) -> (String, u64) {
+    let entry = tokio::time::timeout(within, follower.next()).await.expect("an entry in time").expect("watching");
+    (entry.key, entry.revision)
+}
+
+/// With `Resume::After`, a follower that loses its watch (the server killed and started again) opens a new one
+/// after the newest revision it delivered: every change is delivered once, none twice, none missed.
+#[tokio::test]
+async fn a_follower_delivers_every_change_once_through_a_server_restart() {
+    let mut server = NatsServer::start().unwrap();
+    let bus = bus(&server).await;
+    let kv = follower_bucket(&bus, "FOLLOW_AFTER").await;
+    for key in ["a", "b", "c"] {
+        kv.put(key, "1".into()).await.unwrap();
+    }
+    let mut follower = watch::Follower::new(kv.clone(), ">", "test", "test_restarts_total", watch::Resume::After)
+        .check_every(Duration::from_millis(200));
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        got.push(next_of(&mut follower, Duration::from_secs(5)).await);
+    }
+    server.kill();
+    server.restart().unwrap();
+    // written once the client is back (a put during its reconnect may fail: asked again)
+    let mut written = 0;
+    for key in ["b", "d"] {
+        for _ in 0..100 {
+            if kv.put(key, "2".into()).await.is_ok() {
+                written += 1;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    assert_eq!(written, 2, "the puts after the restart");
+    for _ in 0..2 {
+        got.push(next_of(&mut follower, Duration::from_secs(20)).await);
+    }
+    let keys: Vec<(&str, u64)> = got.iter().map(|(k, r)| (k.as_str(), *r)).collect();
+    assert_eq!(keys, [("a", 1), ("b", 2), ("c", 3), ("b", 4), ("d", 5)]);
+    assert_eq!(follower.seen(), 5);
+    // and nothing more comes (no revision delivered twice)
+    assert!(tokio::time::timeout(Duration::from_millis(700), follower.next()).await.is_err());
+}
+
+/// A watch whose consumer is gone without an error (deleted on the server here; in a cluster, lost with its node)
+/// delivers nothing more: the follower sees the bucket move past what it delivered and opens the watch again from
+/// there, within its check interval (the client's own recovery of an ordered consumer takes several seconds).
+#[tokio::test]
+async fn a_follower_whose_watch_stalled_watches_again_from_what_it_delivered() {
+    use futures::StreamExt;
+    let server = NatsServer::start().unwrap();
+    let bus = bus(&server).await;
+    let kv = follower_bucket(&bus, "FOLLOW_STALL").await;
+    kv.put("a", "1".into()).await.unwrap();
+    let mut follower = watch::Follower::new(kv.clone(), ">", "test", "test_restarts_total", watch::Resume::After)
+        .check_every(Duration::from_millis(200));
+    assert_eq!(next_of(&mut follower, Duration::from_secs(5)).await, ("a".into(), 1));
+    let stream = bus.jetstream().get_stream("KV_FOLLOW_STALL").await.unwrap();
+    let consumers: Vec<String> = stream.consumer_names().filter_map(|n| async move { n.ok() }).collect().await;
+    assert!(!consumers.is_empty(), "the watch's consumer");
+    for name in &consumers {
+        stream.delete_consumer(name).await.unwrap();
+    }
+    kv.put("b", "1".into()).await.unwrap();
+    kv.put("a", "2".into()).await.unwrap();
+    assert_eq!(next_of(&mut follower, Duration::from_secs(3)).await, ("b".into(), 2));
+    assert_eq!(next_of(&mut follower, Duration::from_secs(3)).await, ("a".into(), 3));
+    assert_eq!(follower.restarts(), 1, "opened again once, for the stall");
+}
+
+/// With `Resume::Newest` and a quiet window, a follower that hears nothing for that long opens its watch again and
+/// is handed each key's newest value again (a heartbeat reader's deaf watch is replaced); `replay` does the same
+/// on demand.
+#[tokio::test]
+async fn a_quiet_follower_watches_again_and_is_handed_each_keys_newest_value() {
+    let server = NatsServer::start().unwrap();
+    let bus = bus(&server).await;
+    let kv = follower_bucket(&bus, "FOLLOW_NEWEST").await;
+    kv.put("a", "1".into()).await.unwrap();
+    kv.put("a", "2".into()).await.unwrap();
+    kv.put("b", "1".into()).await.unwrap();
+    let mut follower = watch::Follower::new(kv.clone(), ">", "test", "test_restarts_total", watch::Resume::Newest)
+        .quiet(Duration::from_millis(400))
+        .check_every(Duration::from_millis(100));
+    assert_eq!(next_of(&mut follower, Duration::from_secs(5)).await, ("a".into(), 2));
+    assert_eq!(next_of(&mut follower, Duration::from_secs(5)).await, ("b".into(), 3));
+    assert_eq!(follower.restarts(), 0);
+    let started = std::time::Instant::now();
+    assert_eq!(next_of(&mut follower, Duration::from_secs(5)).await, ("a".into(), 2));
+    assert!(started.elapsed() >= Duration::from_millis(300), "watched again after {:?}", started.elapsed());
+    assert_eq!(follower.restarts(), 1);
+    assert_eq!(next_of(&mut follower, Duration::from_secs(5)).await, ("b".into(), 3));
+    follower.replay();
+    assert_eq!(next_of(&mut follower, Duration::from_millis(300)).await, ("a".into(), 2));
+    assert_eq!(follower.restarts(), 1, "a replay asked for is not a restart");
+}
+
+/// A filter without wildcards is one key: the follower compares that key's revision with what it delivered, so
+/// writes to other keys do not make it watch again.
+#[tokio::test]
+async fn a_follower_of_one_key_is_not_restarted_by_writes_to_others() {
+    let server = NatsServer::start().unwrap();
+    let bus = bus(&server).await;
+    let kv = follower_bucket(&bus, "FOLLOW_KEY").await;
+    kv.put("latest", "1".into()).await.unwrap();
+    let mut follower = watch::Follower::new(kv.clone(), "latest", "test", "test_restarts_total", watch::Resume::Newest)
+        .check_every(Duration::from_millis(100));
+    assert_eq!(next_of(&mut follower, Duration::from_secs(5)).await, ("latest".into(), 1));
+    for n in 0..5 {
+        kv.put(format!("blob{n}"), "x".into()).await.unwrap();
+    }
+    assert!(tokio::time::timeout(Duration::from_millis(600), follower.next()).await.is_err());
+    assert_eq!(follower.restarts(), 0);
+    kv.put("latest", "2".into()).await.unwrap();
+    assert_eq!(next_of(&mut follower, Duration::from_secs(5)).await, ("latest".into(), 7));
+}
+
+/// A watch the server refuses for good (a filter that is not a subject) is an error naming the bucket, returned to
+/// the owner instead of asked for again for ever.
+#[tokio::test]
+async fn a_follower_whose_watch_is_refused_for_good_says_so() {
+    let server = NatsServer::start().unwrap();
+    let bus = bus(&server).await;
+    let kv = follower_bucket(&bus, "FOLLOW_BAD").await;
+    let mut follower = watch::Follower::new(kv, "a..b", "test", "test_restarts_total", watch::Resume::Newest);
+    let err = tokio::time::timeout(Duration::from_secs(10), follower.next())
+        .await
+        .expect("an answer in time")
+        .expect_err("refused");
+    assert_eq!(err.recovery(), Recovery::Permanent, "{err}");
+    assert!(err.to_string().contains("FOLLOW_BAD"), "{err}");
+}

@@ -1,11 +1,15 @@
-//! Noticing a KV watch that has stalled. A watch is an ordered consumer on the bucket's stream; in a cluster, when
-//! the node holding that consumer dies, the watch can go quiet without an error and without being recreated
-//! (seen in `tests/tests/nats_cluster.rs`: a rollout worker never loaded the next version and the run stood
-//! still). Whoever watches compares, while nothing arrives, the newest revision it was given with the bucket's.
+//! Following a KV watch for as long as its owner wants ([`Follower`]): the one way jetrl reads a bucket's changes
+//! (the buffer's group records, the rollout workers' `latest` weights, the trainer's view of the fleet). A watch
+//! is an ordered consumer on the bucket's stream; in a cluster, when the node holding that consumer dies, the
+//! watch can go quiet without an error and without being recreated (seen in `tests/tests/nats_cluster.rs`: a
+//! rollout worker never loaded the next version and the run stood still). The follower compares, while nothing
+//! arrives, the newest revision it was given with the bucket's, and opens the watch again when it is behind.
 
 use std::time::Duration;
 
 use async_nats::jetstream::kv;
+
+use crate::{BusError, Cause, Recovery};
 
 /// How often a watch that has delivered nothing is compared with its bucket.
 pub const WATCH_CHECK: Duration = Duration::from_secs(5);
@@ -27,7 +31,8 @@ pub async fn newest(kv: &kv::Store, key: Option<&str>) -> Option<u64> {
     let newest = async {
         match key {
             Some(key) => kv.entry(key).await.ok().flatten().map(|entry| entry.revision),
-            None => kv.status().await.ok().map(|status| status.info.state.last_sequence),
+            // asked of the server: the store's `status()` answers from the stream info cached when it was opened
+            None => kv.stream.get_info().await.ok().map(|info| info.state.last_sequence),
         }
     };
     tokio::time::timeout(ASK_TIMEOUT, newest).await.ok().flatten()
@@ -36,12 +41,232 @@ pub async fn newest(kv: &kv::Store, key: Option<&str>) -> Option<u64> {
 /// How long opening a watch may take before it is tried again.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Follows `kv`'s keys under `filter` for ever (spawn it; abort the task to stop): every current entry first, then
-/// each change, handed to `each`. The watch is opened again after it ends or fails (a broker hiccup), when it
-/// has stalled behind the bucket (checked every [`WATCH_CHECK`] while nothing comes), with a warning that names
-/// `what` and a count in the counter `restarts_metric`, and when nothing at all has come for `quiet` (keys that
-/// are written all the time, heartbeats: a fresh watch starts from each key's newest value, so a watch that went
-/// deaf in a way the bucket's revision does not show is replaced too; counted, logged at debug).
+/// How long a watch that ended waits before it is opened again.
+const PAUSE: Duration = Duration::from_millis(200);
+
+/// Where a watch that is opened again starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resume {
+    /// Each key's newest value again, then each change: for a reader that keeps only the newest value of a key
+    /// (heartbeats, the `latest` weights). What the bucket held before the watch opened counts as delivered.
+    Newest,
+    /// After the newest revision delivered: nothing twice, nothing missed, for a reader that applies every
+    /// change (the buffer's group records). Only delivered revisions count.
+    After,
+}
+
+/// Why a watch was opened again (the `reason` label of the restarts counter).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Restart {
+    /// the watch ended or failed (a broker restart, its consumer lost with a cluster node)
+    Ended,
+    /// it delivered nothing while the bucket moved past what it had delivered
+    Stalled,
+    /// nothing at all came for the follower's quiet window
+    Quiet,
+}
+
+impl Restart {
+    fn label(self) -> &'static str {
+        match self {
+            Restart::Ended => "error",
+            Restart::Stalled => "stalled",
+            Restart::Quiet => "quiet",
+        }
+    }
+}
+
+/// One KV watch followed for as long as its owner wants: every current entry first (`with_history`), then each
+/// change. The watch is opened again, with a warning naming `what` and a count in `restarts_metric{reason}`,
+/// when it ends or fails (a broker restart), when it has stalled behind the bucket (checked while nothing comes,
+/// every [`WATCH_CHECK`]; for a filter without wildcards the key's revision, else the bucket's), and, when a
+/// quiet window is set, when nothing at all came for that long (keys written all the time, heartbeats: a watch
+/// that went deaf in a way the revisions do not show is replaced too). Opening is retried with backoff (1 s
+/// doubling to 5 s) for as long as it fails transiently; a permanent refusal (an invalid filter, a denied
+/// subscription) is returned to the owner.
+///
+/// [`Follower::next`] is cancel-safe (an entry taken from the watch is returned in the same poll), so it can sit
+/// in a `select!` beside the owner's other inputs.
+pub struct Follower {
+    kv: kv::Store,
+    filter: String,
+    /// the key whose revision tells a stall (a filter without wildcards), None: the bucket's last sequence
+    key: Option<String>,
+    what: &'static str,
+    restarts_metric: &'static str,
+    resume: Resume,
+    quiet: Option<Duration>,
+    check_every: Duration,
+    watch: Option<kv::Watch>,
+    /// the next open replays each key's newest value (the first open, or a re-read asked for by the owner)
+    replay: bool,
+    seen: u64,
+    last_entry: tokio::time::Instant,
+    next_check: tokio::time::Instant,
+    reopen: crate::Delays,
+    /// the next open waits this long first (a watch that ended, one refused: neither may spin)
+    pause: Option<Duration>,
+    restarts: u64,
+}
+
+impl Follower {
+    /// A follower of `filter` in `kv`; nothing is opened until the first [`Follower::next`].
+    pub fn new(kv: kv::Store, filter: &str, what: &'static str, restarts_metric: &'static str, resume: Resume) -> Self {
+        let wildcard = filter.split('.').any(|token| token == "*" || token == ">");
+        let now = tokio::time::Instant::now();
+        Self {
+            kv,
+            filter: filter.to_string(),
+            key: (!wildcard).then(|| filter.to_string()),
+            what,
+            restarts_metric,
+            resume,
+            quiet: None,
+            check_every: WATCH_CHECK,
+            watch: None,
+            replay: true,
+            seen: 0,
+            last_entry: now,
+            next_check: now + WATCH_CHECK,
+            reopen: crate::Delays::new(Duration::from_secs(1), Duration::from_secs(5)),
+            pause: None,
+            restarts: 0,
+        }
+    }
+
+    /// Opens the watch again when nothing at all came for `quiet`.
+    pub fn quiet(mut self, quiet: Duration) -> Self {
+        self.quiet = Some(quiet);
+        self
+    }
+
+    /// How often a watch that delivers nothing is compared with its bucket ([`WATCH_CHECK`] unless set).
+    pub fn check_every(mut self, every: Duration) -> Self {
+        self.check_every = every;
+        self
+    }
+
+    /// The newest revision delivered (with [`Resume::Newest`], also what the bucket held when the watch opened).
+    pub fn seen(&self) -> u64 {
+        self.seen
+    }
+
+    /// How many times the watch was opened again (not counting the first open or [`Follower::replay`]).
+    pub fn restarts(&self) -> u64 {
+        self.restarts
+    }
+
+    /// The next [`Follower::next`] opens a new watch that delivers each key's newest value again, then each
+    /// change (a reader that suspects it missed something reads the bucket again).
+    pub fn replay(&mut self) {
+        self.watch = None;
+        self.replay = true;
+    }
+
+    /// The next entry, opening the watch (again) as needed; an error only when opening was refused for good (a
+    /// caller that asks again waits a backoff first). Drop the future (or the follower) to stop.
+    pub async fn next(&mut self) -> Result<kv::Entry, BusError> {
+        use futures::StreamExt;
+        loop {
+            if self.watch.is_none() {
+                self.open().await?;
+                continue;
+            }
+            let check_at = self.next_check;
+            let Some(watch) = self.watch.as_mut() else { continue };
+            tokio::select! {
+                entry = watch.next() => match entry {
+                    Some(Ok(entry)) => {
+                        self.seen = self.seen.max(entry.revision);
+                        self.last_entry = tokio::time::Instant::now();
+                        self.next_check = self.last_entry + self.check_every;
+                        return Ok(entry);
+                    }
+                    Some(Err(err)) => {
+                        tracing::warn!(error = %err, what = self.what, seen = self.seen, "watch failed; watching again");
+                        self.restart(Restart::Ended);
+                    }
+                    None => {
+                        tracing::warn!(what = self.what, seen = self.seen, "watch ended; watching again");
+                        self.restart(Restart::Ended);
+                    }
+                },
+                _ = tokio::time::sleep_until(check_at) => {
+                    self.next_check = tokio::time::Instant::now() + self.check_every;
+                    if behind(&self.kv, self.key.as_deref(), self.seen).await {
+                        tracing::warn!(what = self.what, seen = self.seen, "watch stalled behind the bucket; watching again");
+                        self.restart(Restart::Stalled);
+                    } else if self.quiet.is_some_and(|quiet| self.last_entry.elapsed() >= quiet) {
+                        tracing::debug!(what = self.what, "nothing watched for a while; watching again");
+                        self.restart(Restart::Quiet);
+                    }
+                }
+            }
+        }
+    }
+
+    fn restart(&mut self, why: Restart) {
+        metrics::counter!(self.restarts_metric, "reason" => why.label()).increment(1);
+        self.restarts += 1;
+        self.watch = None;
+        self.pause = (why == Restart::Ended).then_some(PAUSE);
+    }
+
+    /// Opens the watch: from the start (each key's newest value) on the first open, a replay, or with
+    /// [`Resume::Newest`]; after the newest revision delivered with [`Resume::After`]. Waits and tries again while
+    /// opening fails transiently.
+    async fn open(&mut self) -> Result<(), BusError> {
+        if let Some(pause) = self.pause.take() {
+            tokio::time::sleep(pause).await;
+        }
+        let replay = self.replay || self.resume == Resume::Newest;
+        if self.resume == Resume::Newest {
+            // what the bucket held before the watch opened counts as delivered (deleted and expired entries too,
+            // which a replay does not deliver)
+            if let Some(newest) = newest(&self.kv, self.key.as_deref()).await {
+                self.seen = self.seen.max(newest);
+            }
+        }
+        let opening = async {
+            if replay {
+                self.kv.watch_with_history(self.filter.as_str()).await
+            } else {
+                self.kv.watch_from_revision(self.filter.as_str(), self.seen + 1).await
+            }
+        };
+        match tokio::time::timeout(OPEN_TIMEOUT, opening).await {
+            Ok(Ok(watch)) => {
+                self.watch = Some(watch);
+                self.replay = false;
+                self.reopen.reset();
+                let now = tokio::time::Instant::now();
+                self.last_entry = now;
+                self.next_check = now + self.check_every;
+            }
+            Ok(Err(err)) => {
+                let cause = Cause::of(err);
+                let delay = self.reopen.next_delay();
+                if cause.recovery() == Recovery::Permanent {
+                    self.pause = Some(delay);
+                    return Err(BusError::Kv { bucket: self.kv.name.clone(), key: self.filter.clone(), cause });
+                }
+                tracing::warn!(error = %cause, what = self.what, retry_in_s = delay.as_secs_f64(), "cannot watch; retrying");
+                tokio::time::sleep(delay).await;
+            }
+            Err(_) => {
+                tracing::warn!(
+                    what = self.what,
+                    timeout_s = OPEN_TIMEOUT.as_secs(),
+                    "opening the watch got no answer; retrying"
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Follows `kv`'s keys under `filter` for ever (spawn it; abort the task to stop), handing each entry to `each`:
+/// a [`Follower`] with [`Resume::Newest`] that is opened again when nothing at all came for `quiet`.
 pub async fn follow(
     kv: kv::Store,
     filter: &str,
@@ -50,51 +275,11 @@ pub async fn follow(
     quiet: Duration,
     mut each: impl FnMut(kv::Entry),
 ) {
-    use futures::StreamExt;
+    let mut follower = Follower::new(kv, filter, what, restarts_metric, Resume::Newest).quiet(quiet);
     loop {
-        // what the bucket held before the watch opened counts as delivered (expired entries too)
-        let mut seen = newest(&kv, None).await.unwrap_or(0);
-        let opened = tokio::time::timeout(OPEN_TIMEOUT, kv.watch_with_history(filter)).await;
-        let mut entries = match opened {
-            Ok(Ok(w)) => w,
-            Ok(Err(err)) => {
-                tracing::warn!(error = %err, what, "cannot watch; retrying");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                continue;
-            }
-            Err(_) => {
-                tracing::warn!(what, timeout_s = OPEN_TIMEOUT.as_secs(), "opening the watch got no answer; retrying");
-                continue;
-            }
-        };
-        let mut last_entry = std::time::Instant::now();
-        // while nothing comes, the bucket is checked for revisions newer than those delivered (a watch whose
-        // consumer died with a cluster node stalls without an error)
-        let mut check = tokio::time::interval_at((std::time::Instant::now() + WATCH_CHECK).into(), WATCH_CHECK);
-        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            let entry = tokio::select! {
-                entry = entries.next() => entry,
-                _ = check.tick() => {
-                    if behind(&kv, None, seen).await {
-                        tracing::warn!(seen, what, "watch stalled behind the bucket; watching again");
-                        metrics::counter!(restarts_metric).increment(1);
-                        break;
-                    }
-                    if last_entry.elapsed() >= quiet {
-                        tracing::debug!(what, quiet_s = quiet.as_secs_f64(), "nothing watched for a while; watching again");
-                        metrics::counter!(restarts_metric).increment(1);
-                        break;
-                    }
-                    continue;
-                }
-            };
-            let Some(Ok(entry)) = entry else { break };
-            seen = seen.max(entry.revision);
-            last_entry = std::time::Instant::now();
-            check.reset();
-            each(entry);
+        match follower.next().await {
+            Ok(entry) => each(entry),
+            Err(err) => tracing::error!(error = %err, what, "cannot watch; asking again"),
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }

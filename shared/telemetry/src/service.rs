@@ -27,6 +27,12 @@ impl Shutdown {
         let _ = rx.wait_for(|stop| *stop).await;
     }
 
+    /// [`Shutdown::wait`] as a future that owns its signal (for a task that outlives the borrow: a server).
+    pub fn waiter(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let shutdown = self.clone();
+        async move { shutdown.wait().await }
+    }
+
     pub fn is_triggered(&self) -> bool {
         *self.rx.borrow()
     }

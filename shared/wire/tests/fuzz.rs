@@ -213,6 +213,7 @@ fn examples() -> Vec<Vec<u8>> {
             wait_ms: 500,
             refilled: 3,
             incarnation: 1_721_739_909_000,
+            groups_revision: 8_191,
         }
         .encode_to_vec(),
         SampledGroup {

@@ -1,0 +1,396 @@
+//! The replay-buffer service loop: one task owns [`BufferState`]; every input is an event, dispatched by
+//! [`Buffer::serve`] to its handler:
+//!
+//! - [`records`]: group records from the GROUPS watch (a [`Follower`]);
+//! - [`rewards`]: reward batches and release markers from the REWARDS stream, and the floor purge;
+//! - [`requests`]: sample requests, answered by the sampling policy or kept waiting until their deadline;
+//! - [`release`]: releases of trained groups, and ledger queries;
+//! - here: the checks of both inputs (stalls, re-reads) and the gauges.
+
+mod records;
+mod release;
+mod requests;
+mod rewards;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::consumer::DeliverPolicy;
+use async_nats::jetstream::kv;
+use futures::StreamExt;
+use jetrl_bus::service::{self, Start, Started};
+use jetrl_bus::watch::{Follower, Resume};
+use jetrl_bus::{Bus, BusError, Cause, GroupStore};
+use jetrl_config::JobConfig;
+use jetrl_telemetry::Shutdown;
+use jetrl_wire::v1::{SampleRequest, SampleResponse};
+use jetrl_wire::Message;
+
+use crate::reread::Reread;
+use crate::sampler::{Progress, SamplerConfig};
+use crate::state::BufferState;
+
+const SERVICE: &str = jetrl_wire::ServiceKind::Buffer.as_str();
+/// Answers remembered for retried requests (a retry comes right after a timeout, so a few suffice).
+const ANSWER_CACHE: usize = 64;
+/// Release markers kept in REWARDS (the newest; older ones go with each floor purge). A marker matters only while
+/// a left-over reward of one of its groups (a redelivered score request's late copy) can still be above the
+/// floor, which is a few steps at most.
+const MARKERS_KEPT: u64 = 1000;
+/// Rewards of a group whose record has not arrived this long after them are forgotten (the record of a live
+/// group is created before its prompt is sent; these belong to deleted or foreign groups and would hold the purge
+/// floor down for ever), once the groups watch has delivered everything the bucket held since they came.
+const ORPHAN_TTL: Duration = Duration::from_secs(120);
+/// Bucket revisions remembered for the watch to reach at most (one per watch check; the oldest go first).
+const MAX_GROUPS_MARKS: usize = 1024;
+/// How long a stopping buffer waits for the archiver to store what it was handed.
+const ARCHIVE_FLUSH: Duration = Duration::from_secs(5);
+
+#[derive(Debug, thiserror::Error)]
+pub enum BufferError {
+    #[error(transparent)]
+    Bus(#[from] BusError),
+    #[error("metrics endpoint: {0}")]
+    Metrics(#[from] jetrl_telemetry::TelemetryError),
+    #[error("{what} subscription ended")]
+    InputClosed { what: &'static str },
+}
+
+/// A sample request waiting for enough complete groups.
+struct Waiting {
+    request: SampleRequest,
+    reply: async_nats::Subject,
+    deadline: Instant,
+    received: Instant,
+}
+
+/// The buffer's two stores as it reads them.
+struct Inputs {
+    /// GROUPS: every record's newest value, then every change (opened again after what it delivered when it fails
+    /// or stalls)
+    records: Follower,
+    /// REWARDS: reward batches and release markers, in stream order
+    rewards: async_nats::jetstream::consumer::pull::Ordered,
+    /// when the rewards consumer last delivered (or was checked)
+    last_reward: Instant,
+    /// when anything last came in on either
+    last_input: Instant,
+}
+
+/// Runs the replay buffer until `shutdown` resolves.
+pub async fn run(
+    cfg: JobConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), BufferError> {
+    let shutdown = Shutdown::new(shutdown);
+    let start = Start {
+        client: "jetrl-replay-buffer",
+        service: SERVICE,
+        instance: None,
+        metrics_addr: &cfg.buffer.metrics_addr,
+    };
+    let Started { bus, heartbeat } = service::start::<BufferError>(&cfg, start, &shutdown).await?;
+    let reread = Reread::new(Duration::from_secs_f64(cfg.buffer.reread_after_s));
+    let served = Buffer::start(bus, SamplerConfig::from_job(&cfg), reread).await?.serve(shutdown).await;
+    heartbeat.stop().await;
+    served
+}
+
+struct Buffer {
+    bus: Bus,
+    groups: GroupStore,
+    /// TRAJ, whose released groups' subjects are purged (handle kept: opening one is a round trip)
+    traj: async_nats::jetstream::stream::Stream,
+    /// REWARDS: release markers go in; everything below the floor of the rewards still indexed is purged
+    rewards: async_nats::jetstream::stream::Stream,
+    /// `(when, the newest REWARDS sequence read)` at each tick of the last ORPHAN_TTL, oldest first
+    reward_seq_history: VecDeque<(Instant, u64)>,
+    /// `(when, the GROUPS bucket's last revision then)`, oldest first, not yet delivered by the watch
+    groups_marks: VecDeque<(Instant, u64)>,
+    /// the latest time as of which the groups watch is known to have delivered everything the bucket held: orphan
+    /// rewards are forgotten only when their groups' records would have come by then (a watch whose consumer sits
+    /// on a cluster node still catching up delivers late, and its rewards must not be dropped meanwhile)
+    groups_seen_through: Option<Instant>,
+    /// REWARDS is purged below this sequence (written by the purge task)
+    rewards_purged_below: Arc<AtomicU64>,
+    /// the floor purge in flight, if any (one at a time)
+    rewards_purge: Option<tokio::task::JoinHandle<()>>,
+    state: BufferState,
+    sampler: SamplerConfig,
+    /// per request id: the sample loop's memory (refill credit, metrics) between iterations
+    progress: HashMap<String, Progress>,
+    waiting: VecDeque<Waiting>,
+    /// since when a sample request has waited with none answered (None: the last one was answered)
+    waiting_since: Option<Instant>,
+    /// reading both inputs again when a request has waited long with nothing coming in
+    reread: Reread,
+    /// the newest trainer incarnation a sample request came from (0: none named yet)
+    incarnation: u64,
+    answers: HashMap<String, SampleResponse>,
+    answer_order: VecDeque<String>,
+    /// the newest GROUPS revision the watch has delivered: a sample request naming a newer one waits for it
+    groups_revision: u64,
+    /// the initial replay of the GROUPS bucket is done
+    groups_current: bool,
+    /// the initial replay of the REWARDS stream is done
+    rewards_current: bool,
+    /// the replay's already-released groups have been retired (once, when both replays are current)
+    replay_retired: bool,
+}
+
+impl Buffer {
+    async fn start(bus: Bus, sampler: SamplerConfig, reread: Reread) -> Result<Self, BufferError> {
+        let groups = GroupStore::open(&bus).await?;
+        let empty_bucket =
+            groups.kv().stream.get_info().await.map(|i| i.state.messages == 0).map_err(|e| BusError::Kv {
+                bucket: groups.kv().name.clone(),
+                key: "*".into(),
+                cause: Cause::of(e),
+            })?;
+        let mut rewards = bus.stream(bus.names().rewards_stream()).await?;
+        let empty_stream = rewards
+            .info()
+            .await
+            .map(|i| i.state.messages == 0)
+            .map_err(|e| BusError::Consume { what: bus.names().rewards_stream().into(), cause: Cause::of(e) })?;
+        let traj = bus.stream(bus.names().traj_stream()).await?;
+        Ok(Self {
+            bus,
+            groups,
+            traj,
+            rewards,
+            reward_seq_history: VecDeque::new(),
+            groups_marks: VecDeque::new(),
+            groups_seen_through: None,
+            rewards_purged_below: Arc::new(AtomicU64::new(0)),
+            rewards_purge: None,
+            state: BufferState::default(),
+            sampler,
+            progress: HashMap::new(),
+            waiting: VecDeque::new(),
+            waiting_since: None,
+            reread,
+            incarnation: 0,
+            answers: HashMap::new(),
+            answer_order: VecDeque::new(),
+            groups_revision: 0,
+            groups_current: empty_bucket,
+            rewards_current: empty_stream,
+            replay_retired: false,
+        })
+    }
+
+    async fn serve(mut self, shutdown: Shutdown) -> Result<(), BufferError> {
+        let (client, names) = (self.bus.client().clone(), self.bus.names().clone());
+        let sub_err =
+            |e: async_nats::SubscribeError| BusError::Consume { what: "subscribe".into(), cause: Cause::of(e) };
+        let subscribe = |subject: &str| client.queue_subscribe(subject.to_string(), "replay-buffer".into());
+        let mut sample_sub = subscribe(names.buffer_sample()).await.map_err(sub_err)?;
+        let mut release_sub = subscribe(names.buffer_release()).await.map_err(sub_err)?;
+        let mut ledger_sub = subscribe(names.buffer_ledger()).await.map_err(sub_err)?;
+        let (archive, archiver) = crate::archiver::start(self.groups.clone());
+        let mut inputs = Inputs {
+            records: Follower::new(
+                self.groups.kv().clone(),
+                ">",
+                "group records",
+                "jetrl_buffer_watch_restarts_total",
+                Resume::After,
+            ),
+            rewards: self.follow_rewards(DeliverPolicy::All).await?,
+            last_reward: Instant::now(),
+            last_input: Instant::now(),
+        };
+        tracing::info!("replay buffer serving");
+        let mut gauge_tick = tokio::time::interval(Duration::from_secs(1));
+        let mut watch_check = tokio::time::interval(jetrl_bus::watch::WATCH_CHECK);
+        loop {
+            let next_deadline = self.waiting.iter().map(|w| w.deadline).min();
+            let expiry = async move {
+                match next_deadline {
+                    Some(at) => tokio::time::sleep_until(at.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
+            // Whether this event could let a waiting request be answered. Most cannot (a group created or
+            // started, the buffer's own `sampled` write, a reward of a group still running), and running the
+            // policy after each of those would be most of the buffer's work.
+            let mut may_answer = tokio::select! {
+                _ = shutdown.wait() => break,
+                entry = inputs.records.next() => self.on_record(&entry?, &mut inputs),
+                msg = inputs.rewards.next() => match msg.ok_or(BufferError::InputClosed { what: "rewards stream" })? {
+                    Ok(msg) => self.on_reward(&msg, &mut inputs),
+                    Err(err) => {
+                        tracing::warn!(error = %err, "rewards consumer error");
+                        false
+                    }
+                },
+                Some(msg) = sample_sub.next() => {
+                    self.on_sample_request(msg);
+                    true
+                }
+                Some(msg) = release_sub.next() => {
+                    self.on_release(msg).await;
+                    false
+                }
+                Some(msg) = ledger_sub.next() => {
+                    self.on_ledger(msg).await;
+                    false
+                }
+                _ = expiry => {
+                    self.expire_waiting().await;
+                    false
+                }
+                _ = watch_check.tick() => {
+                    self.check_inputs(&mut inputs).await?;
+                    false
+                }
+                _ = gauge_tick.tick() => {
+                    self.every_second(&mut inputs).await?;
+                    false
+                }
+            };
+            if !self.replay_retired && self.groups_current && self.rewards_current {
+                self.state.retire_replayed_releases();
+                self.replay_retired = true;
+                may_answer = true;
+            }
+            let retired = self.state.take_retired_records();
+            if !retired.is_empty() {
+                // waits while the archiver is QUEUED hand-overs behind (its memory stays bounded)
+                let _ = archive.send(retired).await;
+            }
+            if may_answer {
+                self.answer_waiting().await;
+            }
+        }
+        tracing::info!(waiting = self.waiting.len(), "replay buffer stopping");
+        // what left the working set is archived before the buffer goes (or when it next replays the bucket)
+        drop(archive);
+        if tokio::time::timeout(ARCHIVE_FLUSH, archiver).await.is_err() {
+            tracing::warn!("archiving not finished at shutdown: the rest is archived at the next start");
+        }
+        Ok(())
+    }
+
+    /// A group record from the watch (or a re-read): applied; returns whether it could let a waiting request be
+    /// answered.
+    fn on_record(&mut self, entry: &kv::Entry, inputs: &mut Inputs) -> bool {
+        inputs.last_input = Instant::now();
+        let before = self.groups_revision;
+        self.groups_revision = inputs.records.seen();
+        self.groups_seen(self.groups_revision);
+        if entry.delta == 0 {
+            self.groups_current = true;
+        }
+        let applied = if self.reread.replays_record(entry.revision) {
+            self.on_replayed_record(entry)
+        } else {
+            self.on_group_entry(entry)
+        };
+        // a request that waited for this revision can be decided now
+        let reached = |w: &Waiting| (before + 1..=self.groups_revision).contains(&w.request.groups_revision);
+        applied || self.waiting.iter().any(reached)
+    }
+
+    /// A message of the REWARDS stream (or a re-read's): indexed; returns whether it could let a waiting request
+    /// be answered.
+    fn on_reward(&mut self, msg: &async_nats::jetstream::Message, inputs: &mut Inputs) -> bool {
+        inputs.last_reward = Instant::now();
+        inputs.last_input = inputs.last_reward;
+        let (seq, pending) = msg.info().map(|i| (i.stream_sequence, i.pending)).unwrap_or((0, 1));
+        if pending == 0 {
+            self.rewards_current = true;
+        }
+        let replay = self.reread.replays_reward(seq);
+        self.state.rewards_read_through(seq);
+        if replay || !jetrl_telemetry::crash::missed_input("buffer.reward") {
+            self.on_rewards_message(msg, seq, replay)
+        } else {
+            false
+        }
+    }
+
+    /// Every [`WATCH_CHECK`](jetrl_bus::watch::WATCH_CHECK): marks how far the GROUPS bucket had come (once the
+    /// watch has delivered that revision, it had everything the bucket held at this moment), and starts the
+    /// rewards consumer again after the newest reward read when it has stalled behind its stream (a consumer whose
+    /// node died can go quiet without an error). The group records' watch checks itself ([`Follower`]).
+    async fn check_inputs(&mut self, inputs: &mut Inputs) -> Result<(), BufferError> {
+        if self.groups_current {
+            let asked = Instant::now();
+            if let Some(newest) = jetrl_bus::watch::newest(self.groups.kv(), None).await {
+                if self.groups_marks.len() >= MAX_GROUPS_MARKS {
+                    self.groups_marks.pop_front();
+                }
+                self.groups_marks.push_back((asked, newest));
+                self.groups_seen(inputs.records.seen());
+            }
+        }
+        if self.rewards_current && inputs.last_reward.elapsed() >= jetrl_bus::watch::WATCH_CHECK {
+            if self.rewards_behind().await {
+                let next = self.state.rewards_read() + 1;
+                tracing::warn!(
+                    next,
+                    "rewards consumer stalled behind its stream; reading again from the next sequence"
+                );
+                metrics::counter!("jetrl_buffer_watch_restarts_total", "reason" => "rewards_stalled").increment(1);
+                inputs.rewards = self.follow_rewards(DeliverPolicy::ByStartSequence { start_sequence: next }).await?;
+            }
+            inputs.last_reward = Instant::now();
+        }
+        Ok(())
+    }
+
+    /// Once a second: the gauges, the rewards purge, and a re-read of both inputs when a request has waited long
+    /// with nothing coming in ([`Reread`]).
+    async fn every_second(&mut self, inputs: &mut Inputs) -> Result<(), BufferError> {
+        self.export_gauges();
+        self.purge_rewards();
+        let now = Instant::now();
+        if let Some(pass) = self.reread.finish(now) {
+            self.report_reread(&pass);
+        }
+        let waiting_since = self.waiting_since.filter(|_| !self.waiting.is_empty());
+        if !(self.groups_current && self.rewards_current && self.reread.due(now, waiting_since, inputs.last_input)) {
+            return Ok(());
+        }
+        let view = self.state.waiting_view(self.waiting_partition());
+        tracing::debug!(
+            waited_s = waiting_since.map_or(0, |t| t.elapsed().as_secs()),
+            complete = view.complete,
+            generating = view.generating,
+            scoring = view.scoring,
+            orphan_rewards = view.orphan_rewards,
+            "a sample request waits and nothing came in: reading the group records and rewards again"
+        );
+        metrics::counter!("jetrl_buffer_rereads_total").increment(1);
+        // every record's newest value, then every change; every message REWARDS still holds
+        inputs.records.replay();
+        inputs.rewards = self.follow_rewards(DeliverPolicy::All).await?;
+        self.reread.begin(now, inputs.records.seen(), self.state.rewards_read());
+        inputs.last_reward = now;
+        Ok(())
+    }
+
+    async fn reply<M: Message>(&self, subject: &async_nats::Subject, message: &M) {
+        if let Err(err) = self.bus.client().publish(subject.clone(), message.encode_to_vec().into()).await {
+            tracing::warn!(error = %err, "reply not sent");
+        }
+    }
+
+    fn export_gauges(&self) {
+        for partition in ["train", "val"] {
+            let counts = self.state.counts(partition);
+            for state in ["pending", "running", "finished", "failure", "sampled", "evicted"] {
+                let n = counts.get(state).copied().unwrap_or(0);
+                metrics::gauge!("jetrl_buffer_groups", "partition" => partition, "state" => state).set(n as f64);
+            }
+        }
+        metrics::gauge!("jetrl_buffer_indexed_trajectories").set(self.state.indexed_trajectories() as f64);
+        metrics::gauge!("jetrl_buffer_waiting_requests").set(self.waiting.len() as f64);
+    }
+}
+
+impl jetrl_telemetry::ServiceError for BufferError {}
