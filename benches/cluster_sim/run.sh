@@ -10,7 +10,9 @@
 # largest fleet), JETRL_SIM_MODES (sync,colocate_async,separate_async), JETRL_SIM_TIME_SCALE (the profile's),
 # JETRL_SIM_STEPS (the profile's), JETRL_SIM_KEEP (1: keep the logs and run directories, path printed),
 # JETRL_SIM_SCALE_CHECK (1; 0: no second run), JETRL_SIM_CHAOS (1: kill -9 a random stand-in every 10 s and a
-# random service every 60 s, each restarted; the lines report the kills and the longest step).
+# random service every 60 s, the trainer included, each restarted; the lines report the kills, the trainer's
+# longest stall and the longest step), JETRL_SIM_CHAOS_KILL (the services chaos may kill; default
+# checkpoint-sync,replay-buffer,reward-service,trainer).
 # One JSON line per mode, then {"bench":"cluster_sim","profile":…,"workers":…,"speedup_separate":…,
 # "speedup_colocate":…,"ideal_bound":…,"trainer_wait_share":…,"sample_p99_ms":…,"lost":…,"duplicated":…,…}.
 set -euo pipefail

@@ -253,6 +253,9 @@ fn merge(base: &mut serde_yaml::Value, over: &serde_yaml::Value) {
 // The stand-in fleet
 // ---------------------------------------------------------------------------------------------------------------
 
+/// A dataset row as the ledger names it: `(epoch, row)`.
+type DatasetRow = (u64, u64);
+
 /// What the fleet shares: the newest weight version, the colocate pause, counters, and what it completed.
 struct Fleet {
     profile: RolloutProfile,
@@ -260,8 +263,8 @@ struct Fleet {
     version: watch::Receiver<u64>,
     paused: watch::Receiver<bool>,
     stop: watch::Receiver<bool>,
-    /// uid → (times completed, the lowest version of its tokens)
-    completed: Mutex<HashMap<String, (u32, u64)>>,
+    /// uid → (times completed, the lowest version of its tokens, its dataset row)
+    completed: Mutex<HashMap<String, (u32, u64, DatasetRow)>>,
     idle_ns: AtomicU64,
     busy_ns: AtomicU64,
     errors: AtomicU64,
@@ -579,13 +582,17 @@ async fn publish(bus: Bus, groups: GroupStore, fleet: Arc<Fleet>, task: Arc<Prom
         Ok(_) => {
             let _ = consume::ack_confirmed(&group.msg).await;
             let mut done = fleet.completed.lock().expect("completed");
-            let entry = done.entry(task.uid.clone()).or_insert((0, min_version));
+            let entry = done.entry(task.uid.clone()).or_insert((0, min_version, (task.epoch, task.dataset_row)));
             entry.0 += 1;
         }
         Err(err) => {
-            let terminal =
-                matches!(groups.get(&spec.partition, &spec.uid).await, Ok(Some((s, _))) if s.state().is_terminal());
-            if terminal {
+            let settled = match groups.get(&spec.partition, &spec.uid).await {
+                Ok(Some((s, _))) => s.state().is_terminal(),
+                // the record is gone (a resumed trainer retired the group): a rollout worker skips such a task
+                Ok(None) => true,
+                Err(_) => false,
+            };
+            if settled {
                 consume::settle(&group.msg, async_nats::jetstream::AckKind::Ack).await;
             } else {
                 eprintln!("group {}: {err}; handed back", spec.uid);
@@ -716,7 +723,11 @@ pub struct Outcome {
     pub chaos: bool,
     pub workers_killed: u64,
     pub services_killed: Vec<String>,
-    /// the longest and the median step, modelled seconds (the longest stall a kill caused shows as the first)
+    /// the longest time the trainer recorded no step (modelled seconds, after its first step): a killed
+    /// trainer's restart, its lease wait and its resume show here
+    pub longest_stall_s: f64,
+    /// the longest and the median step, modelled seconds (the longest stall a kill of a service other than the
+    /// trainer caused shows as the first)
     pub longest_step_s: f64,
     pub median_step_s: f64,
 }
@@ -741,6 +752,9 @@ fn spawn_logged(dir: &Path, name: &str, binary: &str, config: &Path, extra: &[St
     jetrl_bus::harness::die_with_parent(&mut command);
     command.spawn().unwrap_or_else(|e| panic!("starting {binary}: {e}"))
 }
+
+/// The services `JETRL_SIM_CHAOS=1` kills (one at random every 60 s); `JETRL_SIM_CHAOS_KILL` names fewer.
+pub const CHAOS_VICTIMS: &str = "checkpoint-sync,replay-buffer,reward-service,trainer";
 
 /// Runs one mode of `profile` with `workers` stand-ins at `time_scale`; `dir` keeps the logs and the run directory.
 pub async fn run_mode(profile: &Profile, mode: &str, workers: usize, time_scale: f64, dir: &Path) -> Outcome {
@@ -780,8 +794,10 @@ trainer:
     merge(&mut doc, &profile.job);
     let chaos = std::env::var("JETRL_SIM_CHAOS").is_ok_and(|v| v == "1");
     if chaos {
-        // a killed stand-in's tasks come back after the ack wait: short enough for the run to go on
+        // a killed stand-in's tasks come back after the ack wait: short enough for the run to go on; a killed
+        // trainer resumes from its newest checkpoint (saved every step: a paced learner's checkpoint holds no weights)
         merge(&mut doc, &serde_yaml::from_str("rollout: {ack_wait_s: 20}").expect("yaml"));
+        merge(&mut doc, &serde_yaml::from_str("trainer: {save_freq: 1, resume_mode: auto}").expect("yaml"));
     }
     let scale = serde_yaml::from_str(&format!("trainer: {{simulate: {{time_scale: {time_scale}}}}}")).expect("yaml");
     merge(&mut doc, &scale);
@@ -871,7 +887,23 @@ trainer:
     let mut out_kills: (u64, Vec<String>) = (0, Vec::new());
     let deadline = Instant::now() + Duration::from_secs(1800);
     // chaos: kill -9 a random stand-in every 10 s (restarted at once under its instance id, as a supervisor
-    // restarts a worker on its GPU) and a random service every 60 s (restarted after a second)
+    // restarts a worker on its GPU) and a random service every 60 s (restarted after a second; the trainer
+    // resumes from its checkpoint once the dead one's lease has expired)
+    let mut victims: Vec<String> = crate::bench::knob("JETRL_SIM_CHAOS_KILL", CHAOS_VICTIMS.to_string())
+        .split(',')
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+        .collect();
+    for v in &victims {
+        assert!(
+            CHAOS_VICTIMS.split(',').any(|known| known == v),
+            "JETRL_SIM_CHAOS_KILL: unknown service {v:?} (known: {CHAOS_VICTIMS})"
+        );
+    }
+    victims.sort();
+    let metrics_path = run_dir.join("metrics.jsonl");
+    // the metrics file's length and when it last grew: the trainer's stalls
+    let (mut metrics_len, mut last_growth, mut longest_stall) = (0u64, None::<Instant>, Duration::ZERO);
     let mut rng = Rng::new(99);
     let (mut next_worker_kill, mut next_service_kill) =
         (Instant::now() + Duration::from_secs(10), Instant::now() + Duration::from_secs(60));
@@ -886,18 +918,33 @@ trainer:
             worker_handles[i] = fleet_tasks.spawn(stand_in(bus.clone(), groups.clone(), fleet.clone(), cfg.clone(), i));
             out_kills.0 += 1;
         }
-        if chaos && Instant::now() >= next_service_kill {
+        if chaos && !victims.is_empty() && Instant::now() >= next_service_kill {
             next_service_kill += Duration::from_secs(60);
-            let k = (rng.next_u64() % children.len() as u64) as usize;
-            let (name, child) = &mut children[k];
-            let _ = child.kill();
-            let _ = child.wait();
-            eprintln!("chaos: killed {name}");
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            let binary = format!("jetrl-{name}");
-            *child = spawn_logged(dir, &format!("{name}-{}", out_kills.1.len()), &binary, &config, &[]);
-            out_kills.1.push(name.clone());
+            let name = victims[(rng.next_u64() % victims.len() as u64) as usize].clone();
+            let incarnation = format!("{name}-{}", out_kills.1.len());
+            if name == "trainer" {
+                let _ = trainer.kill();
+                let _ = trainer.wait();
+                eprintln!("chaos: killed the trainer");
+                trainer = spawn_logged(dir, &incarnation, "jetrl-trainer", &config, &[]);
+            } else if let Some((_, child)) = children.iter_mut().find(|(n, _)| *n == name) {
+                let _ = child.kill();
+                let _ = child.wait();
+                eprintln!("chaos: killed {name}");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                *child = spawn_logged(dir, &incarnation, &format!("jetrl-{name}"), &config, &[]);
+            }
+            out_kills.1.push(name);
         }
+        // a step recorded appends to the file (a resumed trainer first cuts it back to its checkpoint's step)
+        let len = std::fs::metadata(&metrics_path).map_or(0, |m| m.len());
+        if len > metrics_len {
+            if let Some(at) = last_growth {
+                longest_stall = longest_stall.max(at.elapsed());
+            }
+            last_growth = Some(Instant::now());
+        }
+        metrics_len = len;
         if Instant::now() > deadline {
             let _ = trainer.kill();
             break None;
@@ -951,6 +998,7 @@ trainer:
     out.chaos = chaos;
     out.workers_killed = out_kills.0;
     out.services_killed = out_kills.1;
+    out.longest_stall_s = longest_stall.as_secs_f64() * time_scale;
     let mut step_times: Vec<f64> =
         steps.iter().filter_map(|m| m["timing_s/step"].as_f64()).map(|t| t * time_scale).collect();
     step_times.sort_by(f64::total_cmp);
@@ -963,6 +1011,7 @@ trainer:
     let mut trained_at: HashMap<String, u64> = HashMap::new();
     let mut decided_rows: HashMap<(u64, u64), u32> = HashMap::new();
     let mut in_ledger: HashSet<String> = HashSet::new();
+    let mut open_rows: HashSet<(u64, u64)> = HashSet::new();
     for row in ledger.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()) {
         let uid = row["uid"].as_str().unwrap_or_default().to_string();
         in_ledger.insert(uid.clone());
@@ -973,13 +1022,18 @@ trainer:
                 trained_at.insert(uid, row["step"].as_u64().unwrap_or(0));
             }
             Some("evicted") | Some("failed") => *decided_rows.entry(key).or_default() += 1,
-            _ => out.untrained_at_end += 1,
+            _ => {
+                open_rows.insert(key);
+                out.untrained_at_end += 1;
+            }
         }
     }
     out.duplicated = decided_rows.values().filter(|&&n| n > 1).map(|&n| u64::from(n - 1)).sum();
     let completed = fleet.completed.lock().expect("completed");
-    for (uid, &(_, min_version)) in completed.iter() {
-        if !in_ledger.contains(uid) {
+    for (uid, &(_, min_version, row)) in completed.iter() {
+        // a group rolled back or superseded by a trainer's resume is not in the ledger; its row is, decided by the
+        // group drawn again
+        if !in_ledger.contains(uid) && !decided_rows.contains_key(&row) && !open_rows.contains(&row) {
             out.lost += 1;
         }
         if let Some(&step) = trained_at.get(uid) {
@@ -1040,7 +1094,11 @@ pub fn mode_json(profile: &Profile, o: &Outcome, bound: &Bound) -> serde_json::V
         "longest_step_s": round(o.longest_step_s, 2),
         "median_step_s": round(o.median_step_s, 2),
         "chaos": if o.chaos {
-            serde_json::json!({"workers_killed": o.workers_killed, "services_killed": o.services_killed})
+            serde_json::json!({
+                "workers_killed": o.workers_killed,
+                "services_killed": o.services_killed,
+                "longest_stall_s": round(o.longest_stall_s, 1),
+            })
         } else {
             serde_json::Value::Null
         },

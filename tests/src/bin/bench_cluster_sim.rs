@@ -8,7 +8,9 @@
 //! run directories), `JETRL_SIM_SCALE_CHECK` (1: run separate_async again at half the time
 //! scale, to show the result does not depend on it; 0: not), `JETRL_SIM_CHAOS` (1: kill -9 a random stand-in
 //! worker every 10 s, restarted at once under its instance id, and a random service every 60 s, restarted after a
-//! second; the lines report the kills and the longest and median step).
+//! second: checkpoint-sync, the replay buffer, the reward service or the trainer, which resumes from its newest
+//! checkpoint, saved every step; the lines report the kills, the trainer's longest stall and the longest and
+//! median step), `JETRL_SIM_CHAOS_KILL` (the services chaos may kill, comma-separated; all four by default).
 //!
 //! One JSON line per mode, then the summary: `{"bench":"cluster_sim","profile":…,"workers":…,
 //! "speedup_separate":…,"speedup_colocate":…,"ideal_bound":…,"trainer_wait_share":…,"sample_p99_ms":…,
@@ -104,6 +106,7 @@ async fn main() {
         "chaos": outcomes.first().is_some_and(|o| o.chaos).then(|| serde_json::json!({
             "workers_killed": outcomes.iter().map(|o| o.workers_killed).sum::<u64>(),
             "services_killed": outcomes.iter().flat_map(|o| o.services_killed.iter().cloned()).collect::<Vec<_>>(),
+            "longest_stall_s": outcomes.iter().map(|o| round(o.longest_stall_s, 1)).collect::<Vec<_>>(),
             "longest_step_s": outcomes.iter().map(|o| round(o.longest_step_s, 1)).collect::<Vec<_>>(),
             "median_step_s": outcomes.iter().map(|o| round(o.median_step_s, 1)).collect::<Vec<_>>(),
         })),
