@@ -296,7 +296,6 @@ impl RolloutClient {
             incarnation: self.incarnation,
             ..Default::default()
         };
-        let created = || self.created_revision.load(std::sync::atomic::Ordering::Relaxed);
         let mut failures = 0u32;
         let mut backoff = Delays::new(Duration::from_millis(200), Duration::from_secs(5));
         let asked = Instant::now();
@@ -307,7 +306,7 @@ impl RolloutClient {
             }
             let timeout = self.sample_wait + Duration::from_secs(5);
             // every record created so far (this request's refills too) must be in the buffer's view first
-            request.groups_revision = created();
+            request.groups_revision = self.created_revision.load(std::sync::atomic::Ordering::Relaxed);
             let reply = tokio::select! {
                 _ = self.shutdown.wait() => return Err(TrainerError::Shutdown),
                 r = self.bus.request::<_, SampleResponse>(self.bus.names().buffer_sample(), &request, timeout) => r,

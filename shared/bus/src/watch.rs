@@ -178,8 +178,7 @@ impl Follower {
                 entry = watch.next() => match entry {
                     Some(Ok(entry)) => {
                         self.seen = self.seen.max(entry.revision);
-                        self.last_entry = tokio::time::Instant::now();
-                        self.next_check = self.last_entry + self.check_every;
+                        self.heard();
                         return Ok(entry);
                     }
                     Some(Err(err)) => {
@@ -203,6 +202,12 @@ impl Follower {
                 }
             }
         }
+    }
+
+    /// Something came (an entry, or a watch just opened): the quiet window and the next check start now.
+    fn heard(&mut self) {
+        self.last_entry = tokio::time::Instant::now();
+        self.next_check = self.last_entry + self.check_every;
     }
 
     fn restart(&mut self, why: Restart) {
@@ -239,9 +244,7 @@ impl Follower {
                 self.watch = Some(watch);
                 self.replay = false;
                 self.reopen.reset();
-                let now = tokio::time::Instant::now();
-                self.last_entry = now;
-                self.next_check = now + self.check_every;
+                self.heard();
             }
             Ok(Err(err)) => {
                 let cause = Cause::of(err);

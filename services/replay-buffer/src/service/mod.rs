@@ -325,7 +325,7 @@ impl Buffer {
                     self.groups_marks.pop_front();
                 }
                 self.groups_marks.push_back((asked, newest));
-                self.groups_seen(inputs.records.seen());
+                self.groups_seen(self.groups_revision);
             }
         }
         if self.rewards_current && inputs.last_reward.elapsed() >= jetrl_bus::watch::WATCH_CHECK {
@@ -369,7 +369,7 @@ impl Buffer {
         // every record's newest value, then every change; every message REWARDS still holds
         inputs.records.replay();
         inputs.rewards = self.follow_rewards(DeliverPolicy::All).await?;
-        self.reread.begin(now, inputs.records.seen(), self.state.rewards_read());
+        self.reread.begin(now, self.groups_revision, self.state.rewards_read());
         inputs.last_reward = now;
         Ok(())
     }
