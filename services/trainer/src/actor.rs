@@ -27,7 +27,8 @@ use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Instant;
+// the step timings' clock ([`StepTimings`]): std's on this thread, a paused test clock in a schedule's unit test
+use tokio::time::Instant;
 
 use jetrl_algos::{
     agg_loss, apply_kl_penalty, compute_actor_loss, compute_advantage, compute_rollout_correction, entropy_from_logits,

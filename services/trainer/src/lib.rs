@@ -10,6 +10,7 @@
 //! continues with the next step.
 //!
 //! - [`schedule`]: the three schedules of a global step, over shared phases.
+//! - [`planes`]: what a schedule asks of the data plane and the weight plane, as traits.
 //! - [`rollout_client`]: prompt tasks out, sample requests to the replay buffer, payloads in, releases.
 //! - [`weight_sync`]: weight versions to the workers, every wait with a deadline; the colocate handshake.
 //! - [`fleet`]: the rollout workers' heartbeats (liveness, loaded versions, idle time).
@@ -36,6 +37,7 @@ pub mod learner;
 pub mod metrics_sink;
 pub mod optim;
 pub mod paced;
+pub mod planes;
 pub mod ranks;
 pub mod rollout_client;
 pub mod schedule;
@@ -291,12 +293,26 @@ impl Trainer {
         Ok(Self { cfg, learner, client, weights, val, sink, shutdown, total_steps, start_step, ckpt_root, incarnation })
     }
 
+    /// What the schedules drive, borrowed from this trainer for one call.
+    fn schedule(&mut self) -> schedule::Schedule<'_> {
+        schedule::Schedule {
+            cfg: &self.cfg,
+            learner: self.learner.as_ref(),
+            client: &mut self.client,
+            weights: &self.weights,
+            incarnation: &self.incarnation,
+            ckpt_root: &self.ckpt_root,
+            total_steps: self.total_steps,
+            start_step: self.start_step,
+        }
+    }
+
     async fn train(&mut self) -> Result<(), TrainerError> {
         let started = Instant::now();
         // Every worker starts from the trainer's weights, whatever it loaded from disk; after a restart (from a
         // checkpoint, or from step 0 when a trainer died before its first one) the workers may hold newer weights
         // than the trainer's, so they must report exactly its version.
-        let blob = self.weights_blob().await?;
+        let blob = self.learner.weights_blob().await?;
         self.weights.publish(self.start_step, blob).await?;
         self.weights.wait_for_workers(self.start_step, true).await?;
         // the group records of an earlier trainer of this job, if any, are brought to this timeline: without a
@@ -319,12 +335,12 @@ impl Trainer {
                 return Ok(());
             }
         }
-        schedule::warm_up(self).await?;
+        schedule::warm_up(&mut self.schedule()).await?;
         for step in self.start_step + 1..=self.total_steps {
             if self.shutdown.is_triggered() {
                 return Err(TrainerError::Shutdown);
             }
-            let mut metrics = schedule::step(self, step).await?;
+            let mut metrics = schedule::step(&mut self.schedule(), step).await?;
             let test_freq = self.cfg.trainer.test_freq;
             if test_freq > 0 && (step % test_freq as u64 == 0 || step == self.total_steps) && !self.val.is_empty() {
                 let t = Instant::now();

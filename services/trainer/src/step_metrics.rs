@@ -3,13 +3,12 @@
 //! and the aggregation of separate_async's local updates into one step (verl's `MetricsAggregator`).
 
 use std::collections::BTreeMap;
-use std::time::Instant;
+use tokio::time::Instant;
 
 use jetrl_wire::v1::{GroupState, SampleResponse};
 
 use crate::actor::stats;
 use crate::batch::Sample;
-use crate::fleet::Fleet;
 
 pub type Metrics = BTreeMap<String, f64>;
 
@@ -188,18 +187,19 @@ pub struct IdleClock {
 }
 
 impl IdleClock {
-    pub fn start(fleet: &Fleet) -> Self {
-        let (fleet_idle, workers) = fleet.idle_seconds();
+    /// From the fleet's idle reading at the step's start ([`WeightPlane::fleet_idle_seconds`]).
+    ///
+    /// [`WeightPlane::fleet_idle_seconds`]: crate::planes::WeightPlane::fleet_idle_seconds
+    pub fn start((fleet_idle, workers): (f64, usize)) -> Self {
         Self { started: Instant::now(), fleet_idle, workers }
     }
 
     /// `perf/trainer_idle_ratio` (the seconds spent waiting for samples over the step) and
     /// `perf/rollout_idle_ratio` (idle engine seconds over worker-seconds; heartbeats lag by up to one interval,
     /// so a step much shorter than that reads coarse).
-    pub fn finish(self, fleet: &Fleet, trainer_wait_s: f64, out: &mut Metrics) {
+    pub fn finish(self, (fleet_idle, workers): (f64, usize), trainer_wait_s: f64, out: &mut Metrics) {
         let elapsed = self.started.elapsed().as_secs_f64().max(1e-9);
         out.insert("perf/trainer_idle_ratio".into(), (trainer_wait_s / elapsed).clamp(0.0, 1.0));
-        let (fleet_idle, workers) = fleet.idle_seconds();
         let n = workers.max(self.workers);
         if n > 0 && workers == self.workers {
             let ratio = (fleet_idle - self.fleet_idle) / (elapsed * n as f64);

@@ -32,15 +32,17 @@ impl Bus {
         stream: &str,
         wanted: &[(String, u64)],
     ) -> Result<HashMap<u64, Bytes>, BusError> {
-        let mut by_subject: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+        // subjects owned, not borrowed: a closure over borrowed items makes this future one the compiler cannot
+        // prove `Send` where a caller boxes it (`BoxFuture`, the trainer's data plane)
+        let mut by_subject: BTreeMap<String, Vec<u64>> = BTreeMap::new();
         for (subject, seq) in wanted {
-            by_subject.entry(subject.as_str()).or_default().push(*seq);
+            by_subject.entry(subject.clone()).or_default().push(*seq);
         }
         let batches: Vec<HashMap<u64, Bytes>> =
             futures::stream::iter(by_subject.into_iter().map(|(subject, mut seqs)| async move {
                 seqs.sort_unstable();
                 seqs.dedup();
-                self.direct_get_batch(stream, subject, &seqs).await.unwrap_or_default()
+                self.direct_get_batch(stream, &subject, &seqs).await.unwrap_or_default()
             }))
             .buffer_unordered(CONCURRENT_BATCHES)
             .collect()

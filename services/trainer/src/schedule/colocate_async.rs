@@ -6,17 +6,16 @@
 //! every sequence from its prefix: trajectories then span versions, within the buffer's staleness bound. Both
 //! handshakes have a deadline; a worker that misses one is reported and the trainer goes on.
 
-use std::time::Instant;
+use tokio::time::Instant;
 
 use crate::actor::OldPolicy;
 use crate::error::TrainerError;
-use crate::schedule::batch_record;
+use crate::schedule::{batch_record, Schedule};
 use crate::step_metrics::{timing_metrics, IdleClock, Metrics, Phase, StepTimings};
-use crate::Trainer;
 
-pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerError> {
+pub(crate) async fn step(t: &mut Schedule<'_>, step: u64) -> Result<Metrics, TrainerError> {
     let started = Instant::now();
-    let clock = IdleClock::start(t.weights.fleet());
+    let clock = IdleClock::start(t.weights.fleet_idle_seconds());
     let mut timings = StepTimings::default();
     let batch_size = t.cfg.data.train_batch_size;
     t.submit_step(step, batch_size as usize).await?;
@@ -65,6 +64,6 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     timings.since(Phase::UpdateWeights, t0);
 
     timing_metrics(&timings, &samples, started.elapsed().as_secs_f64(), &mut metrics);
-    clock.finish(t.weights.fleet(), batch.wait_s, &mut metrics);
+    clock.finish(t.weights.fleet_idle_seconds(), batch.wait_s, &mut metrics);
     Ok(metrics)
 }

@@ -22,21 +22,42 @@ pub mod colocate_async;
 pub mod separate_async;
 pub mod sync;
 
+#[cfg(test)]
+mod tests;
+
 use std::collections::BTreeMap;
-use std::time::Instant;
+use std::path::Path;
 
 use bytes::Bytes;
-use jetrl_config::TrainerMode;
+use jetrl_config::{JobConfig, TrainerMode};
 use jetrl_wire::subjects;
 use jetrl_wire::v1::SampleResponse;
+use tokio::time::Instant;
 
 use crate::actor::{OldPolicy, TrainOutput};
 use crate::batch::Sample;
 use crate::checkpoint::{self, CheckpointError, TrainerState};
 use crate::error::TrainerError;
+use crate::learner::Learner;
+use crate::planes::{DataPlane, WeightPlane};
 use crate::step_metrics::{Metrics, Phase, StepTimings};
 use crate::weight_sync::SyncReport;
-use crate::Trainer;
+
+/// What a schedule drives: the learner, the data plane and the weight plane (the services' clients in a run,
+/// stand-ins in the schedules' unit tests), and the run's settings.
+pub(crate) struct Schedule<'a> {
+    pub cfg: &'a JobConfig,
+    pub learner: &'a dyn Learner,
+    pub client: &'a mut dyn DataPlane,
+    pub weights: &'a dyn WeightPlane,
+    /// names this trainer process in its sample request ids (`train-<incarnation>-<step>`)
+    pub incarnation: &'a str,
+    /// the checkpoints' root (`global_step_<n>/` below it)
+    pub ckpt_root: &'a Path,
+    pub total_steps: u64,
+    /// the last step of the checkpoint this run resumed from (0: a fresh run)
+    pub start_step: u64,
+}
 
 /// What one sample request brought: the buffer's answer, the rows to train on, and the wait.
 pub(crate) struct SampledBatch {
@@ -51,7 +72,7 @@ pub(crate) struct SampledBatch {
 }
 
 /// Before step 1: the async modes submit `num_warmup_batches` full batches, so rollout runs ahead of training.
-pub(crate) async fn warm_up(t: &mut Trainer) -> Result<(), TrainerError> {
+pub(crate) async fn warm_up(t: &mut Schedule<'_>) -> Result<(), TrainerError> {
     let batches = match t.cfg.trainer.mode {
         TrainerMode::Sync => 0,
         TrainerMode::ColocateAsync => t.cfg.trainer.colocate_async.num_warmup_batches,
@@ -70,7 +91,7 @@ pub(crate) async fn warm_up(t: &mut Trainer) -> Result<(), TrainerError> {
 }
 
 /// One global step in the configured mode; returns its metrics.
-pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerError> {
+pub(crate) async fn step(t: &mut Schedule<'_>, step: u64) -> Result<Metrics, TrainerError> {
     match t.cfg.trainer.mode {
         TrainerMode::Sync => sync::step(t, step).await,
         TrainerMode::ColocateAsync => colocate_async::step(t, step).await,
@@ -78,7 +99,7 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     }
 }
 
-impl Trainer {
+impl Schedule<'_> {
     /// Asks the buffer for `groups` train groups of `step` and fetches their payloads.
     pub(crate) async fn sample_batch(
         &mut self,
@@ -97,7 +118,7 @@ impl Trainer {
         }
         let fetch_s = t.elapsed().as_secs_f64();
         if let Some(dir) = &self.cfg.trainer.rollout_data_dir {
-            let rows = crate::dump::rollout_rows(self.client.tokenizer(), step, &fetched.samples);
+            let rows = self.client.rollout_rows(step, &fetched.samples);
             crate::dump::write_jsonl(&std::path::Path::new(dir).join(format!("{step}.jsonl")), &rows);
         }
         Ok(SampledBatch { response, samples: fetched.samples, rejected: fetched.rejected, refilled, wait_s, fetch_s })
@@ -140,7 +161,7 @@ impl Trainer {
             return Ok(());
         }
         let t = Instant::now();
-        let staging = checkpoint::staging_dir(&self.ckpt_root, step);
+        let staging = checkpoint::staging_dir(self.ckpt_root, step);
         if staging.exists() {
             std::fs::remove_dir_all(&staging).map_err(|e| CheckpointError::io(&staging, e))?;
         }
@@ -152,7 +173,7 @@ impl Trainer {
             total_training_steps: self.total_steps,
             dataloader: self.client.loader_state(),
             actor: actor_state,
-            seeds: checkpoint::Seeds::of(&self.cfg),
+            seeds: checkpoint::Seeds::of(self.cfg),
         };
         checkpoint::write_json(&staging.join(checkpoint::TRAINER_STATE_FILE), &state)?;
         let mut known = metrics.clone();
@@ -161,14 +182,14 @@ impl Trainer {
         known.insert("training/epoch".into(), state.dataloader.epoch as f64);
         known.insert("training/total_steps".into(), self.total_steps as f64);
         checkpoint::write_json(&staging.join(checkpoint::STEP_METRICS_FILE), &known)?;
-        let dir = checkpoint::commit(&self.ckpt_root, step, checkpoint::keep_count(&self.cfg))?;
+        let dir = checkpoint::commit(self.ckpt_root, step, checkpoint::keep_count(self.cfg))?;
         tracing::info!(dir = %dir.display(), step, "checkpoint saved");
         timings.since(Phase::SaveCheckpoint, t);
         Ok(())
     }
 }
 
-impl Trainer {
+impl Schedule<'_> {
     /// Submits the step's batch of prompts, between the crash points every schedule offers there.
     pub(crate) async fn submit_step(&mut self, step: u64, batch_size: usize) -> Result<(), TrainerError> {
         jetrl_telemetry::crash::crash_point("trainer.before_submit", step);

@@ -6,17 +6,16 @@
 //! reweights by the behaviour log-probs the trajectories carry. Workers swap the new weights in between decode
 //! steps; the trainer does not wait for them (their lag shows in `training/off_policy/*` and `weight_sync/*`).
 
-use std::time::Instant;
+use tokio::time::Instant;
 
 use crate::actor::OldPolicy;
 use crate::error::TrainerError;
-use crate::schedule::batch_record;
+use crate::schedule::{batch_record, Schedule};
 use crate::step_metrics::{timing_metrics, Aggregator, IdleClock, Metrics, Phase, StepTimings};
-use crate::Trainer;
 
-pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerError> {
+pub(crate) async fn step(t: &mut Schedule<'_>, step: u64) -> Result<Metrics, TrainerError> {
     let started = Instant::now();
-    let clock = IdleClock::start(t.weights.fleet());
+    let clock = IdleClock::start(t.weights.fleet_idle_seconds());
     let local_updates = t.cfg.trainer.separate_async.parameter_sync_step.max(1);
     let batch_size = t.cfg.data.train_batch_size;
     let mini = t.cfg.actor.ppo_mini_batch_size.unwrap_or(batch_size / local_updates).max(1);
@@ -57,12 +56,12 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     t.weights.publish(step, blob).await?;
     timings.since(Phase::UpdateWeights, t0);
     // rollout does not wait for the trainer, nor the trainer for rollout: report who is behind
-    let behind = t.weights.fleet().views().into_iter().filter(|w| w.version + 1 < step).count();
+    let behind = t.weights.workers().into_iter().filter(|w| w.version + 1 < step).count();
     metrics.insert("weight_sync/lagging_workers".into(), behind as f64);
-    metrics.insert("weight_sync/silent_workers".into(), t.weights.fleet().silent().len() as f64);
+    metrics.insert("weight_sync/silent_workers".into(), t.weights.silent_workers().len() as f64);
     metrics.insert("training/local_updates".into(), f64::from(local_updates));
 
     timing_metrics(&timings, &trained, started.elapsed().as_secs_f64(), &mut metrics);
-    clock.finish(t.weights.fleet(), waited, &mut metrics);
+    clock.finish(t.weights.fleet_idle_seconds(), waited, &mut metrics);
     Ok(metrics)
 }

@@ -2,17 +2,16 @@
 //! then the weights of `step` published and loaded by every live worker before the next batch. Tasks carry the
 //! version they need, so a worker that could not load it never generates for the step: staleness stays 0.
 
-use std::time::Instant;
+use tokio::time::Instant;
 
 use crate::actor::OldPolicy;
 use crate::error::TrainerError;
-use crate::schedule::{batch_record, sync_metrics};
+use crate::schedule::{batch_record, sync_metrics, Schedule};
 use crate::step_metrics::{timing_metrics, IdleClock, Metrics, Phase, StepTimings};
-use crate::Trainer;
 
-pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerError> {
+pub(crate) async fn step(t: &mut Schedule<'_>, step: u64) -> Result<Metrics, TrainerError> {
     let started = Instant::now();
-    let clock = IdleClock::start(t.weights.fleet());
+    let clock = IdleClock::start(t.weights.fleet_idle_seconds());
     let mut timings = StepTimings::default();
     let batch_size = t.cfg.data.train_batch_size;
     t.submit_step(step, batch_size as usize).await?;
@@ -40,6 +39,6 @@ pub(crate) async fn step(t: &mut Trainer, step: u64) -> Result<Metrics, TrainerE
     sync_metrics(&report, &mut metrics);
 
     timing_metrics(&timings, &batch.samples, started.elapsed().as_secs_f64(), &mut metrics);
-    clock.finish(t.weights.fleet(), batch.wait_s, &mut metrics);
+    clock.finish(t.weights.fleet_idle_seconds(), batch.wait_s, &mut metrics);
     Ok(metrics)
 }
