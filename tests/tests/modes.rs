@@ -1,5 +1,5 @@
 //! The three training schedules end to end (`jetrl run` or the services as processes, a real nats-server, real
-//! libtorch): each async mode learns the demo task as well as sync; the staleness bound holds under `drop` and
+//! libtorch): each async mode learns the demo task as well as sync (separate_async with two trainer ranks); the staleness bound holds under `drop` and
 //! `wait`; colocate_async's partial rollout is exact against the trainer's checkpoints of each version.
 
 #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
@@ -27,12 +27,14 @@ fn mean(values: &[f64]) -> f64 {
 /// separate_async run whose other steps were at sync's level).
 const FINAL_STEPS: usize = 30;
 
-/// The demo job (copy 4 digits, tiny-digits model, the demo's seed) in `mode` for `steps` steps through `jetrl run`;
-/// returns the mean reward of the last [`FINAL_STEPS`] steps and the run's metrics.
-fn demo_in(dir: &Path, mode: &str, steps: u32) -> (f64, Vec<serde_json::Value>) {
+/// The demo job (copy 4 digits, tiny-digits model, the demo's seed) in `mode` with `ranks` trainer ranks for
+/// `steps` steps through `jetrl run`; returns the mean reward of the last [`FINAL_STEPS`] steps and the run's
+/// metrics.
+fn demo_in(dir: &Path, mode: &str, ranks: u32, steps: u32) -> (f64, Vec<serde_json::Value>) {
     let overrides = [
         format!("model.path={}", dir.join("model").display()),
         format!("trainer.mode={mode}"),
+        format!("trainer.n_gpus_per_node={ranks}"),
         format!("trainer.total_training_steps={steps}"),
         "trainer.test_freq=-1".into(),
     ];
@@ -64,29 +66,32 @@ fn shared() -> std::sync::RwLockReadGuard<'static, ()> {
 }
 
 /// Each async mode reaches the same final reward as sync on the demo task (within 0.05), and shows the off-policy
-/// signature of its schedule. Runs alone ([`EXCLUSIVE`]).
+/// signature of its schedule. separate_async (the demo's mode) trains with two trainer ranks (Gloo, the rows split
+/// between them, the optimizer state sharded): the ranks take the same commands in every mode, so this run is
+/// also the check that a group of ranks learns as one rank does. Runs alone ([`EXCLUSIVE`]).
 #[test]
 #[ignore = "slow tier: the schedules end to end through jetrl run"]
 fn each_async_mode_learns_the_demo_task_as_well_as_sync() {
     let _alone = alone();
     let dir = tempfile::tempdir().unwrap();
     let steps = 200;
-    let (sync, sync_rows) = demo_in(dir.path(), "sync", steps);
+    let (sync, sync_rows) = demo_in(dir.path(), "sync", 1, steps);
     // An async run is a new draw each time (timing decides which weights sample which token), and one can end in
     // the trap above; a mode whose run missed runs once more, and that second run is the one judged. Sync repeats
     // itself, so it is run once.
-    let draw = |mode: &str| {
-        let first = demo_in(dir.path(), mode, steps);
+    let draw = |mode: &str, ranks: u32| {
+        let first = demo_in(dir.path(), mode, ranks, steps);
         if (first.0 - sync).abs() <= 0.05 {
             return first;
         }
         eprintln!("{mode}: final reward {:.3} against sync's {sync:.3} (the trap?); running it once more", first.0);
-        demo_in(&dir.path().join("again"), mode, steps)
+        demo_in(&dir.path().join("again"), mode, ranks, steps)
     };
-    let (separate, separate_rows) = draw("separate_async");
-    let (colocate, colocate_rows) = draw("colocate_async");
+    let (separate, separate_rows) = draw("separate_async", 2);
+    let (colocate, colocate_rows) = draw("colocate_async", 1);
     eprintln!(
-        "final reward (last {FINAL_STEPS} steps): sync {sync:.3}, separate_async {separate:.3}, colocate_async {colocate:.3}"
+        "final reward (last {FINAL_STEPS} steps): sync {sync:.3}, separate_async (2 trainer ranks) {separate:.3}, \
+         colocate_async {colocate:.3}"
     );
     assert!(sync > 0.8, "sync did not learn the demo task: {sync:.3}");
     assert!((separate - sync).abs() <= 0.05, "separate_async {separate:.3} vs sync {sync:.3}");
