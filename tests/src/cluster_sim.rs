@@ -586,9 +586,10 @@ async fn publish(bus: Bus, groups: GroupStore, fleet: Arc<Fleet>, task: Arc<Prom
             entry.0 += 1;
         }
         Err(err) => {
+            // as a rollout worker does: a group no longer pending or running (terminal, or already sampled or
+            // evicted: a redelivery after a kill) or without a record (a resumed trainer retired it) needs no work
             let settled = match groups.get(&spec.partition, &spec.uid).await {
-                Ok(Some((s, _))) => s.state().is_terminal(),
-                // the record is gone (a resumed trainer retired the group): a rollout worker skips such a task
+                Ok(Some((s, _))) => !s.state().is_inflight(),
                 Ok(None) => true,
                 Err(_) => false,
             };
@@ -644,10 +645,14 @@ async fn weight_watch(bus: Bus, version: Arc<watch::Sender<u64>>, mut stop: watc
     }
 }
 
-/// colocate_async: the handshake with the trainer, answered for the whole fleet.
+/// colocate_async: the handshake with the trainer, answered for the whole fleet. As a rollout worker does, the
+/// fleet resumes on its own when no resume comes within `handshake_timeout` of a pause (a trainer killed while
+/// its worker was paused never sends one; the next trainer publishes its weights and waits for the fleet to load
+/// them).
 async fn colocate_control(
     bus: Bus,
     instance: String,
+    handshake_timeout: Duration,
     paused: Arc<watch::Sender<bool>>,
     version: Arc<watch::Sender<u64>>,
     mut stop: watch::Receiver<bool>,
@@ -660,16 +665,25 @@ async fn colocate_control(
         eprintln!("colocate control: subscribe failed");
         return;
     };
+    let mut overdue: Option<tokio::time::Instant> = None;
     loop {
+        let deadline = overdue.unwrap_or_else(tokio::time::Instant::now);
         tokio::select! {
             _ = stop.changed() => return,
+            _ = tokio::time::sleep_until(deadline), if overdue.is_some() => {
+                overdue = None;
+                eprintln!("colocate control: no resume within {handshake_timeout:?}; the fleet resumed on its own");
+                paused.send_replace(false);
+            }
             Some(msg) = pause.next() => {
                 paused.send_replace(true);
+                overdue = Some(tokio::time::Instant::now() + handshake_timeout);
                 if let Some(reply) = msg.reply {
                     let _ = client.publish(reply, PauseResponse::default().encode_to_vec().into()).await;
                 }
             }
             Some(msg) = resume.next() => {
+                overdue = None;
                 let request = ResumeRequest::decode(msg.payload.clone()).unwrap_or_default();
                 if let Some(m) = &request.manifest {
                     raise(&version, m.version);
@@ -835,7 +849,15 @@ trainer:
     fleet_tasks.spawn(weight_watch(bus.clone(), version_tx.clone(), stop_rx.clone()));
     if mode == "colocate_async" {
         let paused = paused_tx.clone();
-        fleet_tasks.spawn(colocate_control(bus.clone(), "sim-0".into(), paused, version_tx.clone(), stop_rx.clone()));
+        let handshake_timeout = Duration::from_secs_f64(cfg.trainer.colocate_async.handshake_timeout_s);
+        fleet_tasks.spawn(colocate_control(
+            bus.clone(),
+            "sim-0".into(),
+            handshake_timeout,
+            paused,
+            version_tx.clone(),
+            stop_rx.clone(),
+        ));
     }
     let fleet_started = Instant::now();
     let mut worker_handles: Vec<tokio::task::AbortHandle> = (0..workers)
