@@ -995,9 +995,12 @@ trainer:
         trainer_ok: status.is_some_and(|s| s.success()),
         ..Default::default()
     };
+    // every step's line holds its batch's record; a line a resumed trainer wrote from a checkpoint (the trainer
+    // before it died between the checkpoint and the line) has no whole-step timing, so the timings read the others
+    let trained: Vec<&serde_json::Value> = metrics.iter().filter(|m| m["training/num_groups"].is_number()).collect();
+    out.steps_trained = trained.iter().filter_map(|m| m["training/global_step"].as_f64().map(|s| s as u64)).collect();
+    out.groups_per_step = trained.iter().map(|m| m["training/num_groups"].as_f64().unwrap_or(0.0) as u64).collect();
     let steps: Vec<&serde_json::Value> = metrics.iter().filter(|m| m["timing_s/step"].is_number()).collect();
-    out.steps_trained = steps.iter().filter_map(|m| m["training/global_step"].as_f64().map(|s| s as u64)).collect();
-    out.groups_per_step = steps.iter().map(|m| m["training/num_groups"].as_f64().unwrap_or(0.0) as u64).collect();
     let step_s: f64 = steps.iter().filter_map(|m| m["timing_s/step"].as_f64()).sum();
     out.steps_s = step_s * time_scale;
     let later: Vec<f64> = steps.iter().skip(1).filter_map(|m| m["timing_s/step"].as_f64()).collect();

@@ -594,6 +594,25 @@ fn a_clustered_leaders_wrong_last_sequence_is_a_lost_compare_and_set_not_a_failu
     assert!(!Cause::of(CreateError::new(CreateErrorKind::Other)).is_create_conflict());
 }
 
+/// A watch whose consumer the server refuses for the consumer limit is tried again (the consumers of processes
+/// that died are removed after their inactivity threshold): a replay buffer restarted again and again by the
+/// cluster simulation's chaos met it and, taking it for permanent, stopped. Other limits stay permanent.
+#[test]
+fn the_consumer_limit_is_transient_and_other_limits_are_permanent() {
+    use async_nats::jetstream::kv::{WatchError, WatchErrorKind};
+    use async_nats::jetstream::stream::{ConsumerError, ConsumerErrorKind};
+    let api = |code: u32, description: &str| -> async_nats::jetstream::Error {
+        serde_json::from_str(&format!(r#"{{"code":400,"err_code":{code},"description":"{description}"}}"#)).unwrap()
+    };
+    // as a KV watch reports it: the consumer's creation, inside the watch's error
+    let watch = |code: u32, description: &str| {
+        let consumer = ConsumerError::new(ConsumerErrorKind::JetStream(api(code, description)));
+        WatchError::with_source(WatchErrorKind::ConsumerCreate, consumer)
+    };
+    assert_eq!(Cause::of(watch(10026, "maximum consumers limit reached")).recovery(), Recovery::Transient);
+    assert_eq!(Cause::of(watch(10047, "insufficient resources")).recovery(), Recovery::Permanent);
+}
+
 #[tokio::test]
 async fn a_publish_no_stream_takes_is_retried_with_backoff_then_fails_naming_the_attempts() {
     let server = NatsServer::start().unwrap();
