@@ -580,10 +580,14 @@ async fn publish(bus: Bus, groups: GroupStore, fleet: Arc<Fleet>, task: Arc<Prom
     let min_version = trajectories.iter().map(|t| t.min_version).min().unwrap_or(0);
     match sim::produce_built(&bus, &groups, &spec, None, &trajectories).await {
         Ok(_) => {
+            // completed once its terminal record is written, before the ack: a stand-in killed in between leaves
+            // a group that is trained, and must not count as one no stand-in wrote
+            {
+                let mut done = fleet.completed.lock().expect("completed");
+                let entry = done.entry(task.uid.clone()).or_insert((0, min_version, (task.epoch, task.dataset_row)));
+                entry.0 += 1;
+            }
             let _ = consume::ack_confirmed(&group.msg).await;
-            let mut done = fleet.completed.lock().expect("completed");
-            let entry = done.entry(task.uid.clone()).or_insert((0, min_version, (task.epoch, task.dataset_row)));
-            entry.0 += 1;
         }
         Err(err) => {
             // as a rollout worker does: a group no longer pending or running (terminal, or already sampled or
@@ -1059,6 +1063,10 @@ trainer:
         // a group rolled back or superseded by a trainer's resume is not in the ledger; its row is, decided by the
         // group drawn again
         if !in_ledger.contains(uid) && !decided_rows.contains_key(&row) && !open_rows.contains(&row) {
+            eprintln!(
+                "lost: group {uid} (epoch {}, row {}) completed, not in the ledger, its row undecided",
+                row.0, row.1
+            );
             out.lost += 1;
         }
         if let Some(&step) = trained_at.get(uid) {
@@ -1066,7 +1074,10 @@ trainer:
         }
     }
     // trained groups no stand-in completed (a payload from nowhere) count as lost too
-    out.lost += trained_at.keys().filter(|uid| !completed.contains_key(*uid)).count() as u64;
+    for uid in trained_at.keys().filter(|uid| !completed.contains_key(*uid)) {
+        eprintln!("lost: group {uid} trained, written by no stand-in");
+        out.lost += 1;
+    }
     out
 }
 

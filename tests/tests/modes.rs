@@ -1,6 +1,7 @@
 //! The three training schedules end to end (`jetrl run` or the services as processes, a real nats-server, real
-//! libtorch): each async mode learns the demo task as well as sync (separate_async with two trainer ranks); the staleness bound holds under `drop` and
-//! `wait`; colocate_async's partial rollout is exact against the trainer's checkpoints of each version.
+//! libtorch): each async mode learns the demo task as well as sync (separate_async with two trainer ranks); the
+//! staleness bound holds under `drop` and `wait`; colocate_async's partial rollout is exact against the trainer's
+//! checkpoints of each version.
 
 #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
 

@@ -1,8 +1,7 @@
 //! The trainer as a group of ranks end to end (real processes, a real nats-server, the real tiny model, Gloo on the
 //! CPU): the demo with two ranks repeats the one-rank run step for step, and the LoRA demo learns with two (the
-//! full demo learns with two in `modes.rs`); ranks started
-//! by hand on "two nodes" meet at the rendezvous; a rank without its group, or one started twice, fails with a
-//! clear error within its deadline. (The kill -9 of rank 1 is in `crash_matrix.rs`, equivalence of the updates
+//! full demo learns with two in `modes.rs`); ranks started by hand on "two nodes" meet at the rendezvous; a rank
+//! without its group, or one started twice, fails with a clear error within its deadline. (The kill -9 of rank 1 is in `crash_matrix.rs`, equivalence of the updates
 //! and re-sharded resumes in `services/trainer/tests/data_parallel.rs`.)
 
 #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
@@ -20,11 +19,11 @@ fn series(rows: &[serde_json::Value], key: &str) -> Vec<f64> {
     rows.iter().map(|m| m[key].as_f64().unwrap_or(f64::NAN)).collect()
 }
 
-/// The demo job through `jetrl run` with `ranks` trainer ranks in `mode` for `steps` steps; returns its metrics.
-fn demo(dir: &Path, name: &str, mode: &str, ranks: u32, steps: u32) -> Vec<serde_json::Value> {
+/// The demo job in sync through `jetrl run` with `ranks` trainer ranks for `steps` steps; returns its metrics.
+fn demo(dir: &Path, name: &str, ranks: u32, steps: u32) -> Vec<serde_json::Value> {
     let overrides = [
         format!("model.path={}", dir.join("model").display()),
-        format!("trainer.mode={mode}"),
+        "trainer.mode=sync".to_string(),
         format!("trainer.n_gpus_per_node={ranks}"),
         format!("trainer.total_training_steps={steps}"),
         "trainer.test_freq=-1".into(),
@@ -41,8 +40,8 @@ fn demo(dir: &Path, name: &str, mode: &str, ranks: u32, steps: u32) -> Vec<serde
 #[ignore = "slow tier: the demo with two trainer ranks against one"]
 fn the_demo_in_sync_repeats_itself_with_two_trainer_ranks() {
     let dir = tempfile::tempdir().unwrap();
-    let one = demo(dir.path(), "sync-1", "sync", 1, 8);
-    let two = demo(dir.path(), "sync-2", "sync", 2, 8);
+    let one = demo(dir.path(), "sync-1", 1, 8);
+    let two = demo(dir.path(), "sync-2", 2, 8);
     assert_eq!(series(&one, "critic/score/mean")[0], series(&two, "critic/score/mean")[0]);
     for key in ["critic/score/mean", "actor/pg_loss", "actor/grad_norm"] {
         for (step, (a, b)) in series(&one, key).iter().zip(series(&two, key)).enumerate() {

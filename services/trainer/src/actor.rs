@@ -27,7 +27,7 @@ use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
-// the step timings' clock ([`StepTimings`]): std's on this thread, a paused test clock in a schedule's unit test
+// tokio's `Instant`, as [`StepTimings`] takes it: nothing pauses the clock here, so it reads std's
 use tokio::time::Instant;
 
 use jetrl_algos::{

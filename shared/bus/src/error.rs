@@ -287,9 +287,9 @@ pub fn lost_compare_and_set(err: &(dyn StdError + 'static)) -> bool {
 }
 
 /// A JetStream API error: the codes a cluster answers while a node or a leader is missing are `Unavailable`; the
-/// consumer limit is `Transient` (the consumers of processes that died, watches among them, are removed by the
-/// server after their inactivity threshold, so a new one fits again); every other answer (limits, configuration,
-/// names) is permanent.
+/// consumer limit is `Transient` (the ephemeral consumers of processes that died, their watches, are removed by
+/// the server after their inactivity threshold, so a new one fits again); every other answer (limits,
+/// configuration, names) is permanent.
 fn api_recovery(err: &jetstream::Error) -> Recovery {
     use jetstream::ErrorCode as C;
     let code = err.error_code();

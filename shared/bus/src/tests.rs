@@ -594,9 +594,8 @@ fn a_clustered_leaders_wrong_last_sequence_is_a_lost_compare_and_set_not_a_failu
     assert!(!Cause::of(CreateError::new(CreateErrorKind::Other)).is_create_conflict());
 }
 
-/// A watch whose consumer the server refuses for the consumer limit is tried again (the consumers of processes
-/// that died are removed after their inactivity threshold): a replay buffer restarted again and again by the
-/// cluster simulation's chaos met it and, taking it for permanent, stopped. Other limits stay permanent.
+/// A watch whose consumer the server refuses for the consumer limit is worth opening again (the ephemeral
+/// consumers of dead processes expire); other limits stay permanent.
 #[test]
 fn the_consumer_limit_is_transient_and_other_limits_are_permanent() {
     use async_nats::jetstream::kv::{WatchError, WatchErrorKind};

@@ -107,7 +107,12 @@ pub struct Follower {
     /// the next open waits this long first (a watch that ended, one refused: neither may spin)
     pause: Option<Duration>,
     restarts: u64,
+    /// opens refused in a row (for a transient cause); from [`LOUD_AFTER`] on each one is logged as an error
+    refused: u32,
 }
+
+/// Refused opens in a row after which each further one is an error in the log, not a warning (about a minute).
+const LOUD_AFTER: u32 = 12;
 
 impl Follower {
     /// A follower of `filter` in `kv`; nothing is opened until the first [`Follower::next`].
@@ -131,6 +136,7 @@ impl Follower {
             reopen: crate::Delays::new(Duration::from_secs(1), Duration::from_secs(5)),
             pause: None,
             restarts: 0,
+            refused: 0,
         }
     }
 
@@ -244,6 +250,7 @@ impl Follower {
                 self.watch = Some(watch);
                 self.replay = false;
                 self.reopen.reset();
+                self.refused = 0;
                 self.heard();
             }
             Ok(Err(err)) => {
@@ -253,7 +260,14 @@ impl Follower {
                     self.pause = Some(delay);
                     return Err(BusError::Kv { bucket: self.kv.name.clone(), key: self.filter.clone(), cause });
                 }
-                tracing::warn!(error = %cause, what = self.what, retry_in_s = delay.as_secs_f64(), "cannot watch; retrying");
+                self.refused += 1;
+                if self.refused >= LOUD_AFTER {
+                    // still not permanent (a consumer limit frees as the consumers of dead processes expire), but
+                    // the owner has heard nothing of its input for a minute
+                    tracing::error!(error = %cause, what = self.what, attempts = self.refused, retry_in_s = delay.as_secs_f64(), "cannot watch; retrying");
+                } else {
+                    tracing::warn!(error = %cause, what = self.what, retry_in_s = delay.as_secs_f64(), "cannot watch; retrying");
+                }
                 tokio::time::sleep(delay).await;
             }
             Err(_) => {

@@ -46,7 +46,7 @@ pub(crate) async fn step(t: &mut Schedule<'_>, step: u64) -> Result<Metrics, Tra
     t.checkpoint_and_release(step, &metrics, &mut timings, vec![request_id]).await?;
 
     let t0 = Instant::now();
-    let blob = t.weights_blob().await?;
+    let blob = t.learner.weights_blob().await?;
     metrics.insert("weight_sync/bytes".into(), blob.len() as f64);
     let manifest = t.weights.store(step, blob).await?;
     match t.weights.resume_colocated(step, Some(manifest.clone())).await {

@@ -28,7 +28,6 @@ mod tests;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use bytes::Bytes;
 use jetrl_config::{JobConfig, TrainerMode};
 use jetrl_wire::subjects;
 use jetrl_wire::v1::SampleResponse;
@@ -139,11 +138,6 @@ impl Schedule<'_> {
             return Ok(out);
         }
         self.learner.train(samples, &batch.response, step, pi_old).await
-    }
-
-    /// The current weights as a safetensors blob in `model.dtype`.
-    pub(crate) async fn weights_blob(&self) -> Result<Bytes, TrainerError> {
-        self.learner.weights_blob().await
     }
 
     /// Every `trainer.save_freq` steps (and at the last): `global_step_<step>/` (models and optimizers on the

@@ -51,7 +51,7 @@ pub(crate) async fn step(t: &mut Schedule<'_>, step: u64) -> Result<Metrics, Tra
     t.checkpoint_and_release(step, &metrics, &mut timings, request_ids).await?;
 
     let t0 = Instant::now();
-    let blob = t.weights_blob().await?;
+    let blob = t.learner.weights_blob().await?;
     metrics.insert("weight_sync/bytes".into(), blob.len() as f64);
     t.weights.publish(step, blob).await?;
     timings.since(Phase::UpdateWeights, t0);

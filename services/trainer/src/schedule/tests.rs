@@ -420,22 +420,24 @@ fn job(mode: &str, batch: u32, overrides: &[&str]) -> JobConfig {
     JobConfig::load(None, &all).expect("a valid job")
 }
 
+/// A fresh run's schedule over the stand-ins.
+fn schedule<'a>(
+    cfg: &'a JobConfig,
+    learner: &'a TimedLearner,
+    data: &'a mut Stand,
+    weights: &'a Stand,
+    ckpt_root: &'a std::path::Path,
+    total_steps: u64,
+) -> Schedule<'a> {
+    Schedule { cfg, learner, client: data, weights, incarnation: "test", ckpt_root, total_steps, start_step: 0 }
+}
+
 /// A run of `steps` steps as the trainer makes it (warm-up, then the steps); each step's metrics and the run's
 /// (paused-clock) duration.
 async fn run(cfg: &JobConfig, stand: &Stand, steps: u64, ckpt_root: &std::path::Path) -> (Vec<Metrics>, f64) {
     let learner = TimedLearner(stand.clone());
-    let mut data = stand.clone();
-    let weights = stand.clone();
-    let mut schedule = Schedule {
-        cfg,
-        learner: &learner,
-        client: &mut data,
-        weights: &weights,
-        incarnation: "test",
-        ckpt_root,
-        total_steps: steps,
-        start_step: 0,
-    };
+    let (mut data, weights) = (stand.clone(), stand.clone());
+    let mut schedule = schedule(cfg, &learner, &mut data, &weights, ckpt_root, steps);
     let started = Instant::now();
     warm_up(&mut schedule).await.expect("warm-up");
     let mut out = Vec::new();
@@ -644,16 +646,7 @@ async fn the_warm_up_counts_what_an_earlier_trainer_left_in_flight() {
     let dir = tempfile::tempdir().unwrap();
     let learner = TimedLearner(stand.clone());
     let (mut data, weights) = (stand.clone(), stand.clone());
-    let mut schedule = Schedule {
-        cfg: &cfg,
-        learner: &learner,
-        client: &mut data,
-        weights: &weights,
-        incarnation: "test",
-        ckpt_root: dir.path(),
-        total_steps: 10,
-        start_step: 0,
-    };
+    let mut schedule = schedule(&cfg, &learner, &mut data, &weights, dir.path(), 10);
     warm_up(&mut schedule).await.unwrap();
     assert_eq!(stand.calls(), vec![Call::Submit { step: 1, groups: 3 }, Call::Submit { step: 1, groups: 5 }]);
     // sync submits nothing ahead
