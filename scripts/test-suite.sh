@@ -12,20 +12,41 @@ times=target/test-times.tsv
 mkdir -p target
 started=$(date +%s)
 : >"$log"
+: >target/build.log
 # One cargo invocation for the binaries the tests start and for the tests themselves (what `cargo test --no-run`
 # builds, examples included): two would leave a core idle while the first one's last binaries link. The benchmark
-# drivers no test starts (jetrl-benches) are left out; the lint still checks them.
-cargo build --workspace --exclude jetrl-benches --bins --tests --examples --message-format=json-render-diagnostics "$@" \
-  2> >(tee -a "$log" >&2) >target/test-artifacts.jsonl
+# drivers no test starts (jetrl-benches) are left out, except when the build is also the lint.
+#
+# JETRL_LINT_IN_BUILD=1 (.ci/run, which points RUSTC_WORKSPACE_WRAPPER at clippy-driver): the build is the lint
+# gate as well. clippy-driver compiles every crate of the workspace and reports what `cargo clippy --workspace
+# --all-targets` would (the same workspace lints and clippy.toml; our crates have no bench targets), so the
+# build takes in jetrl-benches too, and the lint fails on any warning it printed, as `-D warnings` would, but
+# without stopping the tests. rustfmt's check is separate and quick.
+build_targets=(--workspace --exclude jetrl-benches --bins --tests --examples)
+lint_in_build=0
+if [ "${JETRL_LINT_IN_BUILD:-0}" = 1 ]; then
+  case "${RUSTC_WORKSPACE_WRAPPER:-}" in
+    *clippy-driver) ;;
+    *) echo "JETRL_LINT_IN_BUILD=1 needs RUSTC_WORKSPACE_WRAPPER=<sysroot>/bin/clippy-driver (as .ci/run sets it)" >&2
+       exit 2 ;;
+  esac
+  lint_in_build=1
+  build_targets=(--workspace --bins --tests --examples)
+fi
+cargo build "${build_targets[@]}" --message-format=json-render-diagnostics "$@" \
+  2> >(tee -a "$log" target/build.log >&2) >target/test-artifacts.jsonl
 build_rc=$?
 tests_rc=1
-# JETRL_LINT_BESIDE_TESTS=1 (.ci/run): the lint gate (`just lint`) runs at the lowest priority beside the tests,
-# on the CPU they leave idle (most slow test binaries wait on restarts and deadlines), and its result counts.
-lint_pid=""
 lint_rc=0
-if [ "${JETRL_LINT_BESIDE_TESTS:-0}" = 1 ] && [ "$build_rc" -eq 0 ]; then
-  nice -n 19 just lint >target/lint.log 2>&1 &
-  lint_pid=$!
+if [ "$lint_in_build" = 1 ]; then
+  # cargo closes each crate's findings with "warning: `crate` (target) generated N warning(s)"
+  {
+    echo "== lint (clippy in the build, rustfmt check) =="
+    grep -E '^warning: `[^`]+` \(.*\) generated [0-9]+ warnings?' target/build.log && lint_rc=1
+    cargo fmt --all -- --check || lint_rc=1
+    [ "$build_rc" -eq 0 ] || lint_rc=1
+    echo "lint: exit $lint_rc"
+  } >target/lint.log 2>&1
 fi
 if [ "$build_rc" -eq 0 ]; then
   python3 scripts/run-test-binaries.py target/test-artifacts.jsonl "$times" -- --include-ignored 2>&1 | tee -a "$log"
@@ -35,10 +56,7 @@ cargo test --workspace --doc "$@" 2>&1 | tee -a "$log"
 doc_rc=${PIPESTATUS[0]}
 ./target/debug/jetrl-golden tests/golden/algos_sample.json tests/golden/rewards_sample.json
 golden_rc=$?
-if [ -n "$lint_pid" ]; then
-  wait "$lint_pid"
-  lint_rc=$?
-  echo "== lint (beside the tests, exit $lint_rc) =="
+if [ "$lint_in_build" = 1 ]; then
   cat target/lint.log
 fi
 elapsed=$(( $(date +%s) - started ))

@@ -11,6 +11,8 @@ mod records;
 mod release;
 mod requests;
 mod rewards;
+#[cfg(test)]
+mod tests;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::AtomicU64;
