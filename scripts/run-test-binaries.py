@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""Runs the test binaries `cargo build --tests --message-format=json` built, two at a time, each as `cargo test`
+"""Runs the test binaries `cargo build --tests --message-format=json` built, in two lanes (and a third for those
+that mostly wait), each as `cargo test`
 would (working directory = its package's root, the arguments after `--` passed on), and prints each binary's whole
 output when it ends, headed by cargo's own `Running <source> (<binary>)` line. Exits 1 if any binary failed.
 
-Why two at a time: most of the slow binaries wait rather than compute (a nats-server restart, an ack deadline, a
+Why two lanes: most of the slow binaries wait rather than compute (a nats-server restart, an ack deadline, a
 service's restart delay: replay_buffer spends 2 CPU-seconds in 60 s, crash_matrix 92 in 168), so the suite's wall
 time was twice its CPU time on two cores. Binaries that train the demo for hundreds of steps keep both cores busy;
 at most one of those ([`CPU_BOUND`]) runs at a time, beside one that waits. Longest first, from [`EXPECTED_S`].
 A third lane runs only the binaries that hardly use the CPU at all ([`IDLE`]: under 15% of one core), so their
-minutes of waiting overlap the other two lanes instead of taking turns with them.
+minutes of waiting overlap the other two lanes instead of taking turns with them; the two main lanes take an IDLE
+binary only while the third lane is busy.
 
 Usage: run-test-binaries.py ARTIFACTS.jsonl TIMES.tsv [-- ARGS...]
 TIMES.tsv gets one line per binary: wall seconds, CPU seconds (user + system, children included), exit status, name.
@@ -102,7 +104,10 @@ def main():
                         continue
                     if not (item[0] in CPU_BOUND and cpu_running):
                         running.append(item[0])
-                        idle_busy[0] = idle_busy[0] or idle_lane
+                        if idle_lane:
+                            idle_busy[0] = True
+                            # a main lane that left the IDLE binaries to a free third lane may take them now
+                            lock.notify_all()
                         return queue.pop(i)
                 if idle_lane and not any(item[0] in IDLE for item in queue):
                     return None

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, both tiers (`just test`, `./dev.sh test`, `.ci/run`): every test binary of
-# `cargo test --workspace` with the slow tier included (`-- --include-ignored`), two binaries at a time
-# (scripts/run-test-binaries.py says why and how), then the doc tests and the golden vectors; at the end the ten
+# `cargo test --workspace` with the slow tier included (`-- --include-ignored`), in two lanes and a third for the
+# binaries that mostly wait (scripts/run-test-binaries.py says why and how), then the doc tests and the golden vectors; at the end the ten
 # slowest test binaries with their wall and CPU times, so the cost of each test binary stays visible. Arguments go
 # to the build and to the doc tests (`cargo build`/`cargo test --doc`, e.g. `--features ...`). The full log is kept
 # in target/test-suite.log.
@@ -17,11 +17,13 @@ started=$(date +%s)
 # builds, examples included): two would leave a core idle while the first one's last binaries link. The benchmark
 # drivers no test starts (jetrl-benches) are left out, except when the build is also the lint.
 #
-# JETRL_LINT_IN_BUILD=1 (.ci/run, which points RUSTC_WORKSPACE_WRAPPER at clippy-driver): the build is the lint
-# gate as well. clippy-driver compiles every crate of the workspace and reports what `cargo clippy --workspace
-# --all-targets` would (the same workspace lints and clippy.toml; our crates have no bench targets), so the
-# build takes in jetrl-benches too, and the lint fails on any warning it printed, as `-D warnings` would, but
-# without stopping the tests. rustfmt's check is separate and quick.
+# JETRL_LINT_IN_BUILD=1 (.ci/run, which points RUSTC_WORKSPACE_WRAPPER at clippy-driver and caps every lint at
+# `warn` through CLIPPY_ARGS): the build is the lint gate as well. clippy-driver compiles every crate of the
+# workspace with the same workspace lints and clippy.toml as `cargo clippy --workspace --all-targets`, so the build
+# takes in jetrl-benches too; the lint fails on any crate's warnings (cargo's closing "generated N warnings" line
+# for it), as `-D warnings` would, but a finding does not stop the tests. What `--all-targets` adds beyond these
+# targets is each library and binary compiled once more as a bench harness, which differs only in `cfg(test)` code
+# of a binary (there is none). rustfmt's check is separate and quick.
 build_targets=(--workspace --exclude jetrl-benches --bins --tests --examples)
 lint_in_build=0
 if [ "${JETRL_LINT_IN_BUILD:-0}" = 1 ]; then
@@ -33,16 +35,19 @@ if [ "${JETRL_LINT_IN_BUILD:-0}" = 1 ]; then
   lint_in_build=1
   build_targets=(--workspace --bins --tests --examples)
 fi
-cargo build "${build_targets[@]}" --message-format=json-render-diagnostics "$@" \
-  2> >(tee -a "$log" target/build.log >&2) >target/test-artifacts.jsonl
-build_rc=$?
+# (stderr through a pipe, not a process substitution: the pipeline ends only when tee has written everything, so
+# the lint below reads the whole log)
+cargo build "${build_targets[@]}" --message-format=json-render-diagnostics "$@" 2>&1 >target/test-artifacts.jsonl \
+  | tee -a "$log" target/build.log >&2
+build_rc=${PIPESTATUS[0]}
 tests_rc=1
 lint_rc=0
 if [ "$lint_in_build" = 1 ]; then
   # cargo closes each crate's findings with "warning: `crate` (target) generated N warning(s)"
   {
     echo "== lint (clippy in the build, rustfmt check) =="
-    grep -E '^warning: `[^`]+` \(.*\) generated [0-9]+ warnings?' target/build.log && lint_rc=1
+    sed 's/\x1b\[[0-9;]*m//g' target/build.log \
+      | grep -E '^warning: `[^`]+` \(.*\) generated [0-9]+ warnings?' && lint_rc=1
     cargo fmt --all -- --check || lint_rc=1
     [ "$build_rc" -eq 0 ] || lint_rc=1
     echo "lint: exit $lint_rc"
@@ -62,7 +67,7 @@ fi
 elapsed=$(( $(date +%s) - started ))
 
 echo
-echo "== slowest test binaries (of this run, $((elapsed / 60)) min $((elapsed % 60)) s in all; two ran at a time) =="
+echo "== slowest test binaries (of this run, $((elapsed / 60)) min $((elapsed % 60)) s in all) =="
 printf '%8s  %8s  %s\n' wall cpu binary
 awk -F'\t' '{ printf "%7.1fs  %7.1fs  %s%s\n", $1, $2, $4, ($3 == 0 ? "" : "  (FAILED, exit " $3 ")") }' "$times" \
   2>/dev/null | head -10
