@@ -67,6 +67,12 @@ async fn complete_group(buffer: &mut Buffer, uid: &str, step: u64) -> u64 {
     buffer.groups.create(&record(uid, GroupState::Finished, step)).await.expect("create");
     let entry = newest_entry(buffer, uid).await;
     assert!(buffer.on_group_entry(&entry), "a finished record may complete a batch");
+    assert!(score(buffer, uid), "a new reward is indexed");
+    entry.revision
+}
+
+/// Indexes a reward of 1.0 for `uid`'s one trajectory at the next REWARDS sequence; returns whether it was new.
+fn score(buffer: &mut Buffer, uid: &str) -> bool {
     let key = format!("{uid}_0_0");
     let parsed = TrajectoryKey::parse(&key).expect("key");
     let seq = buffer.state.rewards_read() + 1;
@@ -80,8 +86,7 @@ async fn complete_group(buffer: &mut Buffer, uid: &str, step: u64) -> u64 {
         ..Default::default()
     };
     buffer.state.rewards_read_through(seq);
-    assert!(buffer.state.apply_reward(reward, seq));
-    entry.revision
+    buffer.state.apply_reward(reward, seq)
 }
 
 fn request(id: &str, step: u64, batch_size: u32) -> SampleRequest {
@@ -209,20 +214,7 @@ async fn a_restarted_buffer_answers_a_retry_from_the_groups_already_marked_for_i
         }
         let entry = newest_entry(&after, uid).await;
         after.on_group_entry(&entry);
-        let key = format!("{uid}_0_0");
-        let parsed = TrajectoryKey::parse(&key).unwrap();
-        let seq = after.state.rewards_read() + 1;
-        after.state.rewards_read_through(seq);
-        let reward = Reward {
-            uid: uid.into(),
-            key,
-            partition: "train".into(),
-            score: 1.0,
-            session_id: parsed.session_id,
-            index: parsed.index,
-            ..Default::default()
-        };
-        after.state.apply_reward(reward, seq);
+        score(&mut after, uid);
     }
     let again = after.try_answer(&request("r1", 2, 2)).await.expect("answered from the marked groups");
     assert_eq!(uids(&again), ["g1", "g2"], "the groups marked for r1, not g3");
