@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Runs the test binaries `cargo build --tests --message-format=json` built, in two lanes (and a third for those
-that mostly wait), each as `cargo test`
-would (working directory = its package's root, the arguments after `--` passed on), and prints each binary's whole
-output when it ends, headed by cargo's own `Running <source> (<binary>)` line. Exits 1 if any binary failed.
+that mostly wait), each as `cargo test` would (working directory = its package's root, the arguments after `--`
+passed on), and prints each binary's whole output when it ends, headed by cargo's own `Running <source> (<binary>)`
+line. Exits 1 if any binary failed.
 
 Why two lanes: most of the slow binaries wait rather than compute (a nats-server restart, an ack deadline, a
 service's restart delay: replay_buffer spends 2 CPU-seconds in 60 s, crash_matrix 92 in 168), so the suite's wall

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite, both tiers (`just test`, `./dev.sh test`, `.ci/run`): every test binary of
 # `cargo test --workspace` with the slow tier included (`-- --include-ignored`), in two lanes and a third for the
-# binaries that mostly wait (scripts/run-test-binaries.py says why and how), then the doc tests and the golden vectors; at the end the ten
-# slowest test binaries with their wall and CPU times, so the cost of each test binary stays visible. Arguments go
-# to the build and to the doc tests (`cargo build`/`cargo test --doc`, e.g. `--features ...`). The full log is kept
-# in target/test-suite.log.
+# binaries that mostly wait (scripts/run-test-binaries.py says why and how), then the doc tests and the golden
+# vectors; at the end the ten slowest test binaries with their wall and CPU times, so the cost of each test binary
+# stays visible. Arguments go to the build and to the doc tests (`cargo build`/`cargo test --doc`, e.g.
+# `--features ...`). The full log is kept in target/test-suite.log.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 log=target/test-suite.log
