@@ -17,7 +17,8 @@ demo config="configs/demo.yaml" *overrides="": build
 # checks, short fuzz counts) and the slow tier (`#[ignore = "slow tier: ..."]`: end to end, crash matrix, broker
 # cluster, soak and bench smoke runs, full fuzz counts, the tests that need python with transformers), then the
 # golden vectors; test binaries in two lanes and a third for those that wait (scripts/run-test-binaries.py);
-# prints the ten slowest test binaries with wall and CPU seconds at the end (`./dev.sh test` installs transformers first)
+# prints the ten slowest test binaries with wall and CPU seconds at the end (`./dev.sh test` installs
+# transformers first)
 test *args="":
     scripts/test-suite.sh {{args}}
 
