@@ -1,7 +1,8 @@
 //! `jetrl run --verl`: verl's launch command with only the launcher replaced. The argument list of verl's GRPO
 //! example (`examples/grpo_trainer/run_qwen2-7b_seq_balance.sh`), verbatim, runs the five services on a GSM8K-format
 //! sample the project writes (scripts/make_gsm8k_sample.py) and a tiny model, with sizes overridden after it as a
-//! user would (`… $@`). A key jetrl refuses fails before anything starts, naming the key.
+//! user would (`… $@`), the rollout on vLLM (`actor_rollout_ref.rollout.name=vllm`: the example's SGLang has no
+//! backend in jetrl and is refused by name). A key jetrl refuses fails before anything starts, naming the key.
 
 #![allow(clippy::unwrap_used)]
 
@@ -83,7 +84,7 @@ fn gsm8k_sample(dir: &Path) {
 }
 
 #[test]
-#[ignore = "slow tier: verl's GRPO example through jetrl run --verl, five services on a GSM8K-format sample"]
+#[ignore = "slow tier: verl's GRPO example through jetrl run --verl, five services on a GSM8K-format sample, vLLM"]
 fn verls_grpo_example_runs_with_only_the_launcher_replaced() {
     let dir = test_dir("verl-example");
     let (data, model, run_dir, checkpoints) =
@@ -98,9 +99,13 @@ fn verls_grpo_example_runs_with_only_the_launcher_replaced() {
 
     let mut args = vec!["run".to_string(), "--verl".into()];
     args.extend(seq_balance_example(&model, &data));
-    // the user's `$@`: this machine's sizes
+    // the user's `$@`: vLLM instead of the example's SGLang, and this machine's sizes
     args.extend(
         [
+            "actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.2",
+            "+actor_rollout_ref.rollout.kv_cache_memory_gb=1",
             "data.train_batch_size=8",
             "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "data.max_prompt_length=256",
@@ -122,13 +127,10 @@ fn verls_grpo_example_runs_with_only_the_launcher_replaced() {
 
     // one start-up line says what was ignored
     let ignored = output.lines().find(|l| l.starts_with("verl keys ignored")).unwrap_or_else(|| panic!("{output}"));
-    for key in [
-        "actor_rollout_ref.rollout.name",
-        "actor_rollout_ref.rollout.gpu_memory_utilization",
-        "fsdp_config.param_offload",
-    ] {
+    for key in ["actor_rollout_ref.rollout.mode", "fsdp_config.param_offload"] {
         assert!(ignored.contains(key), "{key} not in {ignored}");
     }
+    assert!(!ignored.contains("rollout.name"), "the engine was ignored: {ignored}");
     // the job that ran, in jetrl's tree: verl's values where the example set them
     let cfg = jetrl_config::JobConfig::load(Some(&run_dir.join("job.yaml")), &[]).unwrap();
     assert_eq!(cfg.actor.optim.lr, 1e-6);
@@ -137,6 +139,14 @@ fn verls_grpo_example_runs_with_only_the_launcher_replaced() {
     assert_eq!(cfg.actor.ppo_max_token_len, 24_000);
     assert_eq!(cfg.trainer.project_name, "verl_grpo_example_gsm8k");
     assert_eq!(cfg.run.name, "qwen2_7b_function_rm_kl1e-3");
+    assert_eq!(cfg.rollout.name, jetrl_config::RolloutName::Vllm);
+    let vllm_log = run_dir.join("logs").read_dir().unwrap().flatten().find(|e| {
+        let name = e.file_name().to_string_lossy().to_string();
+        name.starts_with("vllm-") && name.ends_with(".log")
+    });
+    let vllm_log =
+        std::fs::read_to_string(vllm_log.expect("no vLLM server log: the rollout did not run on vLLM").path()).unwrap();
+    assert!(vllm_log.contains("/inference/v1/generate"), "vLLM served no generate request:\n{vllm_log}");
 
     let metrics = run_metrics(&run_dir);
     let steps: Vec<f64> = metrics.iter().filter_map(|m| m["training/global_step"].as_f64()).collect();

@@ -49,6 +49,8 @@ pub async fn run(
             anyhow::bail!("{key}: {missing} does not exist");
         }
     }
+    // vLLM missing for a job that starts vLLM servers: every rollout worker would fail at each restart
+    jetrl_rollout_worker::vllm_preflight(&cfg).map_err(|e| anyhow::anyhow!(e))?;
     // A tracker that cannot work does not stop the job (the trainer says so in its log): say it here too, where
     // the user looks.
     for warning in tracker_warnings(&cfg) {

@@ -41,7 +41,7 @@ pub(crate) async fn serve(worker: Arc<Worker>, handshake_timeout: Duration, shut
             msg = pauses.next() => {
                 let Some(msg) = msg else { break };
                 let response = match PauseRequest::decode(msg.payload.as_ref()) {
-                    Ok(request) => match worker.engine.pause(request.free_cache).await {
+                    Ok(request) => match worker.engine.pause(request.free_cache && worker.free_cache_engine).await {
                         Ok(parked) => {
                             worker.status.set(WorkerState::Paused, format!("paused for trainer step {}", request.step));
                             overdue = Some(tokio::time::Instant::now() + handshake_timeout);

@@ -31,6 +31,7 @@ mod control;
 pub mod engine;
 mod group;
 pub mod tools;
+mod vllm_backend;
 mod weights;
 
 use std::path::PathBuf;
@@ -41,7 +42,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use jetrl_bus::service::{self, Topology};
 use jetrl_bus::{consume, Bus, BusError, GroupStore};
-use jetrl_config::{JobConfig, TrainerMode};
+use jetrl_config::{JobConfig, RolloutName, TrainerMode};
 use jetrl_model::engine::Detokenizer;
 use jetrl_model::{EngineConfig, LogprobsMode, ModelConfig, Tokenizer};
 use jetrl_telemetry::Shutdown;
@@ -53,6 +54,8 @@ use tokio::task::JoinSet;
 use crate::agent::{AgentKind, ToolAgent, ToolTurnEncoder};
 use crate::engine::{EngineError, EngineHandle, EngineSettings};
 use crate::tools::ToolRegistry;
+
+pub use vllm_backend::preflight as vllm_preflight;
 
 pub(crate) const SERVICE: &str = jetrl_wire::ServiceKind::Rollout.as_str();
 
@@ -66,6 +69,10 @@ pub enum RolloutError {
     Metrics(#[from] jetrl_telemetry::TelemetryError),
     #[error("engine: {0}")]
     Engine(#[from] EngineError),
+    /// the engine can serve nothing more (its vLLM server died): the worker stops so that its supervisor starts
+    /// both again, and what it held is redelivered
+    #[error("the rollout engine failed: {0}")]
+    EngineFailed(String),
     #[error("tokenizer of {path}: {source}")]
     Tokenizer {
         path: PathBuf,
@@ -148,6 +155,8 @@ pub(crate) struct Worker {
     status: weights::Status,
     /// how long a task waits for the weight version it needs (`rollout.heartbeat_timeout_s`)
     version_wait: Duration,
+    /// colocate_async: whether a pause releases the engine's memory (`rollout.free_cache_engine`)
+    free_cache_engine: bool,
 }
 
 /// Runs one rollout worker until `shutdown` resolves.
@@ -179,18 +188,26 @@ pub async fn run(
         let tokenizer = tokenizer.clone();
         Arc::new(move |ids: &[u32]| tokenizer.decode(ids, true).ok())
     };
-    let engine_settings = EngineSettings {
-        model_dir: model_dir.clone(),
-        device: cfg.model.device,
-        dtype: cfg.model.dtype,
-        config: engine_cfg,
-        detokenizer: Some(detokenizer),
-        lora: jetrl_model::lora::spec_of(&cfg.model),
+    let engine = match cfg.rollout.name {
+        RolloutName::Jetrl => {
+            let engine_settings = EngineSettings {
+                model_dir: model_dir.clone(),
+                device: cfg.model.device,
+                dtype: cfg.model.dtype,
+                config: engine_cfg,
+                detokenizer: Some(detokenizer),
+                lora: jetrl_model::lora::spec_of(&cfg.model),
+            };
+            // Loading a model takes a while: off the reactor.
+            tokio::task::spawn_blocking(move || EngineHandle::start(engine_settings))
+                .await
+                .map_err(|e| EngineError::Thread(Arc::new(e)))??
+        }
+        RolloutName::Vllm => EngineHandle::start_vllm(vllm_backend::settings(&cfg, &instance, &engine_cfg)?).await?,
+        RolloutName::Sglang => {
+            return Err(RolloutError::Config { key: "rollout.name", message: "no SGLang backend is built".into() })
+        }
     };
-    // Loading a model takes a while: off the reactor.
-    let engine = tokio::task::spawn_blocking(move || EngineHandle::start(engine_settings))
-        .await
-        .map_err(|e| EngineError::Thread(Arc::new(e)))??;
     tracing::info!(%instance, model = %model_dir.display(), device = %cfg.model.device, slots = engine.slots(), "rollout worker ready");
 
     let tool_agent = ToolTurnEncoder::new(&tokenizer).map(|encoder| ToolAgent {
@@ -222,6 +239,7 @@ pub async fn run(
         }),
         status: weights::Status::default(),
         version_wait: Duration::from_secs_f64(cfg.rollout.heartbeat_timeout_s.max(1.0)),
+        free_cache_engine: cfg.rollout.free_cache_engine,
     });
     worker.status.set(WorkerState::Starting, "loading the announced weights");
 
@@ -252,6 +270,19 @@ pub async fn run(
     let baseline = usize::from(cfg.algorithm.adv_estimator == jetrl_config::AdvantageEstimator::Remax);
     let per_group = (cfg.rollout.n.max(1) as usize + baseline).min(engine.slots());
     let mut tasks: JoinSet<()> = JoinSet::new();
+    // The pull loop stops at SIGTERM, or when the engine can serve nothing more (its vLLM server died).
+    let engine_failure: Arc<std::sync::OnceLock<String>> = Arc::default();
+    let shutdown = {
+        let (engine, external, failure) = (engine.clone(), shutdown.clone(), engine_failure.clone());
+        Shutdown::new(async move {
+            tokio::select! {
+                reason = engine.failed() => {
+                    let _ = failure.set(reason);
+                }
+                _ = external.wait() => {}
+            }
+        })
+    };
     while !shutdown.is_triggered() {
         while tasks.try_join_next().is_some() {}
         if worker.status.load_failed() {
@@ -348,6 +379,10 @@ pub async fn run(
     worker.status.set(WorkerState::Stopped, "");
     if bus.wait_connected(Duration::ZERO).await {
         let _ = worker.heartbeat().await;
+    }
+    if let Some(reason) = engine_failure.get() {
+        tracing::error!(%reason, "rollout worker stopped: its engine failed");
+        return Err(RolloutError::EngineFailed(reason.clone()));
     }
     tracing::info!("rollout worker stopped");
     Ok(())

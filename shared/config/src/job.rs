@@ -4,9 +4,9 @@
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    ensure, ActorConfig, AgentLoop, AlgorithmConfig, ConfigError, CriticConfig, DeviceSpec, LogFormat, Logger,
-    LogprobsMode, ModelDtype, ModelPreset, OffPolicyStrategy, ResumeMode, RewardConfig, TaskName, ToolCallFormat,
-    ToolName, TrainerMode, TruncateSide, Truncation, WeightTransportKind,
+    ensure, ActorConfig, AgentLoop, AlgorithmConfig, ConfigError, CriticConfig, DeviceSpec, EngineKwargs, LogFormat,
+    Logger, LogprobsMode, ModelDtype, ModelPreset, OffPolicyStrategy, ResumeMode, RewardConfig, RolloutName, TaskName,
+    ToolCallFormat, ToolName, TrainerMode, TruncateSide, Truncation, VllmConfig, WeightTransportKind,
 };
 
 /// A whole job: every service reads the sections it needs from the same file.
@@ -60,6 +60,7 @@ impl JobConfig {
         ensure(self.rollout.n > 0, "rollout.n", "must be > 0")?;
         ensure(self.rollout.temperature >= 0.0, "rollout.temperature", "must be >= 0")?;
         ensure(self.rollout.top_p > 0.0 && self.rollout.top_p <= 1.0, "rollout.top_p", "must be in (0, 1]")?;
+        self.validate_rollout_engine()?;
         ensure(self.actor.optim.lr > 0.0, "actor.optim.lr", "must be > 0")?;
         ensure(self.actor.ppo_epochs > 0, "actor.ppo_epochs", "must be > 0")?;
         ensure(self.actor.clip_ratio_c > 1.0, "actor.clip_ratio_c", "must be > 1 (dual-clip lower bound)")?;
@@ -102,6 +103,29 @@ impl JobConfig {
             "resume_mode resume_path needs a path to a `global_step_<n>` directory",
         )?;
         Ok(())
+    }
+
+    /// The engine keys (`rollout.name` and vLLM's).
+    fn validate_rollout_engine(&self) -> Result<(), ConfigError> {
+        let r = &self.rollout;
+        ensure(
+            r.gpu_memory_utilization > 0.0 && r.gpu_memory_utilization <= 1.0,
+            "rollout.gpu_memory_utilization",
+            format!("must be in (0, 1], got {}", r.gpu_memory_utilization),
+        )?;
+        ensure(r.tensor_model_parallel_size >= 1, "rollout.tensor_model_parallel_size", "must be >= 1")?;
+        ensure(r.max_num_batched_tokens != Some(0), "rollout.max_num_batched_tokens", "must be >= 1")?;
+        r.vllm.validate(&r.engine_kwargs)?;
+        ensure(
+            r.name == RolloutName::Vllm || r.engine_kwargs.vllm.is_empty(),
+            "rollout.engine_kwargs.vllm",
+            "is set, but rollout.name is not vllm",
+        )?;
+        ensure(
+            r.name == RolloutName::Vllm || r.vllm.url.is_none(),
+            "rollout.vllm.url",
+            "is set, but rollout.name is not vllm",
+        )
     }
 
     /// The keys the trainer's mode needs, checked together.
@@ -688,6 +712,8 @@ impl Default for ValKwargs {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RolloutConfig {
+    /// the inference engine (verl's key): `jetrl` (in the worker's process) or `vllm` (a `vllm serve`)
+    pub name: RolloutName,
     pub n: u32,
     pub temperature: f32,
     pub top_p: f32,
@@ -736,6 +762,22 @@ pub struct RolloutConfig {
     pub torch_interop_threads: Option<u32>,
     /// tokio worker threads; null = one per core (`jetrl run` passes 2)
     pub tokio_threads: Option<u32>,
+    /// vLLM: the fraction of each device's memory for weights, activations and KV cache (verl's key)
+    pub gpu_memory_utilization: f64,
+    /// vLLM: devices one server spans with tensor parallelism (the worker's visible devices, this many)
+    pub tensor_model_parallel_size: u32,
+    /// vLLM: tokens one scheduler step processes at most; null = vLLM's default
+    pub max_num_batched_tokens: Option<u32>,
+    /// vLLM: prefill long prompts in chunks between decode steps
+    pub enable_chunked_prefill: bool,
+    /// vLLM: reuse the KV of shared prompt prefixes (a group's n samples share their prompt)
+    pub enable_prefix_caching: bool,
+    /// colocate_async: the engine releases its KV cache while the trainer steps (vLLM sleeps: weights and cache)
+    pub free_cache_engine: bool,
+    /// engine arguments passed through as they are (verl's `engine_kwargs.vllm.*`)
+    pub engine_kwargs: EngineKwargs,
+    /// how the worker reaches vLLM (`rollout.name: vllm`)
+    pub vllm: VllmConfig,
 }
 
 impl RolloutConfig {
@@ -749,6 +791,7 @@ impl RolloutConfig {
 impl Default for RolloutConfig {
     fn default() -> Self {
         Self {
+            name: RolloutName::default(),
             n: 1,
             temperature: 1.0,
             top_p: 1.0,
@@ -775,6 +818,14 @@ impl Default for RolloutConfig {
             torch_threads: None,
             torch_interop_threads: None,
             tokio_threads: None,
+            gpu_memory_utilization: 0.5,
+            tensor_model_parallel_size: 1,
+            max_num_batched_tokens: None,
+            enable_chunked_prefill: true,
+            enable_prefix_caching: true,
+            free_cache_engine: true,
+            engine_kwargs: EngineKwargs::default(),
+            vllm: VllmConfig::default(),
         }
     }
 }

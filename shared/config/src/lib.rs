@@ -16,6 +16,7 @@ mod load;
 mod reward;
 mod values;
 pub mod verl;
+mod vllm;
 
 pub use algo::*;
 pub use job::*;
@@ -23,6 +24,7 @@ pub use load::{from_value, load, load_value, section_overrides, ConfigError};
 pub use reward::*;
 pub use values::*;
 pub use verl::{load_verl, VerlJob};
+pub use vllm::*;
 
 /// Returns `Err(ConfigError::Invalid)` naming `path` unless `ok`.
 pub fn ensure(ok: bool, path: &str, message: impl Into<String>) -> Result<(), ConfigError> {

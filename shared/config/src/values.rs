@@ -414,6 +414,45 @@ config_enum! {
 }
 
 config_enum! {
+    /// `rollout.name`: which inference engine a rollout worker drives.
+    #[derive(Default)]
+    pub enum RolloutName ("rollout.name", accept = RolloutName::accept) {
+        /// jetrl's engine, in the worker's process (tch): the CPU path, exact log-probs, the demo
+        #[default]
+        Jetrl = "jetrl",
+        /// a `vllm serve` the worker starts and supervises (or the one `rollout.vllm.url` names)
+        Vllm = "vllm",
+        /// refused: no SGLang backend is built
+        Sglang = "sglang",
+    }
+}
+
+impl RolloutName {
+    fn accept(self) -> Result<(), String> {
+        match self {
+            RolloutName::Sglang => {
+                Err("`sglang` is not supported: no SGLang backend is built; the engines are jetrl and vllm".into())
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+config_enum! {
+    /// `rollout.vllm.update_mode`: what happens to requests in flight when a new weight version reaches vLLM.
+    #[derive(Default)]
+    pub enum VllmUpdateMode ("rollout.vllm.update_mode") {
+        /// abort them, load, and continue each from the tokens it had (partial rollout, as jetrl's engine does):
+        /// every token's version is exact
+        #[default]
+        Abort = "abort",
+        /// keep them in vLLM across the update (`/pause?mode=keep`, as PipelineRL): they continue under the new
+        /// weights; a trajectory's versions are the span from its first to its last token
+        Keep = "keep",
+    }
+}
+
+config_enum! {
     /// `rollout.agent.default_agent_loop` (and a row's `agent_name`).
     pub enum AgentLoop ("agent loop") {
         /// one generation per session

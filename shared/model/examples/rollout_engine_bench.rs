@@ -7,7 +7,12 @@
 //! rollout_engine_bench run DIR --workload grpo|fixed [--n N] [--new-tokens T] [--reps R] [--threads K]
 //!                          [--device cpu|cuda|cuda:N] [--dtype f32|bf16] [--enforce-eager 1]
 //! rollout_engine_bench check DIR [--n N] [--new-tokens T] [--device D] [--dtype T]    # graph against eager
+//! rollout_engine_bench score DIR --samples FILE                                         # log-probs against f32
 //! ```
+//!
+//! `run --dump FILE` writes the last repetition's samples as JSON lines `{"prompt", "tokens", "logprobs"}` (the
+//! vLLM side, `vllm_generate.py`, writes the same); `score` recomputes every sample's log-probs with the training
+//! forward in float32 and prints the largest and the mean difference (the trainer scoring the rollout's tokens).
 //!
 //! `prepare` writes the `tiny` preset unless SHAPE is given: `--hidden H --layers L --heads A --kv-heads K
 //! --intermediate I --vocab V` (a random-init Qwen2 of that shape, EOS id 2, no tokenizer: the prompts are ids).
@@ -49,6 +54,8 @@ struct Args {
     enforce_eager: bool,
     /// hidden, layers, heads, kv heads, intermediate, vocab (0: the `tiny` preset)
     shape: [i64; 6],
+    /// `run`: where the last repetition's samples go; `score`: the samples to score
+    samples: Option<PathBuf>,
 }
 
 fn parse() -> Result<Args, String> {
@@ -70,6 +77,7 @@ fn parse() -> Result<Args, String> {
         dtype: "f32".into(),
         enforce_eager: false,
         shape: [0; 6],
+        samples: None,
     };
     while let Some(flag) = it.next() {
         let value = it.next().ok_or(format!("{flag} needs a value"))?;
@@ -92,6 +100,7 @@ fn parse() -> Result<Args, String> {
             "--kv-heads" => args.shape[3] = number(&value)? as i64,
             "--intermediate" => args.shape[4] = number(&value)? as i64,
             "--vocab" => args.shape[5] = number(&value)? as i64,
+            "--dump" | "--samples" => args.samples = Some(PathBuf::from(value)),
             other => return Err(format!("unknown option {other}")),
         }
     }
@@ -195,8 +204,10 @@ fn run(args: &Args) -> Result<(), String> {
     let mut engine = Engine::new(model, config).map_err(|e| e.to_string())?;
     let sampling = Sampling { temperature: 1.0, max_tokens: args.new_tokens, ignore_eos, ..Sampling::default() };
     let mut next_id = 0u64;
+    let mut last: Vec<(Vec<u32>, SequenceOutput)> = Vec::new();
     let mut run_once = |max_tokens: usize| -> Result<(usize, f64, u64), String> {
         let started = Instant::now();
+        let first_id = next_id;
         for prompt in &prompts {
             let request = Request::new(prompt.clone(), args.n, Sampling { max_tokens, ..sampling.clone() });
             engine.add_request(next_id, request).map_err(|e| e.to_string())?;
@@ -205,7 +216,10 @@ fn run(args: &Args) -> Result<(), String> {
         let steps_before = engine.stats().steps;
         let outs = engine.run_to_completion().map_err(|e| e.to_string())?;
         let steps = engine.stats().steps - steps_before;
-        Ok((outs.iter().map(|o| o.tokens.len()).sum(), started.elapsed().as_secs_f64(), steps))
+        let tokens = outs.iter().map(|o| o.tokens.len()).sum();
+        let seconds = started.elapsed().as_secs_f64();
+        last = outs.into_iter().map(|o| (prompts[(o.request - first_id) as usize].clone(), o)).collect();
+        Ok((tokens, seconds, steps))
     };
     // warm-up at full length: on CUDA it captures the decode graphs every later run replays
     run_once(args.new_tokens)?;
@@ -217,6 +231,15 @@ fn run(args: &Args) -> Result<(), String> {
         tokens.push(n);
         rates.push(n as f64 / seconds);
         step_ms.push(1000.0 * seconds / steps.max(1) as f64);
+    }
+    if let Some(path) = &args.samples {
+        let lines: Vec<String> = last
+            .iter()
+            .map(|(prompt, o)| {
+                serde_json::json!({"prompt": prompt, "tokens": o.tokens, "logprobs": o.logprobs}).to_string()
+            })
+            .collect();
+        std::fs::write(path, lines.join("\n") + "\n").map_err(|e| format!("{}: {e}", path.display()))?;
     }
     let stats = engine.stats();
     let mut sorted = rates.clone();
@@ -307,6 +330,47 @@ fn check(args: &Args) -> Result<(), String> {
     Ok(())
 }
 
+/// Scores the samples of `--samples` with the training forward in float32: the largest and the mean |difference|
+/// between the rollout's log-probs and the trainer's, over every token.
+fn score(args: &Args) -> Result<(), String> {
+    let path = args.samples.as_ref().ok_or("score needs --samples FILE")?;
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let device = parse_device(&args.device).map_err(|e| e.to_string())?;
+    let model = CausalLm::load(&args.dir, device, DType::F32).map_err(|e| e.to_string())?;
+    let (mut max, mut sum, mut tokens, mut samples) = (0f64, 0f64, 0usize, 0usize);
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let sample: serde_json::Value = serde_json::from_str(line).map_err(|e| format!("{}: {e}", path.display()))?;
+        let ids = |key: &str| -> Vec<u32> {
+            sample[key].as_array().into_iter().flatten().filter_map(|v| v.as_u64()).map(|v| v as u32).collect()
+        };
+        let (prompt, generated) = (ids("prompt"), ids("tokens"));
+        let logprobs: Vec<f64> =
+            sample["logprobs"].as_array().into_iter().flatten().filter_map(|v| v.as_f64()).collect();
+        if generated.is_empty() {
+            continue;
+        }
+        if logprobs.len() != generated.len() {
+            return Err(format!("a sample of {} tokens has {} log-probs", generated.len(), logprobs.len()));
+        }
+        let context: Vec<u32> = prompt.iter().chain(&generated).copied().collect();
+        let recomputed = log_probs_of(&model, &context).map_err(|e| e.to_string())?;
+        let tail = &recomputed[recomputed.len() - generated.len()..];
+        for (x, y) in logprobs.iter().zip(tail) {
+            let diff = (x - f64::from(*y)).abs();
+            max = max.max(diff);
+            sum += diff;
+            tokens += 1;
+        }
+        samples += 1;
+    }
+    println!(
+        "{}",
+        serde_json::json!({"check": "logprobs_vs_trainer_f32", "samples": samples, "tokens": tokens,
+                           "max_logprob_diff": max, "mean_logprob_diff": sum / tokens.max(1) as f64})
+    );
+    Ok(())
+}
+
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
@@ -316,7 +380,8 @@ fn main() -> ExitCode {
         "prepare" => prepare(&args),
         "run" => run(&args),
         "check" => check(&args),
-        other => Err(format!("unknown command {other} (prepare, run, check)")),
+        "score" => score(&args),
+        other => Err(format!("unknown command {other} (prepare, run, check, score)")),
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,

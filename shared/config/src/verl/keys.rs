@@ -9,6 +9,8 @@ use serde_json::Value;
 pub enum Fate {
     /// does what verl's does, as this jetrl key (a null leaves jetrl's default)
     Map(&'static str),
+    /// as this jetrl key when the user sets it; verl's default is not applied (jetrl's default stays)
+    MapSet(&'static str),
     /// as this jetrl key, through a conversion
     Convert(&'static str, Conv),
     /// accepted with these values (verl's default among them); any other is refused, for this reason
@@ -79,9 +81,9 @@ const fn k(verl: &'static str, fate: Fate) -> Key {
     Key { verl, fate }
 }
 
-use Fate::{Convert, Ignore, Jetrl, Map, Only, Rule};
+use Fate::{Convert, Ignore, Jetrl, Map, MapSet, Only, Rule};
 
-const ENGINE: &str = "tunes verl's inference engine (vLLM/SGLang); jetrl's rollout worker runs its own engine";
+const ENGINE: &str = "tunes verl's inference engine; jetrl passes vLLM settings through rollout.engine_kwargs.vllm";
 const FSDP: &str = "tunes FSDP; jetrl's trainer ranks are data parallel with ZeRO-2 sharding (trainer.n_gpus_per_node)";
 const PROFILER: &str = "verl's profiler";
 const RAY: &str = "Ray's resources; jetrl's services are processes that meet over NATS";
@@ -188,7 +190,7 @@ pub static KEYS: &[Key] = &[
     k("actor_rollout_ref.ref.profiler.*", Ignore(PROFILER)),
     k("actor_rollout_ref.ref.*", Ignore("the reference policy runs in jetrl's trainer beside the actor")),
     // actor_rollout_ref.rollout
-    k("actor_rollout_ref.rollout.name", Ignore(ENGINE)),
+    k("actor_rollout_ref.rollout.name", MapSet("rollout.name")),
     k("actor_rollout_ref.rollout.mode", Ignore("jetrl's rollouts are always asynchronous requests to the engine")),
     k("actor_rollout_ref.rollout.temperature", Map("rollout.temperature")),
     k("actor_rollout_ref.rollout.top_k", Map("rollout.top_k")),
@@ -208,20 +210,13 @@ pub static KEYS: &[Key] = &[
     k("actor_rollout_ref.rollout.prompt_length", Ignore("jetrl takes data.max_prompt_length")),
     k("actor_rollout_ref.rollout.response_length", Ignore("jetrl takes data.max_response_length")),
     k("actor_rollout_ref.rollout.dtype", Ignore("the rollout runs in the model's dtype (model.dtype, set by trainer.device)")),
-    k(
-        "actor_rollout_ref.rollout.gpu_memory_utilization",
-        Ignore("jetrl sizes its KV cache by rollout.kv_cache_memory_gb / rollout.kv_cache_tokens"),
-    ),
-    k(
-        "actor_rollout_ref.rollout.tensor_model_parallel_size",
-        Ignore("each jetrl rollout worker holds the whole model on one device (rollout.workers sets how many)"),
-    ),
-    k("actor_rollout_ref.rollout.free_cache_engine", Ignore("jetrl frees the KV cache when colocate_async pauses")),
-    k("actor_rollout_ref.rollout.max_num_batched_tokens", Ignore(ENGINE)),
-    k("actor_rollout_ref.rollout.enable_chunked_prefill", Ignore(ENGINE)),
-    k("actor_rollout_ref.rollout.enable_prefix_caching", Ignore(ENGINE)),
+    k("actor_rollout_ref.rollout.gpu_memory_utilization", MapSet("rollout.gpu_memory_utilization")),
+    k("actor_rollout_ref.rollout.tensor_model_parallel_size", MapSet("rollout.tensor_model_parallel_size")),
+    k("actor_rollout_ref.rollout.free_cache_engine", MapSet("rollout.free_cache_engine")),
+    k("actor_rollout_ref.rollout.max_num_batched_tokens", MapSet("rollout.max_num_batched_tokens")),
+    k("actor_rollout_ref.rollout.enable_chunked_prefill", MapSet("rollout.enable_chunked_prefill")),
+    k("actor_rollout_ref.rollout.enable_prefix_caching", MapSet("rollout.enable_prefix_caching")),
     k("actor_rollout_ref.rollout.load_format", Ignore(ENGINE)),
-    k("actor_rollout_ref.rollout.engine_kwargs.*", Ignore(ENGINE)),
     k("actor_rollout_ref.rollout.cudagraph_capture_sizes", Ignore(ENGINE)),
     k("actor_rollout_ref.rollout.disable_log_stats", Ignore(ENGINE)),
     k("actor_rollout_ref.rollout.update_weights_bucket_megabytes", Ignore("jetrl's weights move in checkpoint.chunk_bytes chunks")),
@@ -467,6 +462,7 @@ pub fn table_markdown() -> String {
     for key in KEYS {
         let (fate, what) = match key.fate {
             Map(to) => ("mapped".to_string(), format!("`{to}`")),
+            MapSet(to) => ("mapped when set".to_string(), format!("`{to}` (verl's default is not applied)")),
             Convert(to, conv) => {
                 let how = match conv {
                     Conv::FileList => "a path or a list of paths, `~` expanded",

@@ -165,6 +165,11 @@ fn translate(
                     out.set(to, &path, value);
                 }
             }
+            Some(Fate::MapSet(to)) => {
+                if set_by_user(user_set, &path) && !value.is_null() {
+                    out.set(to, &path, value);
+                }
+            }
             Some(Fate::Convert(to, conv)) => {
                 let converted = conv.apply(&value).map_err(|message| invalid(&path, message))?;
                 if !converted.is_null() {

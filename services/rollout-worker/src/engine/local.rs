@@ -1,303 +1,72 @@
-//! The engine thread. libtorch stays off the async reactor: [`jetrl_model::Engine`] lives on one dedicated thread
-//! fed by a bounded channel, and steps while it holds work. Between two decode steps the thread takes new
-//! requests (they join the running batch), weight swaps (running sequences continue under the new version),
-//! aborts, and pause / resume; a request whose receiver was dropped (its task was cancelled) is aborted so its
-//! rows free up at once.
-//!
-//! Pause and resume are the co-located worker's half of colocate_async: [`EngineHandle::pause`] aborts every
-//! sequence keeping what it generated (the *prefix*), optionally frees the KV cache so the trainer can use the
-//! memory, and holds new requests; [`EngineHandle::resume`] loads the new weights and resubmits each parked
-//! sequence from its prefix (with its own random stream, so a seeded sequence draws what it would have drawn
-//! uninterrupted). The callers awaiting a [`Generation`] see nothing of it but the version span of their outputs.
+//! jetrl's engine behind the handle: [`jetrl_model::Engine`] on one dedicated thread (libtorch stays off the
+//! async reactor), fed by the handle's bounded channel, stepping while it holds work. Between two decode steps the
+//! thread takes new requests (they join the running batch), weight swaps (running sequences continue under the
+//! new version), aborts, and pause / resume; a request whose receiver was dropped (its task was cancelled) is
+//! aborted so its rows free up at once.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use jetrl_model::engine::Detokenizer;
-use jetrl_model::{
-    CausalLm, DType, Engine, EngineConfig, ModelError, Prefix, Request, RequestId, Sampling, SequenceOutput,
-};
+use jetrl_model::{CausalLm, DType, Engine, Prefix, Request, RequestId, Sampling, SequenceOutput};
+use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TryRecvError;
-use tokio::sync::{mpsc, oneshot};
 
-/// Why the engine could not serve a request. The model's error is kept as the source (shared: one failed step
-/// fails every request it held, each receiver gets the same cause).
-#[derive(Debug, thiserror::Error, Clone)]
-pub enum EngineError {
-    #[error("loading the model from {path}: {source}")]
-    Load {
-        path: PathBuf,
-        #[source]
-        source: Arc<ModelError>,
-    },
-    #[error("starting the engine thread: {0}")]
-    Thread(#[source] Arc<dyn std::error::Error + Send + Sync>),
-    #[error("request refused: {0}")]
-    Request(#[source] Arc<ModelError>),
-    #[error("resuming a sample after a pause: {0}")]
-    Resume(#[source] Arc<ModelError>),
-    #[error("decode step failed: {0}")]
-    Step(#[source] Arc<ModelError>),
-    #[error("weight swap to version {version}: {source}")]
-    Swap {
-        version: u64,
-        #[source]
-        source: Arc<ModelError>,
-    },
-    #[error("pause: {0}")]
-    Pause(#[source] Arc<ModelError>),
-    #[error("the engine thread has stopped")]
-    Stopped,
+use super::{Command, EngineError, EngineSettings, Load, Parked, Results};
+
+/// What a started engine thread reports once its model and KV cache are in place.
+pub(super) struct Ready {
+    pub slots: usize,
+    pub max_model_len: usize,
+    pub kv_bytes: u64,
 }
 
-impl EngineError {
-    /// A stable label for metrics.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            EngineError::Load { .. } => "load",
-            EngineError::Thread(_) => "thread",
-            EngineError::Request(_) => "request",
-            EngineError::Resume(_) => "resume",
-            EngineError::Step(_) => "step",
-            EngineError::Swap { .. } => "swap",
-            EngineError::Pause(_) => "pause",
-            EngineError::Stopped => "stopped",
-        }
-    }
-
-    /// A model that could not be loaded from `path`.
-    pub fn load(path: &std::path::Path, source: ModelError) -> Self {
-        EngineError::Load { path: path.to_path_buf(), source: Arc::new(source) }
-    }
-}
-
-/// Where the model comes from and the engine's budget.
-pub struct EngineSettings {
-    pub model_dir: PathBuf,
-    pub device: jetrl_config::DeviceSpec,
-    pub dtype: jetrl_config::ModelDtype,
-    pub config: EngineConfig,
-    /// For stop strings.
-    pub detokenizer: Option<Detokenizer>,
-    /// the trainer publishes adapters of this spec (`model.lora_rank`): each is merged into the working weights
-    pub lora: Option<jetrl_model::LoraSpec>,
-}
-
-/// The engine's load, published by the engine thread after every step (for heartbeats and admission).
-#[derive(Debug, Default)]
-struct Load {
-    version: AtomicU64,
-    running: AtomicU64,
-    waiting: AtomicU64,
-    /// KV positions in use, in millionths of the capacity
-    kv_usage_ppm: AtomicU64,
-    /// generated tokens per second over the last window, as f64 bits
-    tokens_per_s: AtomicU64,
-    /// microseconds the thread spent with nothing to decode (idle or paused) since it started
-    idle_us: AtomicU64,
-}
-
-/// A snapshot of [`Load`].
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct LoadSnapshot {
-    pub version: u64,
-    pub running: u64,
-    pub waiting: u64,
-    pub kv_usage: f64,
-    pub tokens_per_s: f64,
-    /// seconds without anything to decode since the engine started
-    pub idle_seconds: f64,
-}
-
-/// What a pause did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Parked {
-    /// sequences aborted and kept to be resumed
-    pub sequences: usize,
-    /// tokens their prefixes hold
-    pub tokens: u64,
-}
-
-type Results = mpsc::Sender<Result<SequenceOutput, EngineError>>;
-
-enum Command {
-    Submit { id: RequestId, request: Request, results: Results },
-    Abort { id: RequestId, reply: oneshot::Sender<Vec<SequenceOutput>> },
-    Swap { bytes: bytes::Bytes, version: u64, reply: oneshot::Sender<Result<(), EngineError>> },
-    Pause { free_cache: bool, reply: oneshot::Sender<Result<Parked, EngineError>> },
-    Resume { weights: Option<(bytes::Bytes, u64)>, reply: oneshot::Sender<Result<usize, EngineError>> },
-}
-
-/// Cloneable handle to the engine thread.
-#[derive(Clone)]
-pub struct EngineHandle {
-    tx: mpsc::Sender<Command>,
-    next_id: Arc<AtomicU64>,
+/// Loads the model on a new thread that then serves `rx`; returns once it is ready (or failed).
+pub(super) fn spawn(
+    settings: EngineSettings,
+    rx: mpsc::Receiver<Command>,
     load: Arc<Load>,
-    slots: usize,
-    max_model_len: usize,
-}
-
-/// The outputs of one submitted request, one per sample as each finishes. Dropping it before all arrived aborts
-/// the request's remaining sequences.
-pub struct Generation {
-    id: RequestId,
-    rx: mpsc::Receiver<Result<SequenceOutput, EngineError>>,
-    remaining: usize,
-    handle: EngineHandle,
-}
-
-impl Generation {
-    /// The next finished sample; `None` once all have arrived.
-    pub async fn next(&mut self) -> Option<Result<SequenceOutput, EngineError>> {
-        if self.remaining == 0 {
-            return None;
-        }
-        let item = match self.rx.recv().await {
-            Some(item) => item,
-            None => Err(EngineError::Stopped),
-        };
-        self.remaining = match &item {
-            Ok(_) => self.remaining - 1,
-            Err(_) => 0,
-        };
-        Some(item)
-    }
-
-    /// Stops the request and returns its unfinished samples with what they generated so far
-    /// ([`jetrl_model::Finish::Aborted`]): a prefix to resume from.
-    pub async fn abort(mut self) -> Vec<SequenceOutput> {
-        self.remaining = 0;
-        let (reply, rx) = oneshot::channel();
-        if self.handle.send(Command::Abort { id: self.id, reply }).await.is_err() {
-            return Vec::new();
-        }
-        rx.await.unwrap_or_default()
-    }
-}
-
-impl EngineHandle {
-    /// Loads the model on a new thread and allocates the KV cache; returns once it is ready (or failed).
-    pub fn start(settings: EngineSettings) -> Result<Self, EngineError> {
-        let device =
-            jetrl_model::resolve_device(settings.device).map_err(|e| EngineError::load(&settings.model_dir, e))?;
-        let dtype = DType::from(settings.dtype);
-        let (tx, rx) = mpsc::channel::<Command>(1024);
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let load = Arc::new(Load::default());
-        let thread_load = load.clone();
-        std::thread::Builder::new()
-            .name("rollout-engine".into())
-            .spawn(move || {
-                let EngineSettings { model_dir, config, detokenizer, lora, .. } = settings;
-                let built = CausalLm::load(&model_dir, device, dtype)
-                    .and_then(|model| {
-                        let bytes = Engine::kv_cache_bytes(&model, &config);
-                        let mut engine = Engine::new(model, config)?;
-                        if let Some(spec) = &lora {
-                            let host_bytes = engine.with_lora(spec)?;
-                            tracing::info!(
-                                rank = spec.rank,
-                                host_base_mib = host_bytes >> 20,
-                                "weights arrive as LoRA adapters"
-                            );
-                        }
-                        Ok((engine, bytes))
-                    })
-                    .map_err(|e| EngineError::load(&model_dir, e));
-                match built {
-                    Ok((engine, kv_bytes)) => {
-                        let engine = match detokenizer {
-                            Some(d) => engine.with_detokenizer(d),
-                            None => engine,
-                        };
-                        let _ = ready_tx.send(Ok((engine.slots(), engine.config().max_model_len, kv_bytes)));
-                        EngineThread::new(engine, thread_load).run(rx);
+) -> Result<Ready, EngineError> {
+    let device = jetrl_model::resolve_device(settings.device).map_err(|e| EngineError::load(&settings.model_dir, e))?;
+    let dtype = DType::from(settings.dtype);
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("rollout-engine".into())
+        .spawn(move || {
+            let EngineSettings { model_dir, config, detokenizer, lora, .. } = settings;
+            let built = CausalLm::load(&model_dir, device, dtype)
+                .and_then(|model| {
+                    let bytes = Engine::kv_cache_bytes(&model, &config);
+                    let mut engine = Engine::new(model, config)?;
+                    if let Some(spec) = &lora {
+                        let host_bytes = engine.with_lora(spec)?;
+                        tracing::info!(
+                            rank = spec.rank,
+                            host_base_mib = host_bytes >> 20,
+                            "weights arrive as LoRA adapters"
+                        );
                     }
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
-                    }
+                    Ok((engine, bytes))
+                })
+                .map_err(|e| EngineError::load(&model_dir, e));
+            match built {
+                Ok((engine, kv_bytes)) => {
+                    let engine = match detokenizer {
+                        Some(d) => engine.with_detokenizer(d),
+                        None => engine,
+                    };
+                    let ready = Ready { slots: engine.slots(), max_model_len: engine.config().max_model_len, kv_bytes };
+                    let _ = ready_tx.send(Ok(ready));
+                    EngineThread::new(engine, load).run(rx);
                 }
-            })
-            .map_err(|e| EngineError::Thread(Arc::new(e)))?;
-        let (slots, max_model_len, kv_bytes) = ready_rx.recv().map_err(|_| EngineError::Stopped)??;
-        metrics::gauge!("jetrl_rollout_engine_slots").set(slots as f64);
-        metrics::gauge!("jetrl_rollout_kv_cache_bytes").set(kv_bytes as f64);
-        tracing::info!(slots, max_model_len, kv_cache_mib = kv_bytes >> 20, "rollout engine ready");
-        Ok(Self { tx, next_id: Arc::new(AtomicU64::new(1)), load, slots, max_model_len })
-    }
-
-    /// Submits a request; its samples arrive through the returned [`Generation`] as they finish.
-    pub async fn submit(&self, request: Request) -> Result<Generation, EngineError> {
-        let n = request.n;
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        // n results at most plus one error: sends from the engine thread never block.
-        let (results, rx) = mpsc::channel(n + 1);
-        self.send(Command::Submit { id, request, results }).await?;
-        Ok(Generation { id, rx, remaining: n, handle: self.clone() })
-    }
-
-    /// One sequence (`request.n` must be 1).
-    pub async fn generate_one(&self, request: Request) -> Result<SequenceOutput, EngineError> {
-        let mut generation = self.submit(request).await?;
-        generation.next().await.unwrap_or(Err(EngineError::Stopped))
-    }
-
-    /// Loads a weight blob between two decode steps; running sequences continue under it.
-    pub async fn swap(&self, bytes: bytes::Bytes, version: u64) -> Result<(), EngineError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Command::Swap { bytes, version, reply }).await?;
-        rx.await.map_err(|_| EngineError::Stopped)?
-    }
-
-    /// Aborts every sequence keeping its prefix, frees the KV cache when asked, and holds all requests (new ones
-    /// queue) until [`EngineHandle::resume`].
-    pub async fn pause(&self, free_cache: bool) -> Result<Parked, EngineError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Command::Pause { free_cache, reply }).await?;
-        rx.await.map_err(|_| EngineError::Stopped)?
-    }
-
-    /// Loads `weights` (a blob and its version) if given, then continues every parked sequence from its prefix;
-    /// returns how many were resumed. Resuming an engine that is not paused is a no-op apart from the load.
-    pub async fn resume(&self, weights: Option<(bytes::Bytes, u64)>) -> Result<usize, EngineError> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Command::Resume { weights, reply }).await?;
-        rx.await.map_err(|_| EngineError::Stopped)?
-    }
-
-    /// The weight version new tokens are sampled under.
-    pub fn version(&self) -> u64 {
-        self.load.version.load(Ordering::SeqCst)
-    }
-
-    /// Sequences the engine runs at once.
-    pub fn slots(&self) -> usize {
-        self.slots
-    }
-
-    pub fn max_model_len(&self) -> usize {
-        self.max_model_len
-    }
-
-    pub fn load(&self) -> LoadSnapshot {
-        LoadSnapshot {
-            version: self.load.version.load(Ordering::SeqCst),
-            running: self.load.running.load(Ordering::Relaxed),
-            waiting: self.load.waiting.load(Ordering::Relaxed),
-            kv_usage: self.load.kv_usage_ppm.load(Ordering::Relaxed) as f64 / 1e6,
-            tokens_per_s: f64::from_bits(self.load.tokens_per_s.load(Ordering::Relaxed)),
-            idle_seconds: self.load.idle_us.load(Ordering::Relaxed) as f64 / 1e6,
-        }
-    }
-
-    /// Bounded channel: waits (without blocking the reactor) while the engine thread is behind.
-    async fn send(&self, command: Command) -> Result<(), EngineError> {
-        self.tx.send(command).await.map_err(|_| EngineError::Stopped)
-    }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            }
+        })
+        .map_err(|e| EngineError::Thread(Arc::new(e)))?;
+    ready_rx.recv().map_err(|_| EngineError::Stopped)?
 }
 
 /// A request the thread is serving: where its outputs go, how many are still due, and what it asked for (to
