@@ -123,7 +123,8 @@ fn server_args(
     arg("max-num-seqs", engine.max_num_seqs.to_string());
     arg("gpu-memory-utilization", r.gpu_memory_utilization.to_string());
     arg("tensor-parallel-size", r.tensor_model_parallel_size.to_string());
-    arg("seed", engine.seed.to_string());
+    // vLLM's engine seed is 32 bits (each request brings its own seed besides)
+    arg("seed", (engine.seed & 0xffff_ffff).to_string());
     arg(
         "logprobs-mode",
         match r.logprobs_mode {
@@ -239,6 +240,9 @@ mod tests {
             assert!(args.contains(want), "{want} not in {args}");
         }
         assert!(!args.contains("--enable-lora") && !args.contains("--enable-sleep-mode"), "{args}");
+        // vLLM's engine seed is 32 bits: a worker's 64-bit seed is cut to fit
+        let big = EngineConfig { seed: u64::MAX, ..engine() };
+        assert!(server_args(&cfg, &big, None, false).unwrap().join(" ").contains("--seed 4294967295"));
         let lora = server_args(&cfg, &engine(), Some(8), true).unwrap().join(" ");
         assert!(lora.contains("--enable-lora") && lora.contains("--max-lora-rank 8"), "{lora}");
         assert!(lora.contains("--enable-sleep-mode"), "{lora}");

@@ -136,7 +136,6 @@ async fn vllm_generates_by_token_ids_and_takes_versions_pauses_and_aborts() {
         assert!(diff < 1e-3, "vLLM's log-probs against jetrl's model: max |diff| {diff}");
     }
     assert!(first.windows(2).any(|w| w[0].tokens != w[1].tokens), "four samples drew the same tokens");
-    let greedy_a = all(&engine, Request::new(prompt.clone(), 1, greedy(16))).await.remove(0).tokens;
 
     // a version reaches vLLM without a restart: its label is jetrl's tag, and outputs change with the weights
     engine.swap(blob(&model_b), 1).await.unwrap();
@@ -144,10 +143,19 @@ async fn vllm_generates_by_token_ids_and_takes_versions_pauses_and_aborts() {
         Client::new(&server_url(dir.path()), server_key(dir.path()).as_deref(), Duration::from_secs(30)).unwrap();
     assert_eq!(client.weight_version().await.unwrap().as_deref(), Some("1"));
     assert_eq!(engine.version(), 1);
+    // the same seeded request as the first: the same random draws, from other weights
+    let again = all(&engine, Request::new(prompt.clone(), 4, sampled(12, 3))).await;
+    let changed = again.iter().zip(&first).any(|(x, y)| x.tokens != y.tokens || x.logprobs != y.logprobs);
+    assert!(changed, "the outputs did not change with the weights");
     let after = all(&engine, Request::new(prompt.clone(), 1, greedy(16))).await.remove(0);
-    assert_ne!(after.tokens, greedy_a, "the greedy output did not change with the weights");
     assert_eq!((after.min_version, after.max_version), (1, 1));
     assert_eq!(after.version_runs, vec![(0, 1)]);
+    // every layer took the new weights (the output layer of a tied checkpoint too): the log-probs are model b's
+    let b = CausalLm::load(&model_b, Device::Cpu, DType::F32).unwrap();
+    for out in all(&engine, Request::new(prompt.clone(), 2, sampled(12, 4))).await {
+        let diff = max_diff(&out.logprobs, &jetrl_logprobs(&b, &prompt, &out.tokens));
+        assert!(diff < 1e-3, "after the swap, vLLM's log-probs against model b: max |diff| {diff}");
+    }
 
     // a version change while a sample runs: it continues from its prefix under the new version
     let mut long = engine.submit(Request::new(prompt.clone(), 1, sampled(400, 5))).await.unwrap();

@@ -116,10 +116,29 @@ pub struct VllmSettings {
     pub sleep_mode: bool,
 }
 
+impl VllmSettings {
+    /// The directory a started server loads (an untied copy of a tied checkpoint, see [`weights::serving_dir`]),
+    /// and whether versions carry the output layer.
+    fn prepare(&mut self) -> Result<bool, VllmError> {
+        std::fs::create_dir_all(&self.work_dir)
+            .map_err(|e| VllmError::Weights { version: 0, message: format!("{}: {e}", self.work_dir.display()) })?;
+        match &mut self.launch {
+            Launch::Start(command) => {
+                let (served, untied) = weights::serving_dir(&self.model_dir, &self.work_dir)?;
+                command.model_dir = served;
+                Ok(untied)
+            }
+            // a given server loaded what it loaded: its versions are written as the checkpoint is
+            Launch::Given { .. } => Ok(false),
+        }
+    }
+}
+
 impl EngineHandle {
     /// vLLM: starts (or connects to) the server and the driver task; returns once the server answers.
-    pub async fn start_vllm(settings: VllmSettings) -> Result<Self, EngineError> {
+    pub async fn start_vllm(mut settings: VllmSettings) -> Result<Self, EngineError> {
         let failure = Failure::default();
+        let untied = settings.prepare()?;
         let (client, server) = match settings.launch {
             Launch::Start(ref command) => {
                 let server = Server::start(command.clone(), failure.clone()).await?;
@@ -140,15 +159,13 @@ impl EngineHandle {
         };
         // the server's label before any version is loaded: the checkpoint's weights are version 0
         client.set_weight_version(0).await?;
-        std::fs::create_dir_all(&settings.work_dir)
-            .map_err(|e| VllmError::Weights { version: 0, message: format!("{}: {e}", settings.work_dir.display()) })?;
         let (tx, rx) = mpsc::channel::<Command>(1024);
         let load = Arc::new(Load::default());
         let slots = settings.max_num_seqs;
         let max_model_len = settings.max_model_len;
         metrics::gauge!("jetrl_rollout_engine_slots").set(slots as f64);
         tracing::info!(url = %client.url, slots, max_model_len, update_mode = %settings.update_mode, "rollout engine ready: vLLM");
-        let driver = Driver::new(settings, client, server, load.clone());
+        let driver = Driver::new(settings, client, server, load.clone(), untied);
         tokio::spawn(driver.run(rx));
         Ok(EngineHandle::new(tx, load, slots, max_model_len, failure))
     }
@@ -227,10 +244,12 @@ struct Driver {
     /// tokens delivered, for the load's tokens/s
     window: (Instant, u64),
     instance: String,
+    /// the served model has an output layer of its own that versions carry ([`weights::serving_dir`])
+    untied: bool,
 }
 
 impl Driver {
-    fn new(settings: VllmSettings, client: Client, server: Option<Server>, load: Arc<Load>) -> Self {
+    fn new(settings: VllmSettings, client: Client, server: Option<Server>, load: Arc<Load>, untied: bool) -> Self {
         let (done_tx, done_rx) = mpsc::channel(settings.max_num_seqs.max(1) * 2 + 16);
         let instance = uuid::Uuid::new_v4().simple().to_string()[..8].to_string();
         Self {
@@ -252,6 +271,7 @@ impl Driver {
             sleep_refused: false,
             window: (Instant::now(), 0),
             instance,
+            untied,
         }
     }
 
@@ -545,8 +565,9 @@ impl Driver {
         let work_dir = self.settings.work_dir.clone();
         let lora = self.settings.lora.clone();
         let model_dir = self.settings.model_dir.clone();
+        let untied = self.untied;
         let dir = tokio::task::spawn_blocking(move || {
-            weights::write_version(&work_dir, &model_dir, lora.as_ref(), &bytes, version)
+            weights::write_version(&work_dir, &model_dir, lora.as_ref(), untied, &bytes, version)
         })
         .await
         .map_err(|e| VllmError::Weights { version, message: e.to_string() })??;

@@ -3,6 +3,13 @@
 //! adapter directory (`adapter_config.json` and `adapter_model.safetensors` with PEFT's key prefix) for
 //! `/v1/load_lora_adapter`. The blob's tensor data is written as it came; only a LoRA blob's header is rewritten
 //! (its names).
+//!
+//! A checkpoint whose output layer is tied to its embeddings is served untied ([`serving_dir`]): vLLM's CPU backend
+//! packs the output layer's weight for its GEMM kernel when the model loads, and an in-place reload of a tied model
+//! updates the embeddings but never repacks that copy, so every version after the first would sample from the
+//! first version's output layer. The served directory says `tie_word_embeddings: false` and carries
+//! `lm_head.weight` (the embeddings' values) in a file of its own, and so does every version written for it: the
+//! same numbers, each layer reloaded.
 
 use std::path::{Path, PathBuf};
 
@@ -17,11 +24,104 @@ const PEFT_PREFIX: &str = "base_model.model.";
 /// Versions kept on disk (the newest ones): a reload in flight never loses its files.
 const KEEP: u64 = 2;
 
-/// Writes `blob` as version `version` under `work_dir`; returns the directory vLLM is to load.
+/// The embeddings' tensor name in HF checkpoints, and the output layer's.
+const EMBEDDINGS: &str = "model.embed_tokens.weight";
+const LM_HEAD: &str = "lm_head.weight";
+/// The file that carries the untied output layer.
+const LM_HEAD_FILE: &str = "lm_head.safetensors";
+
+/// The directory vLLM serves: `model_dir` itself, or (tied embeddings) `work_dir/base`, the checkpoint's files
+/// linked, its config untied and the output layer written out. Returns it and whether versions must carry the
+/// output layer too.
+pub fn serving_dir(model_dir: &Path, work_dir: &Path) -> Result<(PathBuf, bool), VllmError> {
+    let fail = |message: String| VllmError::Weights { version: 0, message };
+    let config_path = model_dir.join("config.json");
+    let text = std::fs::read_to_string(&config_path).map_err(|e| fail(format!("{}: {e}", config_path.display())))?;
+    let mut config: Value = serde_json::from_str(&text).map_err(|e| fail(format!("{}: {e}", config_path.display())))?;
+    if config.get("tie_word_embeddings").and_then(Value::as_bool) != Some(true) {
+        return Ok((model_dir.to_path_buf(), false));
+    }
+    let base = work_dir.join("base");
+    if base.exists() {
+        std::fs::remove_dir_all(&base).map_err(|e| fail(format!("{}: {e}", base.display())))?;
+    }
+    std::fs::create_dir_all(&base).map_err(|e| fail(format!("{}: {e}", base.display())))?;
+    let model_dir = std::fs::canonicalize(model_dir).map_err(|e| fail(format!("{}: {e}", model_dir.display())))?;
+    let index_name = "model.safetensors.index.json";
+    let entries = std::fs::read_dir(&model_dir).map_err(|e| fail(format!("{}: {e}", model_dir.display())))?;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if name == "config.json" || name == index_name {
+            continue;
+        }
+        std::os::unix::fs::symlink(entry.path(), base.join(&name))
+            .map_err(|e| fail(format!("linking {}: {e}", entry.path().display())))?;
+    }
+    config["tie_word_embeddings"] = Value::Bool(false);
+    let text = serde_json::to_vec_pretty(&config).map_err(|e| fail(e.to_string()))?;
+    std::fs::write(base.join("config.json"), text).map_err(|e| fail(format!("config.json: {e}")))?;
+    // the file that holds the embeddings: the index names it, else model.safetensors
+    let index_path = model_dir.join(index_name);
+    let shard = if index_path.exists() {
+        let text = std::fs::read_to_string(&index_path).map_err(|e| fail(format!("{}: {e}", index_path.display())))?;
+        let mut index: Value =
+            serde_json::from_str(&text).map_err(|e| fail(format!("{}: {e}", index_path.display())))?;
+        let shard = index["weight_map"][EMBEDDINGS]
+            .as_str()
+            .ok_or_else(|| fail(format!("{}: no {EMBEDDINGS}", index_path.display())))?
+            .to_string();
+        index["weight_map"][LM_HEAD] = Value::String(LM_HEAD_FILE.into());
+        let text = serde_json::to_vec_pretty(&index).map_err(|e| fail(e.to_string()))?;
+        std::fs::write(base.join(index_name), text).map_err(|e| fail(format!("{index_name}: {e}")))?;
+        shard
+    } else {
+        "model.safetensors".to_string()
+    };
+    let shard_path = model_dir.join(&shard);
+    let bytes = std::fs::read(&shard_path).map_err(|e| fail(format!("{}: {e}", shard_path.display())))?;
+    let head = lm_head_file(&bytes).map_err(|m| fail(format!("{}: {m}", shard_path.display())))?;
+    std::fs::write(base.join(LM_HEAD_FILE), head).map_err(|e| fail(format!("{LM_HEAD_FILE}: {e}")))?;
+    Ok((base, true))
+}
+
+/// A safetensors file holding one tensor, `lm_head.weight`: the embeddings of `blob`, bytes as they are.
+fn lm_head_file(blob: &[u8]) -> Result<Vec<u8>, String> {
+    let (header, data) = split(blob)?;
+    let info = header.get(EMBEDDINGS).ok_or(format!("no {EMBEDDINGS}"))?;
+    let offsets: Vec<usize> = info["data_offsets"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|v| v.as_u64()).map(|v| v as usize).collect())
+        .unwrap_or_default();
+    let [start, end] = offsets[..] else { return Err(format!("{EMBEDDINGS}: no data offsets")) };
+    let bytes = data.get(start..end).ok_or(format!("{EMBEDDINGS}: offsets past the data"))?;
+    let mut entry = info.clone();
+    entry["data_offsets"] = json!([0, bytes.len()]);
+    let mut head = Map::new();
+    head.insert(LM_HEAD.to_string(), entry);
+    Ok(with_header(head, bytes))
+}
+
+/// A safetensors file of `header` (offsets into `data`) and `data`.
+fn with_header(header: Map<String, Value>, data: &[u8]) -> Vec<u8> {
+    let mut head = serde_json::to_vec(&Value::Object(header)).unwrap_or_default();
+    // safetensors pads its header with spaces to a multiple of 8 bytes
+    while !head.len().is_multiple_of(8) {
+        head.push(b' ');
+    }
+    let mut out = Vec::with_capacity(8 + head.len() + data.len());
+    out.extend_from_slice(&(head.len() as u64).to_le_bytes());
+    out.extend_from_slice(&head);
+    out.extend_from_slice(data);
+    out
+}
+
+/// Writes `blob` as version `version` under `work_dir`; returns the directory vLLM is to load. `untied`: the
+/// served model has its own output layer, written from the blob's embeddings.
 pub fn write_version(
     work_dir: &Path,
     model_dir: &Path,
     lora: Option<&LoraSpec>,
+    untied: bool,
     blob: &[u8],
     version: u64,
 ) -> Result<PathBuf, VllmError> {
@@ -40,7 +140,15 @@ pub fn write_version(
             write("model.safetensors", blob)?;
             let config = model_dir.join("config.json");
             let text = std::fs::read(&config).map_err(|e| fail(format!("{}: {e}", config.display())))?;
-            write("config.json", &text)?;
+            if untied {
+                let mut parsed: Value =
+                    serde_json::from_slice(&text).map_err(|e| fail(format!("{}: {e}", config.display())))?;
+                parsed["tie_word_embeddings"] = Value::Bool(false);
+                write("config.json", &serde_json::to_vec_pretty(&parsed).map_err(|e| fail(e.to_string()))?)?;
+                write(LM_HEAD_FILE, &lm_head_file(blob).map_err(fail)?)?;
+            } else {
+                write("config.json", &text)?;
+            }
         }
         Some(spec) => {
             let (renamed, modules) = peft_names(blob).map_err(fail)?;
@@ -90,16 +198,7 @@ fn peft_names(blob: &[u8]) -> Result<(Vec<u8>, Vec<String>), String> {
         renamed.insert(format!("{PEFT_PREFIX}{name}"), info);
     }
     modules.sort();
-    let mut header = serde_json::to_vec(&Value::Object(renamed)).map_err(|e| e.to_string())?;
-    // safetensors pads its header with spaces to a multiple of 8 bytes
-    while !header.len().is_multiple_of(8) {
-        header.push(b' ');
-    }
-    let mut out = Vec::with_capacity(8 + header.len() + data.len());
-    out.extend_from_slice(&(header.len() as u64).to_le_bytes());
-    out.extend_from_slice(&header);
-    out.extend_from_slice(data);
-    Ok((out, modules))
+    Ok((with_header(renamed, data), modules))
 }
 
 /// A safetensors blob's header (name → dtype, shape, offsets) and its data.
@@ -178,12 +277,39 @@ mod tests {
     }
 
     #[test]
+    fn a_tied_model_is_served_untied_and_its_versions_carry_the_output_layer() {
+        let work = tempfile::tempdir().unwrap();
+        let model = tempfile::tempdir().unwrap();
+        let weights = blob(&["model.embed_tokens.weight", "model.norm.weight"]);
+        std::fs::write(model.path().join("model.safetensors"), &weights).unwrap();
+        std::fs::write(model.path().join("tokenizer.json"), "{}").unwrap();
+        std::fs::write(model.path().join("config.json"), r#"{"tie_word_embeddings": true, "vocab_size": 1}"#).unwrap();
+        let (served, untied) = serving_dir(model.path(), work.path()).unwrap();
+        assert!(untied);
+        let config: Value =
+            serde_json::from_str(&std::fs::read_to_string(served.join("config.json")).unwrap()).unwrap();
+        assert_eq!(config["tie_word_embeddings"], json!(false));
+        assert_eq!(config["vocab_size"], json!(1));
+        assert!(served.join("tokenizer.json").exists() && served.join("model.safetensors").exists());
+        let head = std::fs::read(served.join(LM_HEAD_FILE)).unwrap();
+        let (header, data) = split(&head).unwrap();
+        assert_eq!(header.keys().collect::<Vec<_>>(), vec!["lm_head.weight"]);
+        // the embeddings' bytes (the first tensor of the blob: 0.0f32)
+        assert_eq!(data, &0f32.to_le_bytes());
+        let version = write_version(work.path(), model.path(), None, true, &weights, 1).unwrap();
+        assert_eq!(std::fs::read(version.join(LM_HEAD_FILE)).unwrap(), head);
+        // an untied checkpoint is served as it is
+        std::fs::write(model.path().join("config.json"), r#"{"tie_word_embeddings": false}"#).unwrap();
+        assert_eq!(serving_dir(model.path(), work.path()).unwrap(), (model.path().to_path_buf(), false));
+    }
+
+    #[test]
     fn versions_are_written_and_old_ones_pruned() {
         let dir = tempfile::tempdir().unwrap();
         let model = tempfile::tempdir().unwrap();
         std::fs::write(model.path().join("config.json"), "{}").unwrap();
         for v in 1..=4 {
-            let out = write_version(dir.path(), model.path(), None, &blob(&["w"]), v).unwrap();
+            let out = write_version(dir.path(), model.path(), None, false, &blob(&["w"]), v).unwrap();
             assert!(out.join("model.safetensors").exists() && out.join("config.json").exists());
             prune(dir.path(), v);
         }
