@@ -24,6 +24,14 @@ if [ ! -e .venv/libtorch ] && command -v cargo >/dev/null 2>&1; then
     trap 'kill -TERM -- "-$warm" 2>/dev/null || true' EXIT
   fi
 fi
+# The suite's vLLM tests need vLLM in a venv of its own (.venv-vllm): installed beside the main setup, waited for
+# before the tests run. Its log is target/setup-vllm.log.
+vllm_setup=""
+if [ "${1:-demo}" = test ]; then
+  mkdir -p target
+  scripts/setup-vllm.sh >target/setup-vllm.log 2>&1 &
+  vllm_setup=$!
+fi
 case "${1:-demo}" in
   test) scripts/setup.sh transformers peft wandb mlflow-server datasets ;;
   bench) scripts/setup.sh transformers peft ;;
@@ -35,6 +43,11 @@ if [ -n "$warm" ]; then
   kill -TERM -- "-$warm" 2>/dev/null || true
   wait "$warm" 2>/dev/null || true
   trap - EXIT
+fi
+if [ -n "$vllm_setup" ] && ! wait "$vllm_setup"; then
+  cat target/setup-vllm.log >&2
+  echo "dev.sh: installing vLLM (scripts/setup-vllm.sh) failed" >&2
+  exit 1
 fi
 export PATH="$PWD/.venv/bin:$PATH"
 # From a clean clone, incremental compilation only writes caches (2 GB of a 7 GB build) that nothing reads

@@ -114,6 +114,9 @@ fn the_demo_learns_on_vllm_in_sync_and_separate_async_through_a_killed_server() 
         assert_eq!(m["training/off_policy/trajectory_staleness/max"].as_f64(), Some(0.0), "sync off-policy: {m}");
     }
     // the trainer scored vLLM's tokens: the log-prob gap between vLLM and the trainer is measured every step
+    let is_mean: Vec<f64> = rows.iter().filter_map(|m| m["rollout_corr/rollout_is_mean"].as_f64()).collect();
+    assert_eq!(is_mean.len(), steps, "rollout_corr/rollout_is_mean every step");
+    assert!(is_mean.iter().all(|w| (w - 1.0).abs() < 0.05), "on-policy IS weights far from 1: {is_mean:?}");
     let gap: Vec<f64> = rows.iter().filter_map(|m| m["training/rollout_probs_diff_max"].as_f64()).collect();
     assert_eq!(gap.len(), steps, "training/rollout_probs_diff_max every step");
     assert!(gap.iter().all(|g| g.is_finite() && *g < 0.05), "vLLM against the trainer, max |Δp| per step: {gap:?}");

@@ -32,6 +32,9 @@ use super::{Command, EngineError, EngineHandle, Failure, Load, Parked, Results};
 use client::{Client, GenerateRequest, Sample, SamplingParams};
 use server::{Server, ServerCommand};
 
+/// How often an abort is sent again for calls that have not come back (see [`Driver::collect`]).
+const ABORT_RESEND: Duration = Duration::from_secs(1);
+
 /// Why vLLM could not serve. Each variant names the stage that failed.
 #[derive(Debug, thiserror::Error)]
 pub enum VllmError {
@@ -527,12 +530,24 @@ impl Driver {
         out
     }
 
-    /// Waits until no call matching `which` is in flight (each comes back, finished or aborted), bounded.
+    /// Waits until no call matching `which` is in flight (each comes back, finished or aborted), bounded. A call
+    /// whose request reached vLLM only after the abort (it was on the wire) waits in vLLM's queue, not aborted: the
+    /// abort is sent again, by id, every second for the calls still out.
     async fn collect(&mut self, which: impl Fn(&Call) -> bool) {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        let mut resend = tokio::time::Instant::now() + ABORT_RESEND;
         while self.running.values().any(&which) {
             tokio::select! {
                 Some(done) = self.done_rx.recv() => self.finished(done),
+                _ = tokio::time::sleep_until(resend) => {
+                    let left: Vec<String> =
+                        self.running.iter().filter(|(_, c)| which(c)).map(|(id, _)| id.clone()).collect();
+                    tracing::debug!(left = left.len(), "aborting again the calls still out");
+                    if let Err(err) = self.client.abort(&left).await {
+                        tracing::warn!(error = %err, "aborting vLLM requests failed");
+                    }
+                    resend = tokio::time::Instant::now() + ABORT_RESEND;
+                }
                 _ = tokio::time::sleep_until(deadline) => {
                     let owners: Vec<RequestId> = self.running.values().filter(|c| which(c)).map(|c| c.owner).collect();
                     tracing::error!(left = owners.len(), "vLLM did not answer aborted requests within 60 s; failing them");
