@@ -105,15 +105,17 @@ fn the_demo_learns_on_vllm_in_sync_and_separate_async_through_a_killed_server() 
     let mut overrides = vllm_overrides(dir.path());
     overrides.push(format!("trainer.total_training_steps={steps}"));
 
+    // sync corrects with token-level truncated importance sampling against vLLM's log-probs (TIS)
+    let sync_overrides = ["trainer.mode=sync".to_string(), "algorithm.rollout_correction.rollout_is=token".into()];
     let (sync_dir, _) =
-        run("demo.yaml", dir.path(), "vllm-sync", &[&overrides[..], &["trainer.mode=sync".into()]].concat(), |_| {});
+        run("demo.yaml", dir.path(), "vllm-sync", &[&overrides[..], &sync_overrides[..]].concat(), |_| {});
     let sync = scores(&sync_dir);
     assert_eq!(sync.len(), steps, "one metrics line per step");
     let rows = jetrl_tests::run_metrics(&sync_dir);
     for m in rows.iter().filter(|m| m.get("critic/score/mean").is_some()) {
         assert_eq!(m["training/off_policy/trajectory_staleness/max"].as_f64(), Some(0.0), "sync off-policy: {m}");
     }
-    // the trainer scored vLLM's tokens: the log-prob gap between vLLM and the trainer is measured every step
+    // TIS ran on vLLM's log-probs (on-policy: weights 1), and the trainer measured vLLM's gap at every step
     let is_mean: Vec<f64> = rows.iter().filter_map(|m| m["rollout_corr/rollout_is_mean"].as_f64()).collect();
     assert_eq!(is_mean.len(), steps, "rollout_corr/rollout_is_mean every step");
     assert!(is_mean.iter().all(|w| (w - 1.0).abs() < 0.05), "on-policy IS weights far from 1: {is_mean:?}");
@@ -177,10 +179,12 @@ fn the_lora_demo_on_vllm_in_colocate_async_moves_only_adapters() {
     );
     assert!(worker_log.contains("cannot sleep"), "the worker did not say that vLLM's CPU backend keeps its memory");
     let weights = run_dir.join("vllm-weights");
+    // the version directories (`v<N>`; `base` is the untied checkpoint the server started from)
     let versions: Vec<PathBuf> = std::fs::read_dir(&weights)
         .unwrap()
         .flatten()
         .flat_map(|worker| std::fs::read_dir(worker.path()).unwrap().flatten().map(|v| v.path()))
+        .filter(|v| v.file_name().is_some_and(|n| n.to_string_lossy().starts_with('v')))
         .collect();
     assert!(!versions.is_empty(), "no version written under {}", weights.display());
     let model_bytes = std::fs::metadata(dir.path().join("model/model.safetensors")).unwrap().len();

@@ -196,6 +196,23 @@ async fn vllm_generates_by_token_ids_and_takes_versions_pauses_and_aborts() {
     }
     // and the engine still serves
     assert_eq!(all(&engine, Request::new(prompt.clone(), 1, greedy(4))).await.len(), 1);
+
+    // the same server given by URL and driven in keep mode: a request in flight stays in vLLM across the update,
+    // and vLLM's weight-version spans say which version sampled which tokens
+    let given = Launch::Given { url: server_url(dir.path()), api_key: server_key(dir.path()) };
+    let keep = EngineHandle::start_vllm(settings(given, &model_a, &dir.path().join("work-keep"), VllmUpdateMode::Keep))
+        .await
+        .unwrap();
+    let mut kept = keep.submit(Request::new(prompt.clone(), 1, sampled(400, 13))).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    keep.swap(blob(&model_a), 7).await.unwrap();
+    let out = kept.next().await.unwrap().unwrap();
+    assert_eq!(out.tokens.len(), 400);
+    assert_eq!(out.version_runs.len(), 2, "{:?}", out.version_runs);
+    assert_eq!((out.version_runs[0].1, out.version_runs[1].1), (0, 7), "{:?}", out.version_runs);
+    let switch = out.version_runs[1].0 as usize;
+    // (the tokens after the switch attend to keys the old weights computed: PipelineRL's in-flight update)
+    assert!(switch > 0 && switch < 400, "{:?}", out.version_runs);
 }
 
 /// The started server's address and key, from its log's first line (written by the worker).

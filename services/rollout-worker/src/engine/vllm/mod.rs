@@ -121,19 +121,16 @@ pub struct VllmSettings {
 
 impl VllmSettings {
     /// The directory a started server loads (an untied copy of a tied checkpoint, see [`weights::serving_dir`]),
-    /// and whether versions carry the output layer.
+    /// and whether versions carry the output layer: whenever the checkpoint ties it (a server that serves the
+    /// tied model skips `lm_head.weight`; an untied one needs it).
     fn prepare(&mut self) -> Result<bool, VllmError> {
         std::fs::create_dir_all(&self.work_dir)
             .map_err(|e| VllmError::Weights { version: 0, message: format!("{}: {e}", self.work_dir.display()) })?;
-        match &mut self.launch {
-            Launch::Start(command) => {
-                let (served, untied) = weights::serving_dir(&self.model_dir, &self.work_dir)?;
-                command.model_dir = served;
-                Ok(untied)
-            }
-            // a given server loaded what it loaded: its versions are written as the checkpoint is
-            Launch::Given { .. } => Ok(false),
+        let (served, ties) = weights::serving_dir(&self.model_dir, &self.work_dir)?;
+        if let Launch::Start(command) = &mut self.launch {
+            command.model_dir = served;
         }
+        Ok(ties)
     }
 }
 
