@@ -78,9 +78,15 @@ impl VllmError {
         }
     }
 
-    /// Whether the server could not be reached at all (as opposed to answering with an error).
-    fn unreachable(&self) -> bool {
-        matches!(self, VllmError::Http { .. } | VllmError::Timeout { .. })
+    /// Whether the failure is the server's state rather than the request's: unreachable, too slow, or a server
+    /// error (5xx: a dead engine core answers 500 before the server exits). The group goes back for redelivery;
+    /// a request the server refused (4xx) fails its group with the server's reason.
+    fn transient(&self) -> bool {
+        match self {
+            VllmError::Http { .. } | VllmError::Timeout { .. } => true,
+            VllmError::Status { status, .. } => *status >= 500,
+            _ => false,
+        }
     }
 }
 
@@ -421,7 +427,7 @@ impl Driver {
             Err(err) => {
                 metrics::counter!("jetrl_rollout_engine_errors_total", "stage" => "vllm_generate").increment(1);
                 tracing::warn!(request = call.owner, error = %err, "vLLM generate failed");
-                let error = if err.unreachable() { EngineError::Stopped } else { EngineError::from(err) };
+                let error = if err.transient() { EngineError::Stopped } else { EngineError::from(err) };
                 self.fail_request(call.owner, error);
             }
         }
@@ -766,6 +772,15 @@ mod tests {
         let joined = join(&joined, sample(&[6], &[(0, 2)], Finish::Length), 2);
         assert_eq!(joined.version_runs, vec![(0, 2)]);
         assert_eq!(span(&[], 3), (3, 3));
+    }
+
+    #[test]
+    fn server_errors_go_back_for_redelivery_and_refusals_fail_the_group() {
+        let status = |status| VllmError::Status { path: "/g".into(), status, message: String::new() };
+        assert!(status(500).transient() && status(503).transient());
+        assert!(!status(400).transient() && !status(404).transient());
+        assert!(VllmError::Timeout { path: "/g".into(), after: Duration::from_secs(1) }.transient());
+        assert!(!VllmError::Malformed("x".into()).transient());
     }
 
     #[test]

@@ -90,6 +90,8 @@ impl Server {
             .env("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
             // the model is a local directory: never a hub lookup
             .env("HF_HUB_OFFLINE", "1")
+            // the worker's library path may name the libtorch it links: vLLM loads its own
+            .env_remove("LD_LIBRARY_PATH")
             // the key travels in the environment (vLLM reads VLLM_API_KEY), not on the command line `ps` shows
             .env("VLLM_API_KEY", &api_key)
             .stdin(Stdio::null());
