@@ -212,3 +212,40 @@ fn a_refused_verl_key_fails_before_anything_starts() {
     assert_eq!(shown["actor"]["ppo_mini_batch_size"].as_u64(), Some(256), "verl's default:\n{output}");
     assert_eq!(shown["actor"]["ppo_max_token_len"].as_u64(), Some(4 * 1024), "4 × (512 + 512):\n{output}");
 }
+
+/// verl's default `trainer.device=cuda` (and jetrl's `model.device=cuda`) on a machine without a GPU (here: none
+/// made visible to libtorch) is refused before anything starts, naming the key the user wrote and the fix, instead
+/// of crash-looping every trainer rank and rollout worker.
+#[test]
+fn cuda_without_a_gpu_is_refused_before_anything_starts() {
+    let dir = test_dir("verl-no-gpu");
+    let run_dir = dir.path().join("run");
+    let verl = vec![
+        "run".to_string(),
+        "--verl".into(),
+        "algorithm.adv_estimator=grpo".into(),
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4".into(),
+        format!("+run.dir={}", run_dir.display()),
+    ];
+    let demo = vec![
+        "run".to_string(),
+        repo().join("configs/demo.yaml").display().to_string(),
+        "model.device=cuda".into(),
+        format!("run.dir={}", run_dir.display()),
+    ];
+    for (args, expected) in
+        [(verl, ["trainer.device=cuda", "trainer.device=cpu"]), (demo, ["model.device=cuda:0", "model.device=cpu"])]
+    {
+        let out = std::process::Command::new(jetrl_tests::bin("jetrl"))
+            .args(&args)
+            .env("CUDA_VISIBLE_DEVICES", "")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+        assert!(!out.status.success(), "{args:?} ran:\n{text}");
+        for needed in expected {
+            assert!(text.contains(needed), "{args:?}: {needed} not in\n{text}");
+        }
+        assert!(!run_dir.exists(), "{args:?} created {}", run_dir.display());
+    }
+}

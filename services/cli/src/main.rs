@@ -2,8 +2,10 @@
 
 mod broker;
 mod embedded;
+mod layout;
 mod ledger;
 mod liveness;
+mod preflight;
 mod run;
 mod status;
 mod supervisor;
@@ -134,23 +136,27 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Run { job, nats_url, quiet } => {
             let job = job.resolve()?;
-            let (config, overrides) = match job.verl_translation()? {
-                Some((translated, ignored)) => {
+            let (config, overrides, placement) = match job.verl_translation()? {
+                Some((translated, ignored, placement)) => {
                     if let Some(line) = ignored {
                         eprintln!("{line}");
                     }
-                    (translated, Vec::new())
+                    (translated, Vec::new(), placement)
                 }
-                None => (job.file.context("jetrl run needs a job file (or --verl)")?, job.overrides),
+                None => (
+                    job.file.context("jetrl run needs a job file (or --verl)")?,
+                    job.overrides,
+                    layout::Placement::Auto,
+                ),
             };
             let runtime = tokio::runtime::Runtime::new()?;
-            let code = runtime.block_on(run::run(&config, overrides, nats_url, quiet))?;
+            let code = runtime.block_on(run::run(&config, overrides, nats_url, quiet, placement))?;
             std::process::exit(code);
         }
         Command::Config { command: ConfigCommand::Show { job } } => {
             let job = job.resolve()?;
             let cfg = if job.verl {
-                let translated = jetrl_config::load_verl(job.file.as_deref(), &job.overrides)?;
+                let translated = jetrl_config::load_verl(job.file.as_deref(), &job.overrides)?.with_hybrid_workers()?;
                 if let Some(line) = translated.ignored_line() {
                     eprintln!("{line}");
                 }
@@ -241,18 +247,26 @@ impl JobArgs {
 
 impl Job {
     /// With --verl: the job translated into jetrl's tree, written to `<run.dir>/verl_job.yaml` (after its checks
-    /// pass), and the line saying what was ignored.
-    fn verl_translation(&self) -> anyhow::Result<Option<(PathBuf, Option<String>)>> {
+    /// pass), the line saying what was ignored, and where verl's keys put the rollout workers: on GPUs of their own
+    /// with the fully-async recipe's `rollout.n_gpus_per_node`, else on the trainer's GPUs (verl's hybrid engine:
+    /// `trainer.n_gpus_per_node` GPUs that train and roll out, one worker on each unless the job says how many).
+    fn verl_translation(&self) -> anyhow::Result<Option<(PathBuf, Option<String>, layout::Placement)>> {
         if !self.verl {
             return Ok(None);
         }
-        let job = jetrl_config::load_verl(self.file.as_deref(), &self.overrides)?;
+        let job = jetrl_config::load_verl(self.file.as_deref(), &self.overrides)?.with_hybrid_workers()?;
+        let placement = match job.rollout_gpus() {
+            jetrl_config::verl::layout::RolloutGpus::Apart => layout::Placement::Separate,
+            jetrl_config::verl::layout::RolloutGpus::Shared => layout::Placement::Colocated,
+        };
         let cfg = job.typed()?;
+        preflight::check_devices(&cfg, preflight::visible_cuda_devices(), preflight::Spelling::Verl)
+            .map_err(anyhow::Error::msg)?;
         let dir = PathBuf::from(&cfg.run.dir);
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         let path = dir.join("verl_job.yaml");
         std::fs::write(&path, serde_yaml::to_string(&job.value)?)
             .with_context(|| format!("writing {}", path.display()))?;
-        Ok(Some((path, job.ignored_line())))
+        Ok(Some((path, job.ignored_line(), placement)))
     }
 }

@@ -13,7 +13,9 @@ use serde_json::json;
 
 use crate::broker;
 use crate::embedded;
+use crate::layout;
 use crate::liveness::Liveness;
+use crate::preflight;
 use crate::supervisor::{self, Event, RestartHistory, RestartPolicy, ServiceSpec, Supervisor, Verdict};
 use crate::threads;
 
@@ -23,6 +25,7 @@ pub async fn run(
     mut overrides: Vec<String>,
     nats_url: Option<String>,
     quiet: bool,
+    placement: layout::Placement,
 ) -> anyhow::Result<i32> {
     let started = Instant::now();
     // colocate_async pairs the trainer with one worker on its device: name it, unless the job does.
@@ -38,6 +41,9 @@ pub async fn run(
         "rollout.workers is {} but colocate_async runs exactly one rollout worker, on the trainer's device",
         cfg.rollout.workers
     );
+    let visible = preflight::visible_cuda_devices();
+    preflight::check_devices(&cfg, visible, preflight::Spelling::Jetrl).map_err(anyhow::Error::msg)?;
+    let gpus = layout::plan(&cfg, visible, placement).map_err(anyhow::Error::msg)?;
     // The supervisor says on the console when NATS is lost and back: the client's own reconnect chatter would
     // only repeat it (and break the progress bar).
     let level = if quiet { cfg.log.level.as_str() } else { "warn" };
@@ -69,6 +75,7 @@ pub async fn run(
             .with_context(|| format!("creating the {preset} model"))?;
         eprintln!("created a random-init `{preset}` model in {}", model_dir.display());
     }
+    preflight::check_model(&model_dir).map_err(anyhow::Error::msg)?;
 
     // NATS: the given server, or our own on loopback with one user per service and a temporary store.
     let namespace = cfg.namespace()?.to_string();
@@ -125,7 +132,7 @@ pub async fn run(
         let mut args: Vec<OsString> = vec!["--config".into(), job_file.clone().into()];
         args.extend(extra.into_iter().map(OsString::from));
         let log = run_dir.join("logs").join(format!("{name}.log"));
-        ServiceSpec { binary: bin_dir.join(binary), args, log, name, group: None }
+        ServiceSpec { binary: bin_dir.join(binary), args, log, name, group: None, env: Vec::new() }
     };
     let mut specs = vec![
         service("checkpoint-sync".into(), "jetrl-checkpoint-sync", identity("checkpoint-sync")?),
@@ -136,8 +143,15 @@ pub async fn run(
         specs.push(service(format!("reward-{i}"), "jetrl-reward-service", extra));
     }
     for i in 0..cfg.rollout.workers.max(1) {
-        let extra = [vec![format!("rollout.instance_id=rollout-{i}")], identity("rollout-worker")?].concat();
-        specs.push(service(format!("rollout-{i}"), "jetrl-rollout-worker", extra));
+        let mut extra = [vec![format!("rollout.instance_id=rollout-{i}")], identity("rollout-worker")?].concat();
+        // a worker sees only its GPU, as cuda:0 (as the systemd units and the compose GPU files pin them)
+        let gpu = gpus.as_ref().and_then(|l| l.workers.get(i as usize)).map(|&g| physical_gpu(g));
+        if gpu.is_some() {
+            extra.push("model.device=cuda:0".into());
+        }
+        let mut spec = service(format!("rollout-{i}"), "jetrl-rollout-worker", extra);
+        spec.env.extend(gpu.map(|g| ("CUDA_VISIBLE_DEVICES".to_string(), g)));
+        specs.push(spec);
     }
     // the trainer's ranks on this host, as one group: rank 0 is `trainer`, the others `trainer-<rank>` (the ranks of
     // other nodes are started there: `jetrl-trainer --config job.yaml trainer.dist.rank=<r>`)
@@ -161,6 +175,10 @@ pub async fn run(
         let name = spec.name.clone();
         let pid = supervisor.start(spec).with_context(|| format!("starting {name}"))?;
         journal.record("started", json!({"service": name, "pid": pid}));
+    }
+    if let Some(layout) = &gpus {
+        eprintln!("{}", layout.describe());
+        journal.record("gpu_layout", json!({"trainer": layout.trainer, "rollout_workers": layout.workers}));
     }
     let whose = if identities.is_some() { " (started by jetrl run: loopback only, one user per service)" } else { "" };
     eprintln!(
@@ -566,6 +584,15 @@ fn tracker_warnings(cfg: &JobConfig) -> Vec<String> {
 fn utc_time(t: SystemTime) -> String {
     let secs = t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()) % 86_400;
     format!("{:02}:{:02}:{:02}", secs / 3600, secs / 60 % 60, secs % 60)
+}
+
+/// The name `CUDA_VISIBLE_DEVICES` gives the GPU libtorch sees as index `index` here: the entry of jetrl run's own
+/// list when it has one, else the index.
+fn physical_gpu(index: usize) -> String {
+    std::env::var("CUDA_VISIBLE_DEVICES")
+        .ok()
+        .and_then(|list| list.split(',').map(str::trim).filter(|s| !s.is_empty()).nth(index).map(str::to_string))
+        .unwrap_or_else(|| index.to_string())
 }
 
 #[cfg(test)]

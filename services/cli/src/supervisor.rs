@@ -90,6 +90,9 @@ pub struct ServiceSpec {
     /// services that live and die together (the trainer's ranks, DESIGN §6): when one fails, the others are
     /// stopped and all restart together
     pub group: Option<String>,
+    /// variables set for this service on top of jetrl run's environment (a rollout worker's
+    /// `CUDA_VISIBLE_DEVICES`)
+    pub env: Vec<(String, String)>,
 }
 
 /// Something the supervisor did or saw, for the console and `supervisor.jsonl`.
@@ -316,6 +319,7 @@ fn spawn(spec: &ServiceSpec, log: std::fs::File) -> anyhow::Result<Child> {
     jetrl_bus::harness::signal_when_parent_dies(command.as_std_mut(), libc::SIGTERM);
     let child = command
         .args(&spec.args)
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
@@ -492,6 +496,7 @@ mod tests {
             args: vec!["-c".into(), format!("exit {code}").into()],
             log: dir.path().join(format!("{name}.log")),
             group: None,
+            env: Vec::new(),
         };
         let mut supervisor = Supervisor::new(policy(), "trainer");
         supervisor.start(spec("trainer", jetrl_telemetry::EXIT_PERMANENT)).unwrap();

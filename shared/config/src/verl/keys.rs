@@ -408,6 +408,9 @@ pub static KEYS: &[Key] = &[
     k("trainer.v1.sampler.sync_refill_failed_groups", Map("buffer.sync_refill_failed_groups")),
     k("trainer.v1.sampler.custom_sampler.path", Only(&["null"], "custom Python samplers are not loaded")),
     k("trainer.v1.sampler.*", Ignore("custom Python samplers are not loaded")),
+    // verl's fully-async recipe: rollout GPUs apart from the trainer's (jetrl run puts one worker on each)
+    k("rollout.n_gpus_per_node", Map("rollout.workers")),
+    k("rollout.nnodes", Ignore("jetrl run starts this host's rollout workers; other rollout hosts run their own (docs/deploy.md)")),
     k("global_profiler.*", Ignore(PROFILER)),
     k("ray_kwargs.*", Ignore(RAY)),
     k("ray_init.*", Ignore(RAY)),

@@ -7,6 +7,7 @@
 
 pub mod hydra;
 pub mod keys;
+pub mod layout;
 
 use std::collections::BTreeSet;
 use std::path::Path;
