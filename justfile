@@ -30,6 +30,13 @@ test-fast *args="": build
 test-cluster: build
     cargo test -p jetrl-tests --test nats_cluster -- --nocapture
 
+# deploy/docker-compose.yml on a real container engine (root, podman with runc, podman-compose): images built here
+# without a registry, `up --scale rollout-worker=2`, a short job with one worker killed mid-run, the ledger and
+# `jetrl status` through the read-only identity, `down` (scripts/compose-check.sh; about a minute once the images
+# exist, five with them; not part of `test`)
+compose-check: build
+    scripts/compose-check.sh
+
 # format and lint checks
 lint:
     cargo fmt --all -- --check

@@ -243,6 +243,66 @@ fn gpu_overlay_puts_the_trainer_and_the_worker_on_their_own_gpus() {
     }
 }
 
+/// deploy/compose-gpus.sh: one service per rollout GPU (each seeing only its GPUs), one container per trainer rank
+/// (each seeing the trainer's GPUs, rank r set), every one a complete jetrl service with its own identity, and the
+/// ranks' rendezvous in every service's job.
+#[test]
+fn compose_gpus_gives_every_worker_and_rank_its_own_gpus() {
+    let gen_dir = generated();
+    let out = Command::new("bash")
+        .arg(repo().join("deploy/compose-gpus.sh"))
+        .args(["--trainer", "0,1", "--rollout", "2,3,4-5"])
+        .output()
+        .expect("bash");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let file = gen_dir.path().join("gpus.yml");
+    std::fs::write(&file, &out.stdout).unwrap();
+    let doc = compose(&["deploy/docker-compose.gpu.yml", &file.display().to_string()]);
+    let services = jetrl_services(&doc, gen_dir.path());
+    let gpus = |name: &str| -> Vec<String> {
+        let devices = &doc["services"][name]["deploy"]["resources"]["reservations"]["devices"][0];
+        devices["device_ids"].as_sequence().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect()
+    };
+    let mut seen = Vec::new();
+    for (name, expected) in
+        [("rollout-worker", vec!["2"]), ("rollout-worker-g3", vec!["3"]), ("rollout-worker-g4", vec!["4", "5"])]
+    {
+        assert_eq!(gpus(name), expected, "{name}");
+        seen.extend(expected.clone());
+        if expected.len() > 1 {
+            // a worker over two GPUs sets rollout.tensor_model_parallel_size, a key of the vLLM backend
+            let env = &doc["services"][name]["environment"];
+            assert_eq!(env["JETRL__ROLLOUT__TENSOR_MODEL_PARALLEL_SIZE"].as_str(), Some("2"), "{name}");
+            continue;
+        }
+        let cfg = jetrl_config::JobConfig::load(Some(&job_file()), &overrides(&services[name])).expect("loads");
+        assert_eq!(cfg.nats.user.as_deref(), Some("jetrl-rollout-worker"), "{name}");
+        assert_eq!(device(&cfg), "cuda:0", "{name}: its first GPU");
+    }
+    assert_eq!(seen.len(), 4);
+    for (rank, name) in ["trainer", "trainer-r1"].iter().enumerate() {
+        assert_eq!(gpus(name), ["0", "1"], "{name} sees the trainer's GPUs");
+        let cfg = jetrl_config::JobConfig::load(Some(&job_file()), &overrides(&services[*name])).expect("loads");
+        assert_eq!(cfg.nats.user.as_deref(), Some("jetrl-trainer"), "{name}");
+        assert_eq!(cfg.trainer.dist.rank as usize, rank, "{name}");
+        assert_eq!((cfg.trainer.n_gpus_per_node, cfg.trainer.dist.master_addr.as_str()), (2, "trainer"), "{name}");
+    }
+    // every generated service (and the GPU overlay's vLLM worker) carries the base service's identity files,
+    // volumes and dependencies
+    for name in ["rollout-worker-g3", "trainer-r1", "rollout-worker-vllm"] {
+        let base = if name.starts_with("trainer") { "trainer" } else { "rollout-worker" };
+        for key in ["volumes", "env_file", "secrets", "depends_on", "restart"] {
+            assert_eq!(doc["services"][name][key], doc["services"][base][key], "{name}: {key}");
+        }
+    }
+    let twice = Command::new("bash")
+        .arg(repo().join("deploy/compose-gpus.sh"))
+        .args(["--trainer", "0", "--rollout", "0,1"])
+        .output()
+        .expect("bash");
+    assert!(!twice.status.success() && String::from_utf8_lossy(&twice.stderr).contains("GPU 0 is given twice"));
+}
+
 #[test]
 fn prometheus_scrapes_the_ports_the_services_serve_metrics_on() {
     let gen_dir = generated();
@@ -629,6 +689,7 @@ fn compose_command_lines_run_a_training_job() {
         "trainer.total_training_steps=2".to_string(),
         "trainer.test_freq=-1".to_string(),
         "data.train_batch_size=4".to_string(),
+        "actor.ppo_mini_batch_size=2".to_string(),
         "rollout.n=2".to_string(),
     ];
     let mut children = Vec::new();
@@ -690,7 +751,12 @@ fn dockerfile_builds_the_release_profile_and_ships_every_binary_compose_runs() {
     assert!(text.contains("scripts/setup.sh") && text.contains("cargo build --release --workspace --bins"));
     assert!(!text.contains("target/debug"), "the image ships the release build");
     assert!(repo().join("scripts/setup.sh").exists());
-    for line in text.lines().filter(|l| l.starts_with("COPY ") && !l.contains("--from")) {
+    // the image a user builds takes the build stage's binaries; `--build-arg JETRL_BINARIES=prebuilt` (compose-check)
+    // takes the host's from deploy/prebuilt/, which only that script stages
+    assert!(text.contains("ARG JETRL_BINARIES=build") && text.contains("FROM ${JETRL_BINARIES} AS binaries"));
+    for line in
+        text.lines().filter(|l| l.starts_with("COPY ") && !l.contains("--from") && !l.contains("deploy/prebuilt/"))
+    {
         let src = line.split_whitespace().nth(1).expect("COPY source");
         assert!(repo().join(src).exists(), "COPY source {src} missing");
     }
@@ -721,4 +787,39 @@ fn dockerfile_builds_the_release_profile_and_ships_every_binary_compose_runs() {
     }
     let cargo = std::fs::read_to_string(repo().join("Cargo.toml")).expect("Cargo.toml");
     assert!(cargo.contains("[profile.release]"), "the release profile the image builds");
+}
+
+/// The walkthroughs of docs/deploy.md as written: every `sh` block is valid bash, every repository file it names
+/// exists, and no path in jetrl.env or the units names a Python version (the venv's `libtorch` link does).
+#[test]
+fn deploy_md_commands_parse_and_name_files_that_exist() {
+    let doc = std::fs::read_to_string(repo().join("docs/deploy.md")).unwrap();
+    let mut blocks = 0;
+    for block in doc.split("```sh\n").skip(1).filter_map(|rest| rest.split("```").next()) {
+        blocks += 1;
+        let out = Command::new("bash").args(["-n", "-c", block]).output().expect("bash");
+        assert!(out.status.success(), "not bash:\n{block}\n{}", String::from_utf8_lossy(&out.stderr));
+        // what a command writes (`> FILE`, gen.sh's `--out DIR`) need not exist before
+        let words: Vec<&str> = block.split_whitespace().collect();
+        let mut written = HashSet::new();
+        for (i, word) in words.iter().enumerate() {
+            let path = word.trim_end_matches([';', ')', '\'', '"']);
+            if !path.starts_with("deploy/") || path.contains('*') {
+                continue;
+            }
+            if i > 0 && [">", "--out"].contains(&words[i - 1]) {
+                written.insert(path);
+                continue;
+            }
+            let made = written.iter().any(|w| path.starts_with(w));
+            assert!(made || repo().join(path).exists(), "docs/deploy.md names {path}, which does not exist:\n{block}");
+        }
+    }
+    assert!(blocks >= 8, "{blocks} sh blocks");
+    for (name, text) in units()
+        .into_iter()
+        .chain([("jetrl.env".to_string(), std::fs::read_to_string(repo().join("deploy/systemd/jetrl.env")).unwrap())])
+    {
+        assert!(!text.contains("python3."), "{name} names a Python version");
+    }
 }
