@@ -145,7 +145,10 @@ pub async fn run(
     for i in 0..cfg.rollout.workers.max(1) {
         let mut extra = [vec![format!("rollout.instance_id=rollout-{i}")], identity("rollout-worker")?].concat();
         // a worker sees only its GPU, as cuda:0 (as the systemd units and the compose GPU files pin them)
-        let gpu = gpus.as_ref().and_then(|l| l.workers.get(i as usize)).map(|&g| physical_gpu(g));
+        let gpu = gpus
+            .as_ref()
+            .and_then(|l| l.workers.get(i as usize))
+            .map(|w| w.iter().map(|&g| physical_gpu(g)).collect::<Vec<_>>().join(","));
         if gpu.is_some() {
             extra.push("model.device=cuda:0".into());
         }

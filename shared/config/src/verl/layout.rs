@@ -5,7 +5,7 @@
 use serde_json::json;
 
 use super::VerlJob;
-use crate::{ConfigError, DeviceSpec, TrainerMode};
+use crate::{ConfigError, DeviceSpec, RolloutName, TrainerMode};
 
 /// Whether the rollout workers share the trainer ranks' GPUs or have their own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,7 +28,8 @@ impl VerlJob {
 
     /// verl's hybrid engine rolls out on every trainer GPU: on CUDA, a job whose rollout shares the trainer's GPUs
     /// and that does not say how many workers (`actor_rollout_ref.rollout.workers`) gets one per trainer rank of a
-    /// node. colocate_async keeps its one worker.
+    /// node, or with vLLM one per `tensor_model_parallel_size` of them (verl's replicas). colocate_async keeps its
+    /// one worker.
     pub fn with_hybrid_workers(mut self) -> Result<Self, ConfigError> {
         let cfg = self.typed()?;
         if self.rollout_gpus() == RolloutGpus::Shared
@@ -36,7 +37,11 @@ impl VerlJob {
             && cfg.model.device != DeviceSpec::Cpu
             && cfg.trainer.mode != TrainerMode::ColocateAsync
         {
-            self.value["rollout"]["workers"] = json!(cfg.trainer.n_gpus_per_node);
+            let per = match cfg.rollout.name {
+                RolloutName::Vllm => cfg.rollout.tensor_model_parallel_size.max(1),
+                _ => 1,
+            };
+            self.value["rollout"]["workers"] = json!((cfg.trainer.n_gpus_per_node / per).max(1));
             self.origin.push(("rollout.workers".into(), "trainer.n_gpus_per_node".into()));
         }
         Ok(self)
