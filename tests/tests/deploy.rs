@@ -269,15 +269,11 @@ fn compose_gpus_gives_every_worker_and_rank_its_own_gpus() {
     {
         assert_eq!(gpus(name), expected, "{name}");
         seen.extend(expected.clone());
-        if expected.len() > 1 {
-            // a worker over two GPUs sets rollout.tensor_model_parallel_size, a key of the vLLM backend
-            let env = &doc["services"][name]["environment"];
-            assert_eq!(env["JETRL__ROLLOUT__TENSOR_MODEL_PARALLEL_SIZE"].as_str(), Some("2"), "{name}");
-            continue;
-        }
         let cfg = jetrl_config::JobConfig::load(Some(&job_file()), &overrides(&services[name])).expect("loads");
         assert_eq!(cfg.nats.user.as_deref(), Some("jetrl-rollout-worker"), "{name}");
         assert_eq!(device(&cfg), "cuda:0", "{name}: its first GPU");
+        // a worker over two GPUs runs vLLM with tensor parallelism across them
+        assert_eq!(cfg.rollout.tensor_model_parallel_size as usize, expected.len(), "{name}");
     }
     assert_eq!(seen.len(), 4);
     for (rank, name) in ["trainer", "trainer-r1"].iter().enumerate() {
