@@ -85,11 +85,13 @@ impl VllmConfig {
                 "rollout.engine_kwargs.vllm",
                 format!("{name:?} is not an engine argument name"),
             )?;
-            ensure(
-                !RESERVED_ARGS.contains(&name.replace('-', "_").as_str()),
-                "rollout.engine_kwargs.vllm",
-                format!("`{name}` is set by jetrl from its own keys; set those instead"),
-            )?;
+            let arg = name.replace('-', "_");
+            if let Some((_, key)) = RESERVED_ARGS.iter().find(|(reserved, _)| *reserved == arg) {
+                return Err(ConfigError::Invalid {
+                    path: "rollout.engine_kwargs.vllm".into(),
+                    message: format!("`{name}` is set by jetrl from its own keys: set {key} instead"),
+                });
+            }
         }
         ensure(
             kwargs.sglang.is_empty(),
@@ -99,25 +101,25 @@ impl VllmConfig {
     }
 }
 
-/// `vllm serve` arguments jetrl sets from its own keys (an engine kwarg may not override them).
-pub const RESERVED_ARGS: &[&str] = &[
-    "model",
-    "host",
-    "port",
-    "api_key",
-    "dtype",
-    "seed",
-    "max_model_len",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "gpu_memory_utilization",
-    "tensor_parallel_size",
-    "enable_chunked_prefill",
-    "enable_prefix_caching",
-    "enforce_eager",
-    "enable_lora",
-    "max_lora_rank",
-    "enable_sleep_mode",
-    "logprobs_mode",
-    "served_model_name",
+/// `vllm serve` arguments jetrl sets from its own keys (an engine kwarg may not override them), with the key.
+pub const RESERVED_ARGS: &[(&str, &str)] = &[
+    ("model", "model.path"),
+    ("host", "rollout.vllm.url"),
+    ("port", "rollout.vllm.url"),
+    ("api_key", "rollout.vllm.api_key_file"),
+    ("dtype", "model.dtype"),
+    ("seed", "rollout.seed"),
+    ("max_model_len", "rollout.max_model_len"),
+    ("max_num_seqs", "rollout.max_num_seqs"),
+    ("max_num_batched_tokens", "rollout.max_num_batched_tokens"),
+    ("gpu_memory_utilization", "rollout.gpu_memory_utilization"),
+    ("tensor_parallel_size", "rollout.tensor_model_parallel_size"),
+    ("enable_chunked_prefill", "rollout.enable_chunked_prefill"),
+    ("enable_prefix_caching", "rollout.enable_prefix_caching"),
+    ("enforce_eager", "rollout.enforce_eager"),
+    ("enable_lora", "model.lora_rank"),
+    ("max_lora_rank", "model.lora_rank"),
+    ("enable_sleep_mode", "rollout.free_cache_engine"),
+    ("logprobs_mode", "rollout.logprobs_mode"),
+    ("served_model_name", "model.path"),
 ];
