@@ -70,7 +70,8 @@ for workload in fixed grpo; do
     tail -n 40 "$work/vllm.log" >&2
     exit 1
   fi
-  tail -n 1 "$work/vllm-$workload.jsonl"
+  # vLLM logs to stdout too: its result is the JSON line
+  grep '^{' "$work/vllm-$workload.jsonl" | tail -n 1
 done
 "$bin" score "$work/model" --samples "$work/jetrl-samples.jsonl" --device "$device" | tee "$work/jetrl-score.json"
 "$bin" score "$work/model" --samples "$work/vllm-samples.jsonl" --device "$device" | tee "$work/vllm-score.json"
@@ -80,7 +81,7 @@ import json, statistics, sys
 work = sys.argv[1]
 def runs(name):
     with open(f"{work}/{name}.jsonl") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.startswith('{')]
 def median_rate(name):
     items = runs(name)
     return statistics.median(r for item in items for r in item["rates"]), items[-1]
