@@ -7,10 +7,12 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use jetrl_config::{RewardConfig, RewardKwargsConfig, RuleScorerConfig};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
-use crate::error::{FailureKind, RewardError, ScoreFailure};
+use crate::error::RewardError;
 use crate::external::ExternalRunner;
+use crate::failure::{FailureKind, ScoreFailure};
+use crate::input::ScoreInput;
 use crate::overlong::apply_overlong_penalty;
 use crate::remote_rm::RemoteRewardModel;
 use crate::result::RewardResult;
@@ -22,33 +24,6 @@ pub const FAILURES_METRIC: &str = "jetrl_reward_failures_total";
 /// Distinct `data_source` label values before the rest are counted as `other`.
 const MAX_DATA_SOURCE_LABELS: usize = 64;
 const MAX_LABEL_CHARS: usize = 64;
-
-/// One trajectory to score.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct ScoreInput {
-    /// the trajectory key `{uid}_{session_id}_{index}`, echoed in the outcome and sent to user functions
-    pub key: String,
-    pub data_source: String,
-    /// the decoded response (special tokens skipped), verl's `solution_str`
-    pub solution_str: String,
-    /// verl's `reward_model.ground_truth` as text (search-R1: the JSON `{"target": [...]}`)
-    pub ground_truth: String,
-    pub extra_info: serde_json::Value,
-    /// the prompt as text, already in chat format: the reward model reads it before the response when it cannot
-    /// render `raw_prompt` itself, and user functions receive it (for generative judges); may be empty
-    pub prompt_str: String,
-    /// the prompt's chat messages (verl's `raw_prompt`): the reward model renders them with its own chat template
-    pub raw_prompt: Vec<ChatTurn>,
-    /// valid response tokens, for the overlong penalty
-    pub response_len: usize,
-}
-
-/// One message of a chat prompt, as chat templates read it.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ChatTurn {
-    pub role: String,
-    pub content: String,
-}
 
 /// The score of one trajectory, or why there is none (then `score` is 0.0).
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -39,13 +39,17 @@
 mod engine;
 mod error;
 pub mod external;
+mod failure;
 pub mod golden;
+mod input;
 pub mod overlong;
 mod pytext;
 pub mod remote_rm;
 mod result;
 pub mod rule;
 
-pub use engine::{ChatTurn, RewardEngine, ScoreInput, ScoreOutcome, FAILURES_METRIC, LATENCY_METRIC, SCORES_METRIC};
-pub use error::{FailureKind, RewardError, ScoreFailure};
+pub use engine::{RewardEngine, ScoreOutcome, FAILURES_METRIC, LATENCY_METRIC, SCORES_METRIC};
+pub use error::RewardError;
+pub use failure::{FailureKind, ScoreFailure};
+pub use input::{ChatTurn, ScoreInput};
 pub use result::{ResultError, RewardResult};

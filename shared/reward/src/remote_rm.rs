@@ -16,8 +16,8 @@ use jetrl_telemetry::http::{post_json, HttpEndpoint, HttpError};
 use jetrl_tokenizer::{Tokenizer, TokenizerError};
 use tokio::sync::Semaphore;
 
-use crate::engine::{ChatTurn, ScoreInput};
-use crate::error::FailureKind;
+use crate::failure::FailureKind;
+use crate::input::{ChatTurn, ScoreInput};
 use crate::result::truncate_for_message;
 
 /// Why the reward model gave no score.

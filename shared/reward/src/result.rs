@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::FailureKind;
+use crate::failure::FailureKind;
 
 /// One trajectory's reward.
 ///

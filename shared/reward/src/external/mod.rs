@@ -18,9 +18,9 @@ use std::time::Duration;
 use jetrl_config::CustomRewardFunctionConfig;
 use tokio::sync::{mpsc, Mutex};
 
-use crate::error::{FailureKind, ScoreFailure};
+use crate::failure::{FailureKind, ScoreFailure};
+use crate::input::ScoreInput;
 use crate::result::RewardResult;
-use crate::ScoreInput;
 use process::{BatchAnswer, LaunchSpec, UserFunctionProcess};
 use protocol::{Request, RequestItem, PROTOCOL_VERSION};
 

@@ -11,7 +11,7 @@ use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
 use super::protocol::{read_response_line, ResponseLine};
 use super::ExternalError;
-use crate::error::ScoreFailure;
+use crate::failure::ScoreFailure;
 use crate::result::{truncate_for_message, RewardResult};
 
 /// A longer line is not an answer we are willing to buffer.

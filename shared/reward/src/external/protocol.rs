@@ -5,9 +5,9 @@ use std::borrow::Cow;
 
 use serde::Serialize;
 
-use crate::error::{FailureKind, ScoreFailure};
+use crate::failure::{FailureKind, ScoreFailure};
+use crate::input::ScoreInput;
 use crate::result::{truncate_for_message, RewardResult, NON_FINITE_MARKER};
-use crate::ScoreInput;
 
 /// Protocol revision, sent in every request so a function can refuse one it does not speak.
 pub const PROTOCOL_VERSION: u32 = 1;

@@ -9,7 +9,7 @@ pub mod search_r1;
 
 use jetrl_config::RuleScorerConfig;
 
-use crate::error::FailureKind;
+use crate::failure::FailureKind;
 use crate::result::RewardResult;
 
 /// The scorer families of the dispatch table.
