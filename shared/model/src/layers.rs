@@ -7,9 +7,9 @@
 use tch::nn::Path;
 use tch::{Kind, Tensor};
 
+use crate::adapter::Adapter;
 use crate::config::{ModelConfig, RopeScaling};
 use crate::error::Result;
-use crate::lora::Adapter;
 
 /// Adds an uninitialised trainable parameter of the path's kind and device.
 fn param(vs: &Path, name: &str, dims: &[i64]) -> Result<Tensor> {

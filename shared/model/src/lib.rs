@@ -18,6 +18,7 @@
 //!
 //! Everything runs on the thread that owns the model: `Tensor` is `Send` but not `Sync`.
 
+mod adapter;
 pub mod config;
 pub mod device;
 pub mod engine;

@@ -21,6 +21,8 @@ use serde_json::{json, Value};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
+use crate::adapter::{Adapter, LoraState};
+pub use crate::adapter::{LoraSpec, Targets};
 use crate::error::{ModelError, Result};
 use crate::layers::Linear;
 use crate::model::CausalLm;
@@ -32,126 +34,6 @@ pub const ADAPTER_CONFIG_FILE: &str = "adapter_config.json";
 pub const ADAPTER_WEIGHTS_FILE: &str = "adapter_model.safetensors";
 /// The prefix PEFT's `PeftModelForCausalLM` puts before the base model's module names in saved keys.
 const PEFT_PREFIX: &str = "base_model.model.";
-
-/// Which linear layers get adapters (PEFT's `target_modules`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Targets {
-    /// every linear layer of the decoder (not the LM head), as PEFT's `all-linear`
-    AllLinear,
-    /// module names: a module is adapted when its full name equals one or ends with `.` + one (PEFT's rule)
-    Names(Vec<String>),
-}
-
-/// What a LoRA adapter is: rank, scale and the layers it adapts.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LoraSpec {
-    pub rank: i64,
-    pub alpha: f64,
-    pub targets: Targets,
-    /// module names left out even when `targets` names them (PEFT's `exclude_modules`, same matching rule)
-    pub exclude: Vec<String>,
-    /// scale by `alpha / sqrt(rank)` instead of `alpha / rank` (PEFT's `use_rslora`)
-    pub use_rslora: bool,
-}
-
-impl LoraSpec {
-    pub fn new(rank: i64, alpha: f64, targets: Targets, exclude: Vec<String>) -> Self {
-        Self { rank, alpha, targets, exclude, use_rslora: false }
-    }
-
-    /// The factor of `B A` in the forward pass.
-    pub fn scale(&self) -> f64 {
-        if self.use_rslora {
-            self.alpha / (self.rank as f64).sqrt()
-        } else {
-            self.alpha / self.rank as f64
-        }
-    }
-
-    fn check(&self) -> Result<()> {
-        if self.rank <= 0 || !self.alpha.is_finite() || self.alpha <= 0.0 {
-            return Err(ModelError::Config(format!(
-                "a LoRA adapter needs rank >= 1 and alpha > 0, got rank {} and alpha {}",
-                self.rank, self.alpha
-            )));
-        }
-        if matches!(&self.targets, Targets::Names(names) if names.is_empty()) {
-            return Err(ModelError::Config("LoRA target_modules names no module".into()));
-        }
-        Ok(())
-    }
-
-    /// The full names of the modules this spec adapts among `modules` (the model's linear layers), in order.
-    /// A target or exclude name that matches none of them is refused with the names the model has.
-    pub fn resolve(&self, modules: &[String]) -> Result<Vec<String>> {
-        self.check()?;
-        let matches = |module: &str, name: &str| module == name || module.ends_with(&format!(".{name}"));
-        let unknown = |names: &[String], what: &str| -> Result<()> {
-            if let Some(bad) = names.iter().find(|n| !modules.iter().any(|m| matches(m, n))) {
-                let mut short: Vec<&str> = modules.iter().filter_map(|m| m.rsplit('.').next()).collect();
-                short.sort_unstable();
-                short.dedup();
-                return Err(ModelError::Config(format!(
-                    "LoRA {what} `{bad}` names no linear layer of this model; it has {} (or `all-linear`)",
-                    short.join(", ")
-                )));
-            }
-            Ok(())
-        };
-        if let Targets::Names(names) = &self.targets {
-            unknown(names, "target_modules")?;
-        }
-        unknown(&self.exclude, "exclude_modules")?;
-        let chosen: Vec<String> = modules
-            .iter()
-            .filter(|m| match &self.targets {
-                Targets::AllLinear => true,
-                Targets::Names(names) => names.iter().any(|n| matches(m, n)),
-            })
-            .filter(|m| !self.exclude.iter().any(|n| matches(m, n)))
-            .cloned()
-            .collect();
-        if chosen.is_empty() {
-            return Err(ModelError::Config("LoRA: exclude_modules leaves no module to adapt".into()));
-        }
-        Ok(chosen)
-    }
-}
-
-/// One linear layer's adapter (on the layer itself).
-#[derive(Debug)]
-pub(crate) struct Adapter {
-    /// `[r, in]`, f32
-    a: Tensor,
-    /// `[out, r]`, f32
-    b: Tensor,
-    scale: f64,
-    enabled: Arc<AtomicBool>,
-}
-
-impl Adapter {
-    /// `base + scale · (x Aᵀ) Bᵀ`, computed in the adapter's dtype and cast back to the base output's.
-    pub(crate) fn add_to(&self, x: &Tensor, base: Tensor) -> Result<Tensor> {
-        if !self.enabled.load(Ordering::Relaxed) {
-            return Ok(base);
-        }
-        let kind = base.kind();
-        let delta =
-            x.f_to_kind(self.a.kind())?.f_linear(&self.a, None::<&Tensor>)?.f_linear(&self.b, None::<&Tensor>)?;
-        Ok(base.f_add(&delta.f_mul_scalar(self.scale)?)?.f_to_kind(kind)?)
-    }
-}
-
-/// The adapters a model carries.
-#[derive(Debug)]
-pub(crate) struct LoraState {
-    spec: LoraSpec,
-    /// the adapted modules' full names, in the model's order
-    modules: Vec<String>,
-    /// `A` and `B` of every adapted module, named `<module>.lora_A.weight` / `<module>.lora_B.weight`, f32
-    vs: VarStore,
-    enabled: Arc<AtomicBool>,
-}
 
 /// What a PEFT `adapter_config.json` says, as far as jetrl reads it.
 #[derive(Debug, Clone)]

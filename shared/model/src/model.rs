@@ -7,11 +7,11 @@ use std::path::Path;
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
+use crate::adapter::LoraState;
 use crate::config::ModelConfig;
 use crate::device::DType;
 use crate::error::{ModelError, Result};
 use crate::layers::{Attend, DecoderLayer, RmsNorm, RotaryEmbedding};
-use crate::lora::LoraState;
 use crate::weights::{self, CheckpointFiles};
 
 /// File name of the model configuration in a checkpoint directory.
