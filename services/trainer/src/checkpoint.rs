@@ -25,9 +25,6 @@ use jetrl_config::{JobConfig, ResumeMode};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use crate::error::ActorError;
-use crate::optim::AdamW;
-
 /// What a checkpoint holds besides tensors: enough to continue exactly where the run stopped.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainerState {
@@ -90,6 +87,18 @@ pub enum CheckpointError {
     Resume(String),
     #[error("torch: {0}")]
     Torch(#[from] tch::TchError),
+}
+
+impl CheckpointError {
+    /// A stable, low-cardinality label for metrics and logs: the stage that failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Io { .. } => "io",
+            Self::Format { .. } => "format",
+            Self::Resume(..) => "resume",
+            Self::Torch(..) => "torch",
+        }
+    }
 }
 
 impl CheckpointError {
@@ -260,88 +269,6 @@ pub fn optimizer_shard_file(rank: usize, world: usize) -> String {
     } else {
         format!("optimizer.rank{rank}-of-{world}.safetensors")
     }
-}
-
-/// Writes this rank's optimizer shard into a model directory of a checkpoint (`actor/`, `critic/`); rank 0 also
-/// writes `optimizer.json`.
-pub fn save_optimizer(dir: &Path, optim: &AdamW, rank: usize, world: usize) -> Result<(), CheckpointError> {
-    std::fs::create_dir_all(dir).map_err(|e| CheckpointError::io(dir, e))?;
-    write_tensors(&dir.join(optimizer_shard_file(rank, world)), &optim.state_tensors())?;
-    if rank == 0 {
-        let meta = OptimizerMeta { step: optim.step, world_size: world as u32, numel: optim.layout().total };
-        write_json(&dir.join(OPTIMIZER_META_FILE), &meta)?;
-    }
-    Ok(())
-}
-
-/// Restores an optimizer's state from a model directory of a checkpoint, whatever world size saved it: this rank
-/// reads the shard files that overlap its own shard (one, when the world size is the same) and takes its slice. A
-/// missing or malformed file fails with its path. Every rank must call it (the parameters are gathered).
-pub fn load_optimizer(dir: &Path, optim: &mut AdamW) -> Result<(), ActorError> {
-    let meta: OptimizerMeta = read_json(&dir.join(OPTIMIZER_META_FILE))?;
-    let layout = optim.layout().clone();
-    let state = if meta.numel == 0 {
-        let tensors = read_tensors(&dir.join(OPTIMIZER_FILE))?;
-        let full = optim.full_state_from_named(tensors)?;
-        let mut shard = std::collections::BTreeMap::new();
-        for (name, t) in &full {
-            shard.insert(name.clone(), optim.shard_of_full(t)?);
-        }
-        shard
-    } else {
-        if meta.numel != layout.total {
-            return Err(ActorError::Checkpoint(CheckpointError::format(
-                &dir.join(OPTIMIZER_META_FILE),
-                format!("optimizer state of {} elements; this model has {} parameters", meta.numel, layout.total),
-            )));
-        }
-        let saved_world = i64::from(meta.world_size.max(1));
-        let saved_shard = (meta.numel + saved_world - 1) / saved_world;
-        // this rank's elements of the flat space, without its padding
-        let (lo, hi) = (layout.start.min(layout.total), (layout.start + layout.shard).min(layout.total));
-        let mut shard: std::collections::BTreeMap<String, Tensor> = std::collections::BTreeMap::new();
-        for name in ["exp_avg", "exp_avg_sq", "master"] {
-            shard.insert(
-                name.to_string(),
-                Tensor::f_zeros([layout.shard], (Kind::Float, Device::Cpu)).map_err(CheckpointError::from)?,
-            );
-        }
-        for r in 0..saved_world {
-            let (a, b) = ((r * saved_shard).max(lo), ((r + 1) * saved_shard).min(hi));
-            if a >= b {
-                continue;
-            }
-            let path = dir.join(optimizer_shard_file(r as usize, saved_world as usize));
-            if !path.exists() {
-                return Err(ActorError::Checkpoint(CheckpointError::format(
-                    &path,
-                    format!("missing: the optimizer was saved by {saved_world} ranks, one shard file each"),
-                )));
-            }
-            let saved: std::collections::BTreeMap<String, Tensor> = read_tensors(&path)?.into_iter().collect();
-            for (name, dst) in shard.iter_mut() {
-                let src = saved.get(name).ok_or_else(|| {
-                    ActorError::Checkpoint(CheckpointError::format(&path, format!("has no tensor {name}")))
-                })?;
-                if src.numel() as i64 != saved_shard {
-                    return Err(ActorError::Checkpoint(CheckpointError::format(
-                        &path,
-                        format!(
-                            "{name} has {} elements, a shard of {saved_world} ranks has {saved_shard}",
-                            src.numel()
-                        ),
-                    )));
-                }
-                let piece = src.f_narrow(0, a - r * saved_shard, b - a).map_err(CheckpointError::from)?;
-                dst.f_narrow(0, a - layout.start, b - a)
-                    .and_then(|mut d| d.f_copy_(&piece))
-                    .map_err(CheckpointError::from)?;
-            }
-        }
-        shard
-    };
-    optim.load_shard_state(&state, meta.step)?;
-    Ok(())
 }
 
 pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), CheckpointError> {

@@ -15,7 +15,7 @@ use crate::batch::{gather_rows, mini_batches, to_host, MicroBatch, RankBatch};
 use crate::checkpoint::{self, CheckpointError};
 use crate::dist::Comm;
 use crate::error::ActorError;
-use crate::optim::{AdamW, LrSchedule};
+use crate::optim::{self, AdamW, LrSchedule};
 
 /// Settings of the critic's update, resolved from `critic.*` with verl's inheritance from `actor.*`.
 #[derive(Debug, Clone)]
@@ -272,7 +272,7 @@ impl Critic {
     pub fn save(&self, dir: &Path, model_dir: &Path) -> Result<(), ActorError> {
         std::fs::create_dir_all(dir).map_err(|e| CheckpointError::io(dir, e))?;
         let (rank, world) = (self.comm.rank(), self.comm.world());
-        checkpoint::save_optimizer(dir, &self.optim, rank, world)?;
+        optim::save_optimizer(dir, &self.optim, rank, world)?;
         if rank != 0 {
             return Ok(());
         }
@@ -331,6 +331,6 @@ impl Critic {
                 format!("has {seen} of the critic's {expected} tensors"),
             )));
         }
-        checkpoint::load_optimizer(dir, &mut self.optim)
+        Ok(optim::load_optimizer(dir, &mut self.optim)?)
     }
 }

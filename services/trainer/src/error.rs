@@ -67,6 +67,16 @@ pub enum WeightSyncFailure {
     },
 }
 
+impl WeightSyncFailure {
+    /// A stable, low-cardinality label for metrics and logs: the stage that failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Rejected(..) => "rejected",
+            Self::Unacknowledged { .. } => "unacknowledged",
+        }
+    }
+}
+
 /// Why one announcement to checkpoint-sync went unanswered.
 #[derive(Debug, thiserror::Error)]
 pub enum AnnounceAttempt {
@@ -76,6 +86,16 @@ pub enum AnnounceAttempt {
     /// the request itself failed (no responder, a timeout, the broker gone)
     #[error(transparent)]
     Bus(Box<jetrl_bus::BusError>),
+}
+
+impl AnnounceAttempt {
+    /// A stable, low-cardinality label for metrics and logs: the stage that failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Unavailable(..) => "unavailable",
+            Self::Bus(..) => "bus",
+        }
+    }
 }
 
 impl TrainerError {
@@ -118,6 +138,13 @@ pub enum ActorError {
     /// a batch the actor cannot train on (it names why)
     #[error("batch: {0}")]
     Batch(String),
+    /// a message between the trainer's ranks (a command, a rank's metrics) did not encode or decode
+    #[error("rank message ({what}): {source}")]
+    RankMessage {
+        what: String,
+        #[source]
+        source: serde_json::Error,
+    },
     #[error("cannot start the actor thread: {0}")]
     Spawn(#[source] std::io::Error),
     #[error("the actor thread has stopped")]
@@ -125,6 +152,25 @@ pub enum ActorError {
     /// the actor thread panicked (its message); the thread is gone, and every later call gets the same error
     #[error("the actor thread panicked: {0}")]
     Panicked(String),
+}
+
+impl ActorError {
+    /// A stable, low-cardinality label for metrics and logs: the stage that failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Model(..) => "model",
+            Self::Algo(..) => "algo",
+            Self::Torch(..) => "torch",
+            Self::Optim(..) => "optim",
+            Self::Dist(..) => "dist",
+            Self::Checkpoint(..) => "checkpoint",
+            Self::Batch(..) => "batch",
+            Self::RankMessage { .. } => "rank_message",
+            Self::Spawn(..) => "spawn",
+            Self::Stopped => "stopped",
+            Self::Panicked(..) => "panicked",
+        }
+    }
 }
 
 impl jetrl_telemetry::ServiceError for TrainerError {

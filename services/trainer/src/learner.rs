@@ -9,9 +9,12 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use jetrl_wire::v1::{self, SampleResponse};
 
-use crate::actor::{ActorHandle, ActorState, OldPolicy, Sample, TrainOutput};
+use crate::actor::{ActorHandle, OldPolicy, TrainOutput};
+use crate::batch::Sample;
+use crate::checkpoint::ActorState;
+use crate::command::Command;
 use crate::error::TrainerError;
-use crate::ranks::{self, Command};
+use crate::ranks;
 
 /// The model side of a trainer.
 pub trait Learner: Send + Sync {
@@ -70,10 +73,10 @@ impl Learner for Ranks {
         Box::pin(async move {
             Ok(self
                 .actor
-                .call(move |actor| {
+                .call(move |rank0| {
                     let (batch, command) = ranks::split_batch(samples, world, &rewards, step, pi_old)?;
-                    actor.lead(&command)?;
-                    actor.train(&batch, step, pi_old)
+                    rank0.lead(&command)?;
+                    rank0.actor.train(&batch, step, pi_old)
                 })
                 .await??)
         })
@@ -83,27 +86,27 @@ impl Learner for Ranks {
         Box::pin(async move {
             Ok(self
                 .actor
-                .call(|actor| {
-                    actor.lead(&Command::Snapshot)?;
-                    actor.snapshot()
+                .call(|rank0| {
+                    rank0.lead(&Command::Snapshot)?;
+                    rank0.actor.snapshot()
                 })
                 .await??)
         })
     }
 
     fn weights_blob(&self) -> BoxFuture<'_, Result<Bytes, TrainerError>> {
-        Box::pin(async move { Ok(Bytes::from(self.actor.call(|actor| actor.weights_blob()).await??)) })
+        Box::pin(async move { Ok(Bytes::from(self.actor.call(|rank0| rank0.actor.weights_blob()).await??)) })
     }
 
     fn save_checkpoint(&self, dir: PathBuf) -> BoxFuture<'_, Result<ActorState, TrainerError>> {
         Box::pin(async move {
             Ok(self
                 .actor
-                .call(move |actor| {
-                    actor.lead(&Command::SaveCheckpoint { dir: dir.clone() })?;
-                    let state = actor.save_checkpoint(&dir)?;
+                .call(move |rank0| {
+                    rank0.lead(&Command::SaveCheckpoint { dir: dir.clone() })?;
+                    let state = rank0.actor.save_checkpoint(&dir)?;
                     // the checkpoint is complete only when every rank's shard is written
-                    actor.comm().barrier()?;
+                    rank0.actor.comm().barrier()?;
                     Ok::<_, crate::error::ActorError>(state)
                 })
                 .await??)
@@ -111,6 +114,6 @@ impl Learner for Ranks {
     }
 
     fn finish(&self) -> BoxFuture<'_, Result<(), TrainerError>> {
-        Box::pin(async move { Ok(self.actor.call(|actor| actor.lead(&Command::Stop)).await??) })
+        Box::pin(async move { Ok(self.actor.call(|rank0| rank0.lead(&Command::Stop)).await??) })
     }
 }

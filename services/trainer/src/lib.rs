@@ -16,6 +16,7 @@
 //! - [`fleet`]: the rollout workers' heartbeats (liveness, loaded versions, idle time).
 //! - [`step_metrics`]: verl's batch metrics, timings, idle ratios, the local-update aggregator.
 //! - [`actor`]: the actor, reference and critic models, optimizers and the PPO math on a dedicated thread.
+//! - [`ranks`]: the trainer as a group of ranks; [`command`]: what rank 0 tells the others.
 //! - [`batch`]: trajectories as padded tensors (checked at the boundary), micro-batches, mini-batches of groups.
 //! - [`critic`]: the value model. [`optim`]: AdamW with saveable state and verl's LR schedules.
 //! - [`paced`]: the paced stand-in learner of `trainer.simulate` (a simulation knob: no model, modelled time).
@@ -28,6 +29,7 @@
 pub mod actor;
 pub mod batch;
 pub mod checkpoint;
+pub mod command;
 pub mod critic;
 pub mod dist;
 pub mod dump;

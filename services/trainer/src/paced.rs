@@ -13,7 +13,8 @@ use futures::future::BoxFuture;
 use jetrl_config::SimulateConfig;
 use jetrl_wire::v1::SampleResponse;
 
-use crate::actor::{OldPolicy, Sample, TrainOutput};
+use crate::actor::{OldPolicy, TrainOutput};
+use crate::batch::Sample;
 use crate::checkpoint::ActorState;
 use crate::error::TrainerError;
 use crate::learner::Learner;

@@ -1,4 +1,4 @@
-//! The trainer as a group of ranks (DESIGN §6): `trainer.n_gpus_per_node × trainer.nnodes` processes in one c10d
+//! The trainer as a group of ranks (docs/scale-out.md): `trainer.n_gpus_per_node × trainer.nnodes` processes in one c10d
 //! process group, one per device. Rank 0 leads: it holds the job's lease, talks to the replay buffer and the
 //! rollout workers, and tells the other ranks what to do next through the group's store (rank 0 hosts it); ranks
 //! 1..N follow ([`follow`]). Every rank holds the whole model, its shard of the optimizer state and a share of each
@@ -21,10 +21,10 @@ use jetrl_config::JobConfig;
 use jetrl_torch_ext::{Backend, DistError, ProcessGroup, ProcessGroupOptions};
 use jetrl_wire::v1;
 use jetrl_wire::Message;
-use serde::{Deserialize, Serialize};
 
-use crate::actor::{Actor, ActorState, OldPolicy, RankBatch, RowInfo, Sample};
-use crate::batch::SampleLimits;
+use crate::actor::{Actor, OldPolicy};
+use crate::batch::{RankBatch, RowInfo, Sample, SampleLimits};
+use crate::command::{Command, PiOld};
 use crate::dist::Comm;
 use crate::error::{ActorError, TrainerError};
 
@@ -100,13 +100,6 @@ pub fn join(cfg: &JobConfig, plan: &RankPlan) -> Result<Comm, DistError> {
     Ok(Comm::group(group))
 }
 
-/// π_old as a command carries it.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
-pub enum PiOld {
-    Current,
-    CycleStart,
-}
-
 impl From<OldPolicy> for PiOld {
     fn from(p: OldPolicy) -> Self {
         match p {
@@ -122,66 +115,6 @@ impl From<PiOld> for OldPolicy {
             PiOld::Current => Self::Current,
             PiOld::CycleStart => Self::CycleStart,
         }
-    }
-}
-
-/// What rank 0 asks of every rank, in order.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub enum Command {
-    /// build the actor: the LR horizon, and the checkpoint to resume from (the same for every rank)
-    Init { horizon: u64, resume: Option<(PathBuf, ActorState)>, pad_id: u32 },
-    /// one training step: every row in the order all ranks use, and per follower the rows it holds with the
-    /// reward records (protobuf) of their payloads, which it fetches itself
-    Train { step: u64, pi_old: PiOld, rows: Vec<RowInfo>, shares: BTreeMap<usize, Vec<(usize, Vec<u8>)>> },
-    /// copy the current weights as π_old of the step's local updates (separate_async)
-    Snapshot,
-    /// write this rank's part of the checkpoint being staged in `dir`
-    SaveCheckpoint { dir: PathBuf },
-    /// training is over: leave the group
-    Stop,
-}
-
-/// Rank 0's side of the command channel. Commands are deleted from the store once every follower has read
-/// them: rank 0 sends a command, then runs it itself; a command with a collective (`Train`, `SaveCheckpoint`)
-/// completes on rank 0 only when every rank has joined it, so when rank 0 sends the next one, every follower has
-/// read everything up to the last such command.
-#[derive(Debug)]
-pub struct Leader {
-    comm: Comm,
-    sent: u64,
-    /// commands up to this number are deleted from the store
-    deleted: u64,
-    /// the number of the last command sent, when it has a collective (all ranks have read it once rank 0 ran it)
-    synced: Option<u64>,
-}
-
-impl Leader {
-    pub fn new(comm: Comm) -> Self {
-        Self { comm, sent: 0, deleted: 0, synced: None }
-    }
-
-    pub fn comm(&self) -> &Comm {
-        &self.comm
-    }
-
-    /// Writes the next command for every follower (nothing with one rank).
-    pub fn send(&mut self, command: &Command) -> Result<(), ActorError> {
-        if self.comm.world() == 1 {
-            return Ok(());
-        }
-        if let Some(read) = self.synced.take() {
-            for n in self.deleted + 1..=read {
-                self.comm.store_delete(&format!("cmd/{n}"))?;
-            }
-            self.deleted = read;
-        }
-        self.sent += 1;
-        let bytes = serde_json::to_vec(command).map_err(|e| ActorError::Batch(format!("command: {e}")))?;
-        self.comm.store_set(&format!("cmd/{}", self.sent), &bytes)?;
-        if matches!(command, Command::Train { .. } | Command::SaveCheckpoint { .. }) {
-            self.synced = Some(self.sent);
-        }
-        Ok(())
     }
 }
 
@@ -302,7 +235,7 @@ fn wait_command(comm: &Comm, n: u64, stop: &AtomicBool) -> Result<Option<Command
         }
         if let Some(bytes) = comm.store_get(&key, COMMAND_POLL).map_err(ActorError::from)? {
             let command = serde_json::from_slice(&bytes)
-                .map_err(|e| ActorError::Batch(format!("command {n} from rank 0 does not decode: {e}")))?;
+                .map_err(|source| ActorError::RankMessage { what: format!("command {n} from rank 0"), source })?;
             return Ok(Some(command));
         }
     }

@@ -7,7 +7,6 @@ use tokio::time::Instant;
 
 use jetrl_wire::v1::{GroupState, SampleResponse};
 
-use crate::actor::stats;
 use crate::batch::Sample;
 
 pub type Metrics = BTreeMap<String, f64>;
@@ -258,6 +257,16 @@ fn is_counter(key: &str) -> bool {
         || key.starts_with("training/rejected")
         || key.starts_with("timing_s/")
         || key == "perf/total_num_tokens"
+}
+
+/// `<name>/mean`, `/max`, `/min` of `values` (nothing when empty).
+pub fn stats(values: &[f64], name: &str, out: &mut BTreeMap<String, f64>) {
+    if values.is_empty() {
+        return;
+    }
+    out.insert(format!("{name}/mean"), values.iter().sum::<f64>() / values.len() as f64);
+    out.insert(format!("{name}/max"), values.iter().copied().fold(f64::MIN, f64::max));
+    out.insert(format!("{name}/min"), values.iter().copied().fold(f64::MAX, f64::min));
 }
 
 #[cfg(test)]

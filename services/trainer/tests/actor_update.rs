@@ -5,7 +5,8 @@
 use std::collections::BTreeMap;
 
 use jetrl_config::JobConfig;
-use jetrl_trainer::actor::{Actor, ActorHandle, OldPolicy, RankBatch, Sample};
+use jetrl_trainer::actor::{Actor, ActorHandle, OldPolicy};
+use jetrl_trainer::batch::{RankBatch, Sample};
 use jetrl_trainer::dist::Comm;
 use jetrl_trainer::error::ActorError;
 use tch::Tensor;

@@ -9,8 +9,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use jetrl_config::JobConfig;
-use jetrl_trainer::actor::{Actor, ActorState, OldPolicy, RankBatch, Sample};
+use jetrl_trainer::actor::{Actor, OldPolicy};
+use jetrl_trainer::batch::{RankBatch, Sample};
 use jetrl_trainer::checkpoint;
+use jetrl_trainer::checkpoint::ActorState;
 use jetrl_trainer::dist::Comm;
 use jetrl_trainer::synthetic;
 use tch::Tensor;

@@ -23,7 +23,8 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use jetrl_config::JobConfig;
 use jetrl_model::{CausalLm, DType, ModelConfig};
-use jetrl_trainer::actor::{Actor, Sample};
+use jetrl_trainer::actor::Actor;
+use jetrl_trainer::batch::Sample;
 use jetrl_trainer::dist::Comm;
 use rand::{Rng, SeedableRng};
 

@@ -20,7 +20,8 @@ use jetrl_wire::v1::{
 use tokio::time::Instant;
 
 use super::{step, warm_up, Schedule};
-use crate::actor::{OldPolicy, Sample, TrainOutput};
+use crate::actor::{OldPolicy, TrainOutput};
+use crate::batch::Sample;
 use crate::checkpoint::ActorState;
 use crate::error::TrainerError;
 use crate::fleet::WorkerView;
