@@ -23,16 +23,20 @@
 //! The engine is synchronous and owns the model: it runs on the one thread that drives it (`Tensor` is not
 //! `Sync`); services wrap it in a thread fed by a channel.
 
+mod admission;
 mod cache;
+mod compaction;
+mod config;
 mod forward;
 mod graphs;
+mod request;
 mod sampler;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use tch::{Kind, Tensor};
 
@@ -44,244 +48,9 @@ use forward::DecodeInputs;
 use graphs::{DecodeGraphs, Shapes};
 use sampler::RowSampling;
 
-/// A request's handle, chosen by the caller (unique among the requests the engine holds).
-pub type RequestId = u64;
-
-/// Turns generated token ids into text, for stop strings (the tokenizer's decode without special tokens).
-pub type Detokenizer = Arc<dyn Fn(&[u32]) -> Option<String> + Send + Sync>;
-
-/// Which log-prob is recorded per sampled token (verl's `rollout.logprobs_mode`).
-pub use jetrl_config::LogprobsMode;
-
-/// How one request is sampled (vLLM's `SamplingParams`, the subset RL rollouts use).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Sampling {
-    /// 0 = greedy (argmax; log-probs at temperature 1).
-    pub temperature: f32,
-    /// Nucleus mass kept, in (0, 1]; 1 disables.
-    pub top_p: f32,
-    /// Most likely tokens kept; `<= 0` disables.
-    pub top_k: i64,
-    /// HF/vLLM repetition penalty over prompt and output tokens; 1 disables.
-    pub repetition_penalty: f32,
-    /// Tokens generated at most, a resumed prefix included (the stop token counts).
-    pub max_tokens: usize,
-    /// Ids that end the sequence besides the model's EOS ids (always honoured, also with `ignore_eos`).
-    pub stop_token_ids: Vec<u32>,
-    /// Texts that end the sequence once the generated text contains one (the token completing it is kept).
-    pub stop: Vec<String>,
-    /// Seeds the sequence's random stream; `None` takes one from the engine's seed and the request id.
-    pub seed: Option<u64>,
-    /// Keep generating past EOS (benchmarks).
-    pub ignore_eos: bool,
-}
-
-impl Default for Sampling {
-    fn default() -> Self {
-        Sampling {
-            temperature: 1.0,
-            top_p: 1.0,
-            top_k: -1,
-            repetition_penalty: 1.0,
-            max_tokens: 256,
-            stop_token_ids: Vec::new(),
-            stop: Vec::new(),
-            seed: None,
-            ignore_eos: false,
-        }
-    }
-}
-
-impl Sampling {
-    /// The greedy settings verl validates with (`val_kwargs`: temperature 0, top-p 1, top-k off).
-    pub fn greedy(max_tokens: usize) -> Self {
-        Sampling { temperature: 0.0, max_tokens, ..Sampling::default() }
-    }
-
-    fn validate(&self) -> Result<()> {
-        let bad = |what: String| Err(ModelError::Generation(what));
-        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return bad(format!("temperature must be finite and >= 0, got {}", self.temperature));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
-        }
-        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
-            return bad(format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
-        }
-        if self.stop.iter().any(String::is_empty) {
-            return bad("a stop string is empty".into());
-        }
-        Ok(())
-    }
-
-    fn row(&self) -> RowSampling {
-        RowSampling {
-            temperature: self.temperature,
-            top_p: self.top_p,
-            top_k: self.top_k,
-            repetition_penalty: self.repetition_penalty,
-        }
-    }
-}
-
-/// Tokens generated before an abort, to continue from.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct Prefix {
-    pub tokens: Vec<u32>,
-    pub logprobs: Vec<f32>,
-    pub min_version: u64,
-    pub max_version: u64,
-    /// which version sampled which tokens, see [`SequenceOutput::version_runs`]
-    pub version_runs: Vec<(u32, u64)>,
-}
-
-/// One prompt to sample `n` times.
-#[derive(Debug, Clone)]
-pub struct Request {
-    pub prompt: Vec<u32>,
-    pub n: usize,
-    pub sampling: Sampling,
-    /// Continue a sequence that was aborted: its tokens are appended to the context and kept in the output.
-    /// Requires `n == 1`.
-    pub resume: Option<Prefix>,
-    /// The sample index of the first sample (outputs are numbered `first_sample..first_sample + n`, and sample
-    /// `i` draws from random stream `(seed, i)`); resuming sample 5 of a group passes 5.
-    pub first_sample: usize,
-}
-
-impl Request {
-    pub fn new(prompt: Vec<u32>, n: usize, sampling: Sampling) -> Self {
-        Request { prompt, n, sampling, resume: None, first_sample: 0 }
-    }
-}
-
-/// Why a sequence ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Finish {
-    /// The model's EOS token (the last token).
-    Eos(u32),
-    /// One of the request's stop token ids (the last token).
-    StopToken(u32),
-    /// The generated text contains this stop string.
-    StopString(String),
-    /// `max_tokens`, or the KV slot is full.
-    Length,
-    /// [`Engine::abort`]: the tokens so far are a prefix to resume from.
-    Aborted,
-}
-
-impl Finish {
-    /// A natural end (EOS, stop token or stop string), as opposed to a truncation or an abort.
-    pub fn is_stop(&self) -> bool {
-        matches!(self, Finish::Eos(_) | Finish::StopToken(_) | Finish::StopString(_))
-    }
-
-    pub fn label(&self) -> &'static str {
-        match self {
-            Finish::Eos(_) | Finish::StopToken(_) | Finish::StopString(_) => "stop",
-            Finish::Length => "length",
-            Finish::Aborted => "aborted",
-        }
-    }
-}
-
-/// One finished (or aborted) sequence.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SequenceOutput {
-    pub request: RequestId,
-    /// Sample index (`first_sample + i`).
-    pub index: usize,
-    /// Generated tokens, a resumed prefix included.
-    pub tokens: Vec<u32>,
-    /// One per token, see [`LogprobsMode`].
-    pub logprobs: Vec<f32>,
-    pub finish: Finish,
-    /// Lowest and highest weight version the tokens were sampled under (the current version when there are
-    /// none).
-    pub min_version: u64,
-    pub max_version: u64,
-    /// `(first token index, version)` of each run of tokens sampled under one weight version, in order: a
-    /// sequence that crossed a weight swap has more than one (what partial rollout is checked against).
-    pub version_runs: Vec<(u32, u64)>,
-    /// From [`Engine::add_request`] to this sequence's first new token.
-    pub time_to_first_token: Option<Duration>,
-}
-
-/// The fixed budget of an engine.
-#[derive(Debug, Clone)]
-pub struct EngineConfig {
-    /// Sequences decoded together at most.
-    pub max_num_seqs: usize,
-    /// Positions per sequence (context + generated); longer requests are refused, `max_tokens` is clamped.
-    pub max_model_len: usize,
-    /// Token positions in the KV cache over all sequences; the engine runs
-    /// `min(max_num_seqs, kv_cache_tokens / max_model_len)` sequences at once. `None`: `max_num_seqs` rows.
-    pub kv_cache_tokens: Option<usize>,
-    /// Seeds requests that bring no seed of their own (mixed with the request id).
-    pub seed: u64,
-    /// Tokens that end a sequence unless its request sets `ignore_eos`.
-    pub eos_token_ids: Vec<u32>,
-    pub logprobs_mode: LogprobsMode,
-    /// Decode eagerly on CUDA instead of replaying CUDA graphs (vLLM's and verl's `enforce_eager`). The CPU is
-    /// always eager.
-    pub enforce_eager: bool,
-    /// Round decode steps up to the graph buckets (batch 1, 2, 4, … slots; attention width a power of two).
-    /// `None`: exactly when decoding through CUDA graphs. `Some(true)` on the CPU runs the graph path's shapes
-    /// (padded slots, scratch positions, compaction at bucket boundaries) eagerly, to test them.
-    pub bucketed: Option<bool>,
-    /// A context longer than this is prefilled this many tokens at a time (its attention scores are `chunk ×
-    /// context` per pass instead of `context²`).
-    pub prefill_chunk: usize,
-    /// Read each step's sampled tokens on the host one step later, while the next step runs: a sequence that
-    /// stopped is found one step late and the token it sampled meanwhile is dropped (its outputs are unchanged).
-    /// `None`: on any device but the CPU, where the host reads tensors without waiting anyway.
-    pub defer_stop_checks: Option<bool>,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            max_num_seqs: 64,
-            max_model_len: 1024,
-            kv_cache_tokens: None,
-            seed: 0,
-            eos_token_ids: Vec::new(),
-            logprobs_mode: LogprobsMode::Processed,
-            enforce_eager: false,
-            bucketed: None,
-            prefill_chunk: 2048,
-            defer_stop_checks: None,
-        }
-    }
-}
-
-/// A snapshot of the engine's load, for metrics and heartbeats.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct EngineStats {
-    /// Sequences in KV rows right now.
-    pub running: usize,
-    /// Samples submitted but not yet admitted (the queue).
-    pub waiting: usize,
-    pub slots: usize,
-    /// Cached positions over running sequences, and the cache's capacity.
-    pub kv_tokens_used: u64,
-    pub kv_tokens_capacity: u64,
-    /// Totals since start: tokens sampled, context tokens prefilled, decode steps.
-    pub generated_tokens: u64,
-    pub prefill_tokens: u64,
-    pub steps: u64,
-    pub version: u64,
-    /// Slots computed by decode steps, free ones inside the batch included, and the sequences among them (the
-    /// difference is what padding a batch up to its bucket costs); sequences moved to a lower slot.
-    pub decoded_slots: u64,
-    pub decoded_rows: u64,
-    /// Forward passes prefill took (several contexts share one, up to `prefill_chunk` tokens).
-    pub prefill_passes: u64,
-    pub moved_rows: u64,
-    /// CUDA graphs captured (0 when decoding eagerly).
-    pub graphs: usize,
-}
+use admission::mix;
+pub use config::{EngineConfig, EngineStats};
+pub use request::{Detokenizer, Finish, LogprobsMode, Prefix, Request, RequestId, Sampling, SequenceOutput};
 
 /// What every sample of one request shares.
 #[derive(Debug)]
@@ -350,9 +119,6 @@ struct Pending {
     copied: Option<jetrl_torch_ext::CudaEvent>,
     version: u64,
 }
-
-/// A context to prefill: its slot, its request, and where its `(slot, first-token logits)` go.
-type PrefillJob<'a> = (usize, Arc<Shared>, &'a mut Option<(usize, Tensor)>);
 
 /// The engine: a model, its slot cache, the running rows and the queue.
 pub struct Engine {
@@ -916,189 +682,6 @@ impl Engine {
             || self.ready.iter().any(|o| o.request == id)
     }
 
-    fn new_row(shared: &Arc<Shared>, index: usize, cached: i64) -> Row {
-        let mut rng = ChaCha8Rng::seed_from_u64(mix(shared.seed, index as u64));
-        let (tokens, logprobs, min_version, max_version, version_runs) = match &shared.prefix {
-            Some(p) => {
-                // One draw per token already generated: a resumed stream continues where it stopped.
-                for _ in 0..p.tokens.len() {
-                    let _: f64 = rng.gen();
-                }
-                let known = (!p.tokens.is_empty()).then_some(p.min_version);
-                (p.tokens.clone(), p.logprobs.clone(), known, p.max_version, p.version_runs.clone())
-            }
-            None => (Vec::new(), Vec::new(), None, 0, Vec::new()),
-        };
-        Row {
-            shared: shared.clone(),
-            index,
-            rng,
-            tokens,
-            logprobs,
-            cached,
-            fresh: None,
-            min_version,
-            max_version,
-            version_runs,
-            first_token: None,
-            serial: 0,
-            sampled: 0,
-            closing: false,
-        }
-        .with_sampled()
-    }
-
-    /// Fills free slots from the queue, lowest first: each request's first admitted sample is prefilled (the
-    /// contexts of all requests admitted in this step packed into as few forward passes as the prefill chunk
-    /// allows), the others fork its slot.
-    fn admit(&mut self) -> Result<()> {
-        struct Admission {
-            waiting: Waiting,
-            targets: Vec<usize>,
-            /// the slot whose keys and values the samples copy, and the first token's logits
-            source: Option<(usize, Tensor)>,
-        }
-        let mut free: VecDeque<usize> = (0..self.slots).filter(|&s| self.rows[s].is_none()).collect();
-        let mut admissions: Vec<Admission> = Vec::new();
-        while !free.is_empty() {
-            let Some(mut waiting) = self.waiting.pop_front() else { break };
-            let take = free.len().min(waiting.n - waiting.next);
-            let targets: Vec<usize> = free.drain(..take).collect();
-            // A running sibling already holds the context's keys and values.
-            let sibling = self.rows.iter().position(|r| r.as_ref().is_some_and(|r| r.shared.id == waiting.shared.id));
-            let source = match (sibling, waiting.first_logits.take()) {
-                (Some(src), Some(logits)) => Some((src, logits)),
-                _ => None,
-            };
-            let partial = waiting.next + take < waiting.n;
-            admissions.push(Admission { waiting, targets, source });
-            if partial {
-                break;
-            }
-        }
-        self.prefill_admissions(admissions.iter_mut().filter(|a| a.source.is_none()).map(|a| {
-            let slot = a.targets[0];
-            (slot, a.waiting.shared.clone(), &mut a.source)
-        }))?;
-        for Admission { mut waiting, targets, source } in admissions {
-            let (source, logits) =
-                source.ok_or_else(|| ModelError::Generation("an admitted request was not prefilled".into()))?;
-            let context_len = waiting.shared.context.len() as i64;
-            let cache = self.cache.as_mut().ok_or_else(|| ModelError::Generation("the KV cache is freed".into()))?;
-            for (i, &slot) in targets.iter().enumerate() {
-                cache.copy_row(source as i64, slot as i64, context_len)?;
-                let mut row = Self::new_row(&waiting.shared, waiting.first_sample + waiting.next + i, context_len);
-                row.fresh = Some(logits.shallow_clone());
-                row.serial = self.next_serial;
-                self.next_serial += 1;
-                self.rows[slot] = Some(row);
-            }
-            if waiting.shared.row.repetition_penalty != 1.0 || self.presence.is_some() {
-                self.mark_presence(&targets)?;
-            }
-            waiting.next += targets.len();
-            if waiting.next < waiting.n {
-                waiting.first_logits = Some(logits);
-                self.waiting.push_front(waiting);
-            }
-        }
-        Ok(())
-    }
-
-    /// Prefills each `(slot, request)` and stores `(slot, logits)` in its place: contexts packed together up to
-    /// `prefill_chunk` tokens a pass; a longer context alone, chunk by chunk.
-    fn prefill_admissions<'a>(&mut self, jobs: impl Iterator<Item = PrefillJob<'a>>) -> Result<()> {
-        let chunk = self.config.prefill_chunk.max(1);
-        let cache = self.cache.as_mut().ok_or_else(|| ModelError::Generation("the KV cache is freed".into()))?;
-        let mut group: Vec<PrefillJob<'a>> = Vec::new();
-        let mut group_tokens = 0;
-        let flush = |group: &mut Vec<PrefillJob<'a>>, cache: &mut SlotCache| -> Result<(u64, u64)> {
-            if group.is_empty() {
-                return Ok((0, 0));
-            }
-            let slots: Vec<i64> = group.iter().map(|(slot, _, _)| *slot as i64).collect();
-            let contexts: Vec<&[u32]> = group.iter().map(|(_, shared, _)| shared.context.as_slice()).collect();
-            let logits = forward::prefill_packed(&self.model, cache, &slots, &contexts)?;
-            let tokens = contexts.iter().map(|c| c.len() as u64).sum();
-            for ((slot, _, place), logits) in group.drain(..).zip(logits) {
-                *place = Some((slot, logits));
-            }
-            Ok((tokens, 1))
-        };
-        for (slot, shared, place) in jobs {
-            let len = shared.context.len();
-            if len > chunk {
-                let logits = forward::prefill(&self.model, cache, slot as i64, &shared.context, chunk)?;
-                self.stats.prefill_tokens += len as u64;
-                self.stats.prefill_passes += len.div_ceil(chunk) as u64;
-                *place = Some((slot, logits));
-                continue;
-            }
-            if group_tokens + len > chunk {
-                let (tokens, passes) = flush(&mut group, cache)?;
-                self.stats.prefill_tokens += tokens;
-                self.stats.prefill_passes += passes;
-                group_tokens = 0;
-            }
-            group_tokens += len;
-            group.push((slot, shared, place));
-        }
-        let (tokens, passes) = flush(&mut group, cache)?;
-        self.stats.prefill_tokens += tokens;
-        self.stats.prefill_passes += passes;
-        Ok(())
-    }
-
-    /// Moves the sequences in the highest slots down into free ones until the batch a step needs is the one the
-    /// running count needs (their keys and values, and their penalty row, go with them).
-    fn compact(&mut self) -> Result<()> {
-        let running = self.running();
-        if running == 0 {
-            return Ok(());
-        }
-        let target = self.shapes.batch(running, self.slots);
-        while let Some(high) = self.rows.iter().rposition(Option::is_some) {
-            if high < target {
-                break;
-            }
-            let Some(hole) = self.rows.iter().position(Option::is_none) else { break };
-            if hole > high {
-                break;
-            }
-            let len = self.rows[high].as_ref().map_or(0, |r| r.cached.max(0));
-            if let Some(cache) = self.cache.as_mut() {
-                cache.copy_row(high as i64, hole as i64, len)?;
-            }
-            if let Some(presence) = &mut self.presence {
-                let from = presence.f_narrow(0, high as i64, 1)?;
-                presence.f_narrow(0, hole as i64, 1)?.f_copy_(&from)?;
-            }
-            self.rows.swap(high, hole);
-            self.stats.moved_rows += 1;
-        }
-        Ok(())
-    }
-
-    /// Records the context tokens of the sequences in `slots` for the repetition penalty.
-    fn mark_presence(&mut self, slots: &[usize]) -> Result<()> {
-        let vocab = self.model.config().vocab_size;
-        let presence = match &mut self.presence {
-            Some(p) => p,
-            None => {
-                self.presence.insert(Tensor::f_zeros([self.slots as i64, vocab], (Kind::Bool, self.model.device()))?)
-            }
-        };
-        for &s in slots {
-            let Some(row) = &self.rows[s] else { continue };
-            let context: Vec<i64> = row.shared.context.iter().map(|&t| i64::from(t)).collect();
-            let index = Tensor::from_slice(&context).f_unsqueeze(0)?.f_to_device(presence.device())?;
-            let mut slot = presence.f_narrow(0, s as i64, 1)?;
-            let _ = slot.f_zero_()?;
-            let _ = slot.f_scatter_value_(1, &index, 1)?;
-        }
-        Ok(())
-    }
-
     /// Why the sequence in slot `s` ends after sampling `token`, if it does.
     fn finish_of(&self, s: usize, token: u32) -> Option<Finish> {
         let row = self.rows[s].as_ref()?;
@@ -1151,12 +734,4 @@ impl Row {
             time_to_first_token: self.first_token,
         }
     }
-}
-
-/// splitmix64 of `a` combined with `b`: independent streams for (seed, sample) pairs.
-fn mix(a: u64, b: u64) -> u64 {
-    let mut z = a ^ b.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(0x632B_E59B_D9B4_E019);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
