@@ -2,17 +2,17 @@
 //! URL (and the user, when the server refuses the credentials: that is not retried), and the subjects the server
 //! refused this connection ([`Refusals`]) so a refused publish or request fails at once instead of timing out.
 
-use std::collections::VecDeque;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
-use async_nats::rustls;
 use jetrl_config::{JobConfig, NatsConfig};
 use jetrl_wire::subjects::Names;
 use tokio::sync::watch;
 
+use crate::refusals::{parse_violation, refused_reply, Refusals};
+use crate::tls::tls_client_config;
 use crate::{BusError, Cause, Delays};
 
 /// How long a stopping service waits for a lost broker to come back before it leaves without the broker work of
@@ -381,98 +381,6 @@ fn read_secret(path: &str) -> Result<String, String> {
     Ok(secret)
 }
 
-/// A TLS client configuration that trusts only the CA in `ca_file`, presents `client_auth` (certificate, key)
-/// if given, and checks the server's certificate against `server_name` instead of the URL's host if given.
-fn tls_client_config(
-    ca_file: &str,
-    client_auth: Option<(&str, &str)>,
-    server_name: Option<&str>,
-) -> Result<rustls::ClientConfig, String> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-
-    let certificates = |key: &str, path: &str| -> Result<Vec<CertificateDer<'static>>, String> {
-        let certs = CertificateDer::pem_file_iter(path)
-            .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
-            .map_err(|e| format!("{key} {path}: {e}"))?;
-        if certs.is_empty() {
-            return Err(format!("{key} {path}: no PEM certificate in it"));
-        }
-        Ok(certs)
-    };
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in certificates("nats.tls_ca_file", ca_file)? {
-        roots.add(cert).map_err(|e| format!("nats.tls_ca_file {ca_file}: {e}"))?;
-    }
-    let roots = Arc::new(roots);
-    let builder = match server_name {
-        None => rustls::ClientConfig::builder().with_root_certificates(roots),
-        Some(name) => {
-            let name =
-                ServerName::try_from(name.to_string()).map_err(|e| format!("nats.tls_server_name {name:?}: {e}"))?;
-            let inner = rustls::client::WebPkiServerVerifier::builder(roots)
-                .build()
-                .map_err(|e| format!("nats.tls_ca_file {ca_file}: {e}"))?;
-            rustls::ClientConfig::builder()
-                .dangerous()
-                .with_custom_certificate_verifier(Arc::new(ExpectServerName { inner, name }))
-        }
-    };
-    match client_auth {
-        None => Ok(builder.with_no_client_auth()),
-        Some((cert, key)) => {
-            let chain = certificates("nats.tls_cert_file", cert)?;
-            let key_der = PrivateKeyDer::from_pem_file(key).map_err(|e| format!("nats.tls_key_file {key}: {e}"))?;
-            builder
-                .with_client_auth_cert(chain, key_der)
-                .map_err(|e| format!("nats.tls_cert_file {cert} with nats.tls_key_file {key}: {e}"))
-        }
-    }
-}
-
-/// The standard WebPKI verification of the server's chain, against a configured name instead of the URL's host
-/// (`nats.tls_server_name`: a URL by IP address, or a name the certificate was not issued for).
-#[derive(Debug)]
-struct ExpectServerName {
-    inner: Arc<rustls::client::WebPkiServerVerifier>,
-    name: rustls::pki_types::ServerName<'static>,
-}
-
-impl rustls::client::danger::ServerCertVerifier for ExpectServerName {
-    fn verify_server_cert(
-        &self,
-        end_entity: &rustls::pki_types::CertificateDer<'_>,
-        intermediates: &[rustls::pki_types::CertificateDer<'_>],
-        _url_host: &rustls::pki_types::ServerName<'_>,
-        ocsp_response: &[u8],
-        now: rustls::pki_types::UnixTime,
-    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
-        self.inner.verify_server_cert(end_entity, intermediates, &self.name, ocsp_response, now)
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &rustls::pki_types::CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.inner.verify_tls12_signature(message, cert, dss)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &rustls::pki_types::CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.inner.verify_tls13_signature(message, cert, dss)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.inner.supported_verify_schemes()
-    }
-}
-
 /// The connection's event callback: logs disconnects and reconnects, counts them
 /// (`jetrl_bus_connection_events_total{event}`), and logs, counts (`jetrl_bus_permission_violations_total
 /// {operation}`) and records every permissions violation the server reports.
@@ -520,91 +428,6 @@ fn connection_events(
             other => tracing::debug!(%url, event = %other, "NATS connection event"),
         }
         futures::future::ready(())
-    }
-}
-
-/// Whether a refused publish was a reply: an inbox subject (`_INBOX.…`, or `_INBOX_<user>.…` under gen.sh's
-/// per-identity inbox prefixes).
-fn refused_reply(operation: &str, subject: &str) -> bool {
-    operation == "publish" && subject.starts_with("_INBOX")
-}
-
-/// `Permissions Violation for Publish to "subject"` → ("publish", "subject"); subscriptions likewise.
-fn parse_violation(text: &str) -> Option<(&'static str, &str)> {
-    let rest = text.strip_prefix("Permissions Violation for ")?;
-    let operation = if rest.starts_with("Publish") {
-        "publish"
-    } else if rest.starts_with("Subscription") {
-        "subscribe"
-    } else {
-        "other"
-    };
-    let subject = rest.split('"').nth(1)?;
-    Some((operation, subject))
-}
-
-/// The last permissions violations the server reported on one connection, and a way to wait for one.
-#[derive(Clone, Default)]
-pub(crate) struct Refusals {
-    inner: Arc<RefusalsInner>,
-}
-
-#[derive(Default)]
-struct RefusalsInner {
-    recent: Mutex<VecDeque<Refusal>>,
-    changed: tokio::sync::Notify,
-}
-
-struct Refusal {
-    at: Instant,
-    operation: &'static str,
-    subject: String,
-}
-
-/// Refusals kept: a waiter only looks for refusals since it sent, so a short history is enough.
-const REFUSALS_KEPT: usize = 64;
-
-impl Refusals {
-    fn record(&self, operation: &'static str, subject: &str) {
-        if let Ok(mut recent) = self.inner.recent.lock() {
-            if recent.len() == REFUSALS_KEPT {
-                recent.pop_front();
-            }
-            recent.push_back(Refusal { at: Instant::now(), operation, subject: subject.to_string() });
-        }
-        self.inner.changed.notify_waiters();
-    }
-
-    fn find(&self, matches: impl Fn(&str) -> bool, since: Instant) -> Option<String> {
-        let recent = self.inner.recent.lock().ok()?;
-        recent.iter().rev().take_while(|r| r.at >= since).find(|r| matches(&r.subject)).map(|r| {
-            format!("permissions violation: the server refuses {} on {:?} for this identity", r.operation, r.subject)
-        })
-    }
-
-    /// Resolves (with a description) once the server reports a permissions violation for `subject` after
-    /// `since`; pending forever otherwise.
-    pub(crate) async fn refused(&self, subject: &str, since: Instant) -> String {
-        self.refused_where(|s| s == subject, since).await
-    }
-
-    /// Like [`Refusals::refused`], for any subject starting with `prefix` (a JetStream API call made of several
-    /// requests).
-    pub(crate) async fn refused_under(&self, prefix: &str, since: Instant) -> String {
-        self.refused_where(|s| s.starts_with(prefix), since).await
-    }
-
-    async fn refused_where(&self, matches: impl Fn(&str) -> bool, since: Instant) -> String {
-        loop {
-            // registered before the check, so a refusal recorded between the two still wakes us
-            let changed = self.inner.changed.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
-            if let Some(description) = self.find(&matches, since) {
-                return description;
-            }
-            changed.await;
-        }
     }
 }
 
@@ -681,26 +504,5 @@ mod tests {
         assert_eq!(read_secret(&path.display().to_string()), Ok("s3cret".to_string()));
         std::fs::write(&path, "\n").expect("write");
         assert_eq!(read_secret(&path.display().to_string()), Err("empty".to_string()));
-    }
-
-    #[test]
-    fn permission_violations_are_parsed_from_the_server_error() {
-        assert_eq!(
-            parse_violation("Permissions Violation for Publish to \"jetrl.prompts.train\""),
-            Some(("publish", "jetrl.prompts.train"))
-        );
-        assert_eq!(
-            parse_violation("Permissions Violation for Subscription to \"_INBOX.x.*\""),
-            Some(("subscribe", "_INBOX.x.*"))
-        );
-        assert_eq!(parse_violation("Maximum Payload Violation"), None);
-    }
-
-    #[test]
-    fn a_refused_publish_to_an_inbox_is_a_refused_reply() {
-        assert!(refused_reply("publish", "_INBOX_jetrl-trainer.abc.def"));
-        assert!(refused_reply("publish", "_INBOX.abc.def"));
-        assert!(!refused_reply("publish", "jetrl.job.prompts.train"));
-        assert!(!refused_reply("subscribe", "_INBOX_jetrl-trainer.>"));
     }
 }
