@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use jetrl_config::{RewardModelApi, RewardModelConfig};
 use jetrl_telemetry::http::{post_json, HttpEndpoint, HttpError};
+use jetrl_telemetry::Delays;
 use jetrl_tokenizer::{Tokenizer, TokenizerError};
 use tokio::sync::Semaphore;
 
@@ -187,8 +188,7 @@ impl RemoteRewardModel {
 
     /// 1×, 2×, 4×… the first backoff, capped.
     fn backoff(&self, failed_attempts: u32) -> Duration {
-        let doublings = failed_attempts.saturating_sub(1).min(20);
-        self.first_backoff.saturating_mul(1 << doublings).min(self.max_backoff)
+        Delays::new(self.first_backoff, self.max_backoff).nth(failed_attempts)
     }
 }
 

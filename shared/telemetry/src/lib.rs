@@ -7,6 +7,7 @@
 //! - [`service_main`]: the whole `main` of a service, with its shutdown signal, runtime and thread counts
 //!   ([`service`]).
 //! - [`http`]: a minimal plain-HTTP/1.1 client (remote reward models, MLflow's REST API).
+//! - [`Delays`]: backoff that doubles up to a cap, for every loop that asks again.
 //!
 //! The recorder is process-global (the `metrics` facade), so several services started in one test process
 //! share it; their names never collide because each carries the `jetrl_<service>_` prefix.
@@ -18,11 +19,13 @@ pub enum TelemetryError {
 }
 
 pub mod crash;
+pub mod delays;
 pub mod endpoint;
 pub mod heap;
 pub mod http;
 pub mod service;
 
+pub use delays::Delays;
 pub use endpoint::{prometheus, scrape, serve_metrics};
 pub use service::{
     available_cores, runtime, service_main, shutdown_signal, ServiceError, Shutdown, TorchThreads, EXIT_PERMANENT,

@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use jetrl_config::CustomRewardFunctionConfig;
+use jetrl_telemetry::Delays;
 use tokio::sync::{mpsc, Mutex};
 
 use crate::failure::{FailureKind, ScoreFailure};
@@ -230,9 +231,9 @@ impl ExternalRunner {
         UserFunctionProcess::spawn(&self.launch).inspect_err(|_| slot.consecutive_faults += 1)
     }
 
+    /// 1×, 2×, 4×… the first restart backoff, capped.
     fn backoff(&self, consecutive_faults: u32) -> Duration {
-        let doublings = consecutive_faults.saturating_sub(1).min(20);
-        self.restart_backoff.saturating_mul(1 << doublings).min(self.max_restart_backoff)
+        Delays::new(self.restart_backoff, self.max_restart_backoff).nth(consecutive_faults)
     }
 }
 
