@@ -8,6 +8,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use jetrl_wire::keys::TrajectoryKey;
 use tch::Tensor;
 
 use crate::masked::masked_whiten;
@@ -126,9 +127,9 @@ pub fn compute_advantage(
         }
     }
     let derived_index: Option<Vec<String>> = match (inputs.index, inputs.keys) {
-        (None, Some(keys)) => Some(
-            keys.iter().map(|key| parse_key(key).map(|k| k.uid.to_string())).collect::<Result<_, _>>().map_err(fail)?,
-        ),
+        (None, Some(keys)) => {
+            Some(keys.iter().map(|key| parse_key(key).map(|k| k.uid)).collect::<Result<_, _>>().map_err(fail)?)
+        }
         _ => None,
     };
     let index: Option<&[String]> = inputs.index.or(derived_index.as_deref());
@@ -221,23 +222,10 @@ pub fn compute_advantage(
     })
 }
 
-/// The parts of a trajectory key `{uid}_{session}_{index}` (split from the right, as verl).
-pub struct TrajectoryKey<'k> {
-    pub uid: &'k str,
-    pub session: &'k str,
-    pub index: i64,
-}
-
-/// Splits `{uid}_{session}_{index}`; the uid may not contain `_`, but only the last two separators count.
-pub fn parse_key(key: &str) -> Result<TrajectoryKey<'_>, String> {
-    let mut parts = key.rsplitn(3, '_');
-    let (Some(index), Some(session), Some(uid)) = (parts.next(), parts.next(), parts.next()) else {
-        return Err(format!("trajectory key {key:?} is not of the form {{uid}}_{{session}}_{{index}}"));
-    };
-    let index = index
-        .parse::<i64>()
-        .map_err(|_| format!("trajectory key {key:?}: the output index {index:?} is not an integer"))?;
-    Ok(TrajectoryKey { uid, session, index })
+/// A trajectory key parsed by the wire contract's one parser ([`TrajectoryKey::parse`]), its error as this module's
+/// messages are.
+fn parse_key(key: &str) -> Result<TrajectoryKey, String> {
+    TrajectoryKey::parse(key).map_err(|e| e.to_string())
 }
 
 /// Host copies of the rewards and mask, plus where results go back to.
@@ -704,13 +692,13 @@ fn multi_trajectory_grpo(
     let mut session_slot: HashMap<String, usize> = HashMap::new();
     for (row, key) in keys.iter().enumerate() {
         let parsed = parse_key(key)?;
-        let session = format!("{}_{}", parsed.uid, parsed.session);
+        let (session, output) = (format!("{}_{}", parsed.uid, parsed.session_id), i64::from(parsed.index));
         let slot = *session_slot.entry(session).or_insert_with(|| {
-            finals.push((parsed.index, row));
+            finals.push((output, row));
             finals.len() - 1
         });
-        if finals[slot].0 < parsed.index {
-            finals[slot] = (parsed.index, row);
+        if finals[slot].0 < output {
+            finals[slot] = (output, row);
         }
         session_of_row.push(slot);
     }

@@ -42,9 +42,7 @@ mod rollout_correction;
 mod util;
 mod value;
 
-pub use advantage::{
-    compute_advantage, parse_key, AdvantageConfig, AdvantageEstimator, AdvantageInputs, TrajectoryKey,
-};
+pub use advantage::{compute_advantage, AdvantageConfig, AdvantageEstimator, AdvantageInputs};
 pub use agg::{agg_loss, AggMode, GlobalBatchInfo};
 pub use error::AlgoError;
 pub use kl::{
