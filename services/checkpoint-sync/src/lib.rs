@@ -33,6 +33,17 @@ pub enum CheckpointError {
 }
 
 impl CheckpointError {
+    /// A stable, low-cardinality label for metrics and logs: the stage that failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Bus(..) => "bus",
+            Self::Metrics(..) => "metrics",
+            Self::Announce { .. } => "announce",
+        }
+    }
+}
+
+impl CheckpointError {
     /// The code of the answer to the trainer: a store that failed in a way a retry can pass (a timeout, a cluster
     /// electing a leader) is `UNAVAILABLE`, and the trainer announces again; anything else is refused for good.
     fn code(&self) -> ErrorCode {

@@ -28,6 +28,17 @@ pub enum ExportError {
     },
 }
 
+impl ExportError {
+    /// A stable, low-cardinality label for metrics and logs: the stage that failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Base { .. } => "base",
+            Self::Adapter { .. } => "adapter",
+            Self::Write { .. } => "write",
+        }
+    }
+}
+
 /// The dtype a model directory's `config.json` names (`torch_dtype`, or `dtype` in newer transformers), when it is
 /// one jetrl loads; f32 otherwise.
 fn own_dtype(model_dir: &Path) -> DType {

@@ -33,6 +33,17 @@ pub enum LogprobsError {
     Output(#[source] std::io::Error),
 }
 
+impl LogprobsError {
+    /// A stable, low-cardinality label for metrics and logs: the stage that failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Model { .. } => "model",
+            Self::Input(..) => "input",
+            Self::Output(..) => "output",
+        }
+    }
+}
+
 /// Why one line was refused; written on that line's output line.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum LineError {
@@ -56,6 +67,24 @@ pub enum LineError {
     ChatTemplate(String),
     #[error("model: {0}")]
     Model(String),
+}
+
+impl LineError {
+    /// A stable, low-cardinality label for metrics and logs: the stage that failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Empty => "empty",
+            Self::TooLong { .. } => "too_long",
+            Self::NotUtf8(..) => "not_utf8",
+            Self::Invalid(..) => "invalid",
+            Self::IdsOrMessages => "ids_or_messages",
+            Self::OutOfVocabulary { .. } => "out_of_vocabulary",
+            Self::ContextExceeded { .. } => "context_exceeded",
+            Self::Tokenizer(..) => "tokenizer",
+            Self::ChatTemplate(..) => "chat_template",
+            Self::Model(..) => "model",
+        }
+    }
 }
 
 #[derive(Deserialize)]

@@ -87,6 +87,17 @@ pub enum RewardServiceError {
     Engine(#[from] jetrl_reward::RewardError),
 }
 
+impl RewardServiceError {
+    /// A stable, low-cardinality label for metrics and logs: the stage that failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Bus(..) => "bus",
+            Self::Metrics(..) => "metrics",
+            Self::Engine(..) => "engine",
+        }
+    }
+}
+
 /// Runs one reward-service instance until `shutdown` resolves. Several instances (processes) share the work.
 pub async fn run(
     cfg: JobConfig,

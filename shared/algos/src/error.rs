@@ -30,7 +30,7 @@ pub enum AlgoError {
 
 impl AlgoError {
     /// A stable, low-cardinality label for metrics.
-    pub fn error_type(&self) -> &'static str {
+    pub fn kind(&self) -> &'static str {
         match self {
             Self::UnknownName(_) => "unknown_name",
             Self::Masked(_) => "masked",

@@ -32,6 +32,17 @@ pub enum GroupUpdateError {
     Bus(#[from] BusError),
 }
 
+impl GroupUpdateError {
+    /// A stable, low-cardinality label for metrics and logs: the stage that failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Missing { .. } => "missing",
+            Self::IllegalTransition { .. } => "illegal_transition",
+            Self::Bus(..) => "bus",
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct GroupStore {
     kv: kv::Store,

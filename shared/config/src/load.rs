@@ -15,6 +15,18 @@ pub enum ConfigError {
     Invalid { path: String, message: String },
 }
 
+impl ConfigError {
+    /// A stable, low-cardinality label for metrics and logs: the stage that failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Read { .. } => "read",
+            Self::BadOverride(..) => "bad_override",
+            Self::Merge(..) => "merge",
+            Self::Invalid { .. } => "invalid",
+        }
+    }
+}
+
 /// Loads and merges file, environment and overrides into a JSON value (no typing yet).
 pub fn load_value(file: Option<&Path>, overrides: &[String]) -> Result<serde_json::Value, ConfigError> {
     let mut builder = config::Config::builder();

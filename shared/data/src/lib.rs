@@ -42,6 +42,20 @@ pub enum DataError {
     Prompt { index: u64, message: String },
 }
 
+impl DataError {
+    /// A stable, low-cardinality label for metrics and logs: the stage that failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Read { .. } => "read",
+            Self::Row { .. } => "row",
+            Self::Record { .. } => "record",
+            Self::Empty(..) => "empty",
+            Self::Format(..) => "format",
+            Self::Prompt { .. } => "prompt",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,

@@ -68,6 +68,27 @@ pub enum ModelError {
     Torch(#[from] tch::TchError),
 }
 
+impl ModelError {
+    /// A stable, low-cardinality label for metrics and logs: the stage that failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Config(..) => "config",
+            Self::Device(..) => "device",
+            Self::Io { .. } => "io",
+            Self::Json { .. } => "json",
+            Self::MissingTensor { .. } => "missing_tensor",
+            Self::TensorShape { .. } => "tensor_shape",
+            Self::Weights { .. } => "weights",
+            Self::Safetensors { .. } => "safetensors",
+            Self::Tokenizer(..) => "tokenizer",
+            Self::ChatTemplate(..) => "chat_template",
+            Self::Generation(..) => "generation",
+            Self::Input(..) => "input",
+            Self::Torch(..) => "torch",
+        }
+    }
+}
+
 /// The crate's result type.
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;
 

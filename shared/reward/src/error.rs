@@ -10,3 +10,14 @@ pub enum RewardError {
     #[error("reward model: {0}")]
     RewardModelSetup(#[from] crate::remote_rm::RemoteRmError),
 }
+
+impl RewardError {
+    /// A stable, low-cardinality label for metrics and logs: the stage that failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Config(..) => "config",
+            Self::ExternalSetup(..) => "external_setup",
+            Self::RewardModelSetup(..) => "reward_model_setup",
+        }
+    }
+}

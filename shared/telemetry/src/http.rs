@@ -37,6 +37,22 @@ pub enum HttpError {
     Timeout(Duration),
 }
 
+impl HttpError {
+    /// A stable, low-cardinality label for metrics and logs: the stage that failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::InvalidUrl(..) => "invalid_url",
+            Self::Connect { .. } => "connect",
+            Self::NoRoots(..) => "no_roots",
+            Self::Tls { .. } => "tls",
+            Self::Send(..) => "send",
+            Self::Receive(..) => "receive",
+            Self::MalformedResponse(..) => "malformed_response",
+            Self::Timeout(..) => "timeout",
+        }
+    }
+}
+
 /// Where requests go: `http://host:port/prefix` or `https://host:port/prefix`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HttpEndpoint {

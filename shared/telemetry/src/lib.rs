@@ -18,6 +18,15 @@ pub enum TelemetryError {
     Bind { addr: String, source: std::io::Error },
 }
 
+impl TelemetryError {
+    /// A stable, low-cardinality label for metrics and logs: the stage that failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Bind { .. } => "bind",
+        }
+    }
+}
+
 pub mod crash;
 pub mod delays;
 pub mod endpoint;

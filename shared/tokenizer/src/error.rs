@@ -34,6 +34,19 @@ pub enum TokenizerError {
     ChatTemplate(String),
 }
 
+impl TokenizerError {
+    /// A stable, low-cardinality label for metrics and logs: the stage that failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Io { .. } => "io",
+            Self::Json { .. } => "json",
+            Self::Config(..) => "config",
+            Self::Tokenizer(..) => "tokenizer",
+            Self::ChatTemplate(..) => "chat_template",
+        }
+    }
+}
+
 /// The crate's result type.
 pub type Result<T, E = TokenizerError> = std::result::Result<T, E>;
 

@@ -171,6 +171,21 @@ pub enum DistError {
     InvalidArgument { op: &'static str, rank: usize, message: String },
 }
 
+impl DistError {
+    /// A stable, low-cardinality label for metrics and logs: the stage that failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::InvalidOptions(..) => "invalid_options",
+            Self::NotBuilt { .. } => "not_built",
+            Self::StoreUnreachable { .. } => "store_unreachable",
+            Self::DuplicateRank { .. } => "duplicate_rank",
+            Self::Timeout { .. } => "timeout",
+            Self::Failed { .. } => "failed",
+            Self::InvalidArgument { .. } => "invalid_argument",
+        }
+    }
+}
+
 /// Peak bytes the CUDA caching allocator has handed out on `device` since the start or the last reset
 /// (`torch.cuda.max_memory_allocated`), resetting the peak afterwards when `reset`. `None` when the shim was built
 /// without its CUDA part (with NCCL) or the device does not exist.

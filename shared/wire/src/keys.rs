@@ -12,6 +12,16 @@ pub enum KeyError {
     BadTrajectoryKey(String),
 }
 
+impl KeyError {
+    /// A stable, low-cardinality label for metrics and logs: the stage that failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::BadUid(..) => "bad_uid",
+            Self::BadTrajectoryKey(..) => "bad_trajectory_key",
+        }
+    }
+}
+
 /// A fresh group uid: a uuid4 (hyphenated, so no `_`).
 pub fn new_uid() -> String {
     uuid::Uuid::new_v4().to_string()

@@ -60,6 +60,17 @@ pub enum BufferError {
     InputClosed { what: &'static str },
 }
 
+impl BufferError {
+    /// A stable, low-cardinality label for metrics and logs: the stage that failed.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Bus(..) => "bus",
+            Self::Metrics(..) => "metrics",
+            Self::InputClosed { .. } => "input_closed",
+        }
+    }
+}
+
 /// A sample request waiting for enough complete groups.
 struct Waiting {
     request: SampleRequest,
