@@ -7,6 +7,7 @@
 //! - [`release`]: releases of trained groups, and ledger queries;
 //! - here: the checks of both inputs (stalls, re-reads) and the gauges.
 
+mod answers;
 mod records;
 mod release;
 mod requests;
@@ -27,9 +28,10 @@ use jetrl_bus::watch::{Follower, Resume};
 use jetrl_bus::{Bus, BusError, Cause, GroupStore};
 use jetrl_config::JobConfig;
 use jetrl_telemetry::Shutdown;
-use jetrl_wire::v1::{SampleRequest, SampleResponse};
+use jetrl_wire::v1::SampleRequest;
 use jetrl_wire::Message;
 
+use self::answers::Answers;
 use crate::reread::Reread;
 use crate::sampler::{Progress, SamplerConfig};
 use crate::state::BufferState;
@@ -141,8 +143,8 @@ struct Buffer {
     reread: Reread,
     /// the newest trainer incarnation a sample request came from (0: none named yet)
     incarnation: u64,
-    answers: HashMap<String, SampleResponse>,
-    answer_order: VecDeque<String>,
+    /// answers given, for retried requests
+    answers: Answers,
     /// the newest GROUPS revision the watch has delivered: a sample request naming a newer one waits for it
     groups_revision: u64,
     /// the initial replay of the GROUPS bucket is done
@@ -186,8 +188,7 @@ impl Buffer {
             waiting_since: None,
             reread,
             incarnation: 0,
-            answers: HashMap::new(),
-            answer_order: VecDeque::new(),
+            answers: Answers::new(ANSWER_CACHE),
             groups_revision: 0,
             groups_current: empty_bucket,
             rewards_current: empty_stream,

@@ -29,7 +29,7 @@ impl Buffer {
         };
         let groups = self.state.release(&request.request_ids);
         for id in &request.request_ids {
-            self.answers.remove(id);
+            self.answers.forget(id);
             self.progress.remove(id);
         }
         let released: usize = groups.iter().map(|g| g.2).sum();

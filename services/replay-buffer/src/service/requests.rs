@@ -10,7 +10,7 @@ use jetrl_wire::v1::{ErrorCode, GroupState, SampleRequest, SampleResponse};
 use jetrl_wire::Message;
 
 use super::release::purge_payloads;
-use super::{Buffer, Waiting, ANSWER_CACHE, SERVICE};
+use super::{Buffer, Waiting, SERVICE};
 use crate::sampler::{next_action, Action, EvictReason, Progress};
 
 impl Buffer {
@@ -307,12 +307,6 @@ impl Buffer {
     }
 
     pub(super) fn remember(&mut self, response: SampleResponse) {
-        self.answer_order.push_back(response.request_id.clone());
-        self.answers.insert(response.request_id.clone(), response);
-        while self.answer_order.len() > ANSWER_CACHE {
-            if let Some(old) = self.answer_order.pop_front() {
-                self.answers.remove(&old);
-            }
-        }
+        self.answers.remember(response);
     }
 }

@@ -16,7 +16,7 @@ use jetrl_wire::subjects::{self, Names};
 use jetrl_wire::v1::{ErrorCode, Eviction, GroupState, GroupStatus, Reward, SampleRequest, SampleResponse};
 use jetrl_wire::Message;
 
-use super::{Buffer, ANSWER_CACHE};
+use super::Buffer;
 use crate::reread::Reread;
 use crate::sampler::{Mode, SamplerConfig, Strategy};
 
@@ -297,15 +297,4 @@ async fn a_request_naming_a_groups_revision_the_watch_has_not_delivered_waits_fo
     let reached = SampleRequest { groups_revision: revision, ..request("reached", 1, 1) };
     let answer = buffer.try_answer(&reached).await.expect("the revision it names is delivered");
     assert_eq!(uids(&answer), ["g1"]);
-}
-
-#[tokio::test]
-async fn remembered_answers_are_bounded() {
-    let server = NatsServer::start().unwrap();
-    let mut buffer = buffer(&server).await;
-    for i in 0..ANSWER_CACHE + 5 {
-        buffer.remember(SampleResponse { request_id: format!("r{i}"), ..Default::default() });
-    }
-    assert_eq!(buffer.answers.len(), ANSWER_CACHE);
-    assert!(!buffer.answers.contains_key("r0") && buffer.answers.contains_key(&format!("r{}", ANSWER_CACHE + 4)));
 }
