@@ -87,7 +87,7 @@ pub struct ServiceSpec {
     pub binary: PathBuf,
     pub args: Vec<OsString>,
     pub log: PathBuf,
-    /// services that live and die together (the trainer's ranks, DESIGN §6): when one fails, the others are
+    /// services that live and die together (the trainer's ranks, docs/scale-out.md): when one fails, the others are
     /// stopped and all restart together
     pub group: Option<String>,
     /// variables set for this service on top of jetrl run's environment (a rollout worker's

@@ -206,7 +206,7 @@ pub fn nccl_built() -> bool {
 
 /// One rank's membership of a c10d process group. Collectives are synchronous: each returns once the work is done
 /// (on CUDA, once it is ordered before later work on the current stream) or with an error within the timeout.
-/// After any error the group should be dropped: every rank restarts together (DESIGN §6).
+/// After any error the group should be dropped: every rank restarts together (docs/scale-out.md).
 pub struct ProcessGroup {
     raw: NonNull<ffi::RawGroup>,
     backend: Backend,

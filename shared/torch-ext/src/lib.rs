@@ -1,8 +1,9 @@
-//! The project's one thin C++ shim of libtorch extensions that tch does not bind (DESIGN §7), built with
-//! torch-sys' flags. So far: torch.distributed (c10d) process groups and collectives ([`ProcessGroup`]), the
-//! same `ProcessGroupGloo` / `ProcessGroupNCCL` and `TCPStore` Python's `torch.distributed` runs on; the CUDA
-//! caching allocator's peak ([`cuda_peak_allocated`]); flash attention over packed variable-length sequences
-//! ([`flash_attention_varlen`]); CUDA graphs ([`CudaGraph`]); ATen's fused AdamW ([`fused_adamw`]).
+//! The project's one thin C++ shim of libtorch extensions that tch does not bind (see README.md next to this
+//! crate), built with torch-sys' flags. So far: torch.distributed (c10d) process groups and collectives
+//! ([`ProcessGroup`]), the same `ProcessGroupGloo` / `ProcessGroupNCCL` and `TCPStore` Python's
+//! `torch.distributed` runs on; the CUDA caching allocator's peak ([`cuda_peak_allocated`]); flash attention
+//! over packed variable-length sequences ([`flash_attention_varlen`]); CUDA graphs ([`CudaGraph`]); ATen's fused
+//! AdamW ([`fused_adamw`]).
 //!
 //! ```no_run
 //! use jetrl_torch_ext::{Backend, ProcessGroup, ProcessGroupOptions, ReduceOp};
