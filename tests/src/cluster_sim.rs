@@ -1,3 +1,5 @@
+//! One file: the simulated fleet, learner and report share one clock and one set of knobs.
+//!
 //! `just bench cluster_sim`: the orchestration at cluster scale, measured by a paced simulation on one machine.
 //!
 //! The real trainer (its schedules, with the paced stand-in learner of `trainer.simulate`: no model, an update

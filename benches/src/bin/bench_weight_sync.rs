@@ -1,3 +1,5 @@
+//! One file: a benchmark binary reads top to bottom (set-up, the measured rounds, the report).
+//!
 //! `just bench weight_sync`: one weight version of ≥ 500 MB into two rollout workers, jetrl's two paths against
 //! moving the same bytes by hand, side by side in one run against one nats-server.
 //!

@@ -1,3 +1,5 @@
+//! One file: the service is small (the registry, its requests and the weight store).
+//!
 //! jetrl-checkpoint-sync: the weight-version registry.
 //!
 //! The trainer writes a weight blob (object store or shared filesystem) and announces it on

@@ -1,3 +1,5 @@
+//! One file: one command, from what it reads to the report it prints.
+//!
 //! `jetrl status`: what an on-call engineer needs to know about a running job, read from NATS only (so the
 //! read-only `status` identity suffices): the trainer's step, rate and reward (its heartbeat), every service's
 //! health (heartbeats in the job's WORKERS bucket), groups by state and a staleness histogram (the replay

@@ -1,3 +1,5 @@
+//! One file: the buffer's pure state machine, whose transitions are read together.
+//!
 //! The replay buffer's pure state: group records, the index of scored trajectories, and the selection
 //! policy. No I/O, no tasks: the service feeds it events and carries out its decisions.
 //!

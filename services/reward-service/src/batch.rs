@@ -1,3 +1,5 @@
+//! One file: one micro-batch's path, from decoding the requests to publishing the scores.
+//!
 //! One micro-batch of score requests (one per prompt group): decode, skip what is already scored, score, publish
 //! the rewards of the whole micro-batch as one reward batch per partition, then acknowledge.
 

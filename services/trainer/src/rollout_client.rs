@@ -1,3 +1,5 @@
+//! One file: the trainer's whole conversation with the data plane (tasks out, samples and payloads in, releases).
+//!
 //! The trainer's side of the data plane: prompt tasks out (GROUPS record first, then PROMPTS), sample requests to
 //! the replay buffer (with verl's refills), trajectory payloads in (TRAJ, batched direct gets), releases back.
 //! Every mode's schedule goes through it; it owns the dataloader cursor.

@@ -1,3 +1,5 @@
+//! One file: every advantage estimator behind one dispatcher, as verl's `core_algos` has them.
+//!
 //! Advantage estimators (verl `core_algos.compute_*_advantage`, dispatched by `algorithm.adv_estimator`) and
 //! the multi-trajectory GRPO rule of verl's V1 trainer (`compute_advantage_for_multi_trajectories`).
 //!

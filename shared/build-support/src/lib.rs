@@ -1,3 +1,5 @@
+//! One file: the crate is these few helpers.
+//!
 //! Helpers for `build.rs` scripts of crates that link libtorch through `tch`.
 //!
 //! `.cargo/config.toml` points `LIBTORCH` at `.venv/libtorch` (a link to the PyTorch wheel that

@@ -1,3 +1,5 @@
+//! One file: every stream, consumer, bucket and object store of a job is declared here, their limits side by side.
+//!
 //! The streams, consumers, KV buckets and object store of a jetrl job. Every name comes from the bus's
 //! [`jetrl_wire::subjects::Names`]: one job's topology never touches another's.
 //!

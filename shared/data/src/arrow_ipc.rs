@@ -1,3 +1,5 @@
+//! One file: one reader of one format, from the stream's framing to JSON rows.
+//!
 //! Arrow IPC streams read into JSON rows: the `data-0000X-of-0000N.arrow` files `datasets.Dataset.save_to_disk`
 //! writes (and the IPC *file* format, whose stream sits between the `ARROW1` magic and the footer).
 //!

@@ -1,3 +1,5 @@
+//! One file: the CPython string behaviours the scorers share, each a small function with its tests.
+//!
 //! String behaviour of CPython that verl's scorers rely on, so the Rust scorers agree with them on every input:
 //! slicing counts code points, `str.strip()`/`str.split()` and regex `\s` use Python's whitespace set (wider
 //! than Unicode `White_Space`: it includes the ASCII separators U+001C..U+001F), and `str.isdigit()` accepts

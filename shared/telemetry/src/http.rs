@@ -1,3 +1,5 @@
+//! One file: one small protocol client, from the connection to the parsed response.
+//!
 //! A minimal HTTP/1.1 client (reward-model servers, MLflow's REST API): one connection per request
 //! (`Connection: close`), any method and extra headers, response bodies sized by `Content-Length`, chunked
 //! encoding or end of stream. `http://` and `https://` (TLS 1.2/1.3 by rustls; the server's certificate is checked

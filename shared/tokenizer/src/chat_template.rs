@@ -1,3 +1,5 @@
+//! One file: the template environment transformers sets up in one place (filters, globals, rendering).
+//!
 //! HF chat templates rendered with minijinja, set up like transformers' jinja2 environment so the rendered
 //! text (and therefore the token ids) match `apply_chat_template`: `trim_blocks` and `lstrip_blocks`, Python
 //! string/dict methods (`.strip()`, `.startswith()`, `.items()`, via minijinja-contrib pycompat), loop controls,

@@ -1,3 +1,5 @@
+//! One file: the Rust side of the c10d shim, one binding per C++ entry point.
+//!
 //! torch.distributed (c10d) process groups and synchronous collectives on tch tensors.
 
 use std::ffi::{c_int, c_void, CString};

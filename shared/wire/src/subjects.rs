@@ -1,3 +1,5 @@
+//! One file: every name the services agree on, so a rename is seen whole.
+//!
 //! Names of the streams, subjects, consumers and buckets every service agrees on.
 //!
 //! Every stream, KV bucket, object store and subject belongs to one job: its namespace (`nats.namespace`, else

@@ -1,3 +1,5 @@
+//! One file: the `Engine` and the step that drives it; what it is made of is beside it in `engine/`.
+//!
 //! A continuous-batching inference engine over [`CausalLm`]: the rollout side of RL post-training.
 //!
 //! - A fixed budget: at most `slots` sequences run at once, each in a preallocated KV row of `max_model_len`
