@@ -11,17 +11,35 @@
 //! silently falls back to a default.
 
 mod algo;
+mod buffer;
+mod checkpoint;
+mod data;
 mod job;
 mod load;
+mod log;
+mod model;
+mod nats;
 mod reward;
+mod rollout;
+mod run;
+mod trainer;
 mod values;
 pub mod verl;
 mod vllm;
 
 pub use algo::*;
+pub use buffer::*;
+pub use checkpoint::*;
+pub use data::*;
 pub use job::*;
 pub use load::{from_value, load, load_value, section_overrides, ConfigError};
+pub use log::*;
+pub use model::*;
+pub use nats::*;
 pub use reward::*;
+pub use rollout::*;
+pub use run::*;
+pub use trainer::*;
 pub use values::*;
 pub use verl::{load_verl, VerlJob};
 pub use vllm::*;

@@ -1,3 +1,5 @@
+//! One file: every enumerated value of the configuration, each listed once, so the allowed values are seen together.
+//!
 //! The allowed values of every enumerated configuration key, each listed once.
 //!
 //! A key whose value is one of a fixed set of names is a Rust enum here: the YAML spelling of each variant is
