@@ -1,3 +1,6 @@
+//! One file: the vLLM driver's state (calls in flight, samples held for an update or a pause, the loaded version)
+//! and the commands that change it are read together.
+//!
 //! vLLM behind the engine handle (`rollout.name: vllm`). A driver task serves the handle's commands against one
 //! `vllm serve` ([`server`]: started and supervised by the worker, or the one `rollout.vllm.url` names) through its
 //! HTTP routes ([`client`]): tokens in and out, never text, so the trainer scores exactly the ids vLLM sampled.
