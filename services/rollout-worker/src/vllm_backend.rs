@@ -13,7 +13,7 @@ use crate::engine::vllm::server::ServerCommand;
 use crate::engine::vllm::{Launch, VllmSettings};
 use crate::RolloutError;
 
-/// The venv `scripts/setup.sh vllm` makes, relative to the checkout.
+/// The venv `scripts/setup-vllm.sh` makes, relative to the checkout.
 const VENV_PYTHON: &str = ".venv-vllm/bin/python";
 
 pub(crate) fn settings(cfg: &JobConfig, instance: &str, engine: &EngineConfig) -> Result<VllmSettings, RolloutError> {

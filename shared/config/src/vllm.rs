@@ -13,7 +13,7 @@ use crate::{ensure, ConfigError, VllmUpdateMode};
 #[serde(deny_unknown_fields, default)]
 pub struct VllmConfig {
     /// the Python that runs `vllm serve`; null: `$JETRL_VLLM_PYTHON`, else `.venv-vllm/bin/python` of the
-    /// checkout (what `scripts/setup.sh vllm` makes), else `python3`
+    /// checkout (what `scripts/setup-vllm.sh` makes), else `python3`
     pub python: Option<PathBuf>,
     /// a running vLLM server to use instead of starting one (`http://host:port`)
     pub url: Option<String>,
