@@ -16,7 +16,7 @@ objcopy --strip-all target/debug/examples/rollout_engine_bench "$dir/bin/rollout
 objcopy --strip-all target/debug/jetrl-trainer-bench "$dir/bin/jetrl-trainer-bench"
 cp benches/gpu/bundle_run.sh "$dir/run.sh"
 cp benches/gpu/summary.py "$dir/summary.py"
-cp benches/rollout_engine/hf_generate.py benches/rollout_engine/graph_loop.py "$dir/"
+cp benches/rollout_engine/hf_generate.py benches/rollout_engine/bench_args.py benches/rollout_engine/graph_loop.py "$dir/"
 cp benches/trainer_step/reference.py "$dir/trainer_reference.py"
 chmod +x "$dir/run.sh" "$dir/bin/"*
 kb="$(du -sk "$dir" | cut -f1)"

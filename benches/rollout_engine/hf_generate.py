@@ -9,7 +9,6 @@ Workloads (batch = G prompts x N samples via `num_return_sequences`):
 
 Prints one JSON line with the median tokens/s over the repetitions.
 """
-import argparse
 import json
 import os
 import statistics
@@ -18,18 +17,11 @@ import time
 import torch
 import transformers
 
+from bench_args import workload_parser
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("dir")
-    parser.add_argument("--workload", choices=["grpo", "fixed"], default="grpo")
-    parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    parser = workload_parser(default_threads=0)
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     device = torch.device(args.device)

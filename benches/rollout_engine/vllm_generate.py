@@ -9,24 +9,16 @@ Workloads (batch = G prompts x N samples, `n` = N):
 Prints one JSON line with the median tokens/s over the repetitions; `--dump FILE` writes the last repetition's
 samples (prompt, tokens, per-token log-probs) for `rollout_engine_bench score`.
 """
-import argparse
 import json
 import os
 import statistics
 import time
 
+from bench_args import workload_parser
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("dir")
-    parser.add_argument("--workload", choices=["grpo", "fixed"], default="grpo")
-    parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    parser = workload_parser(default_threads=1)
     parser.add_argument("--dump", default=None)
     args = parser.parse_args()
     if args.device == "cpu":
