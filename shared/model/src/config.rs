@@ -12,8 +12,8 @@ use serde_json::Value;
 use crate::device::DType;
 use crate::error::{ModelError, Result};
 
-/// The decoder families this crate implements. They share one layer structure and differ in biases, q/k norm
-/// and RoPE scaling.
+/// The decoder families this crate implements. They share one layer structure and differ in biases, q/k norm,
+/// RoPE scaling and (the MoE families) a sparse mixture-of-experts feed-forward in place of the MLP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
     /// Qwen2 / Qwen2.5: bias on q/k/v, none on o and the MLP.
@@ -22,6 +22,11 @@ pub enum Architecture {
     Llama,
     /// Qwen3: per-head RMSNorm on q and k before RoPE, explicit `head_dim`.
     Qwen3,
+    /// Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention (`qkv_bias`), routed experts plus a shared
+    /// expert behind a sigmoid gate.
+    Qwen2Moe,
+    /// Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): Qwen3's attention, routed experts without a shared one.
+    Qwen3Moe,
 }
 
 impl Architecture {
@@ -31,6 +36,8 @@ impl Architecture {
             Architecture::Qwen2 => "qwen2",
             Architecture::Llama => "llama",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Qwen2Moe => "qwen2_moe",
+            Architecture::Qwen3Moe => "qwen3_moe",
         }
     }
 
@@ -39,6 +46,8 @@ impl Architecture {
             "qwen2" => Some(Architecture::Qwen2),
             "llama" => Some(Architecture::Llama),
             "qwen3" => Some(Architecture::Qwen3),
+            "qwen2_moe" => Some(Architecture::Qwen2Moe),
+            "qwen3_moe" => Some(Architecture::Qwen3Moe),
             _ => None,
         }
     }
@@ -48,6 +57,8 @@ impl Architecture {
             "Qwen2ForCausalLM" => Some(Architecture::Qwen2),
             "LlamaForCausalLM" => Some(Architecture::Llama),
             "Qwen3ForCausalLM" => Some(Architecture::Qwen3),
+            "Qwen2MoeForCausalLM" => Some(Architecture::Qwen2Moe),
+            "Qwen3MoeForCausalLM" => Some(Architecture::Qwen3Moe),
             _ => None,
         }
     }
@@ -62,6 +73,52 @@ pub enum RopeScaling {
     Linear { factor: f64 },
     /// Llama 3.1: low frequencies divided by `factor`, high ones kept, a smooth ramp between.
     Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+}
+
+/// The sparse feed-forward of an MoE checkpoint (transformers' `Qwen2MoeSparseMoeBlock` /
+/// `Qwen3MoeSparseMoeBlock`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// `num_experts` (transformers 5 also writes it as `num_local_experts`)
+    pub num_experts: i64,
+    /// `num_experts_per_tok`: the experts each token is routed to
+    pub top_k: i64,
+    /// `moe_intermediate_size`: each routed expert's MLP width
+    pub moe_intermediate_size: i64,
+    /// `norm_topk_prob`: the top-k routing probabilities are renormalised to sum to one
+    pub norm_topk_prob: bool,
+    /// `shared_expert_intermediate_size` (Qwen2-MoE): a dense expert every token passes through, scaled by
+    /// `sigmoid(shared_expert_gate(x))`
+    pub shared_expert_intermediate_size: Option<i64>,
+    /// `decoder_sparse_step`: layer `l` is sparse when `(l + 1) % step == 0` and `l` is not in `mlp_only_layers`;
+    /// the others keep a dense MLP of `intermediate_size`
+    pub decoder_sparse_step: i64,
+    /// `mlp_only_layers`, sorted, without duplicates
+    pub mlp_only_layers: Vec<i64>,
+    /// the number of layers in all
+    layers: i64,
+    /// `router_aux_loss_coef` as the checkpoint states it (transformers' default for its own training loss;
+    /// the RL trainer's coefficient is `actor.moe_aux_loss_coeff`)
+    pub router_aux_loss_coef: f64,
+}
+
+impl MoeConfig {
+    /// Whether decoder layer `layer` has the sparse block.
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        let layer = layer as i64;
+        self.is_stepped(layer) && self.mlp_only_layers.binary_search(&layer).is_err()
+    }
+
+    /// How many layers are sparse (counted without visiting every layer: a config may claim any count).
+    pub fn sparse_layer_count(&self) -> i64 {
+        let stepped = self.layers / self.decoder_sparse_step;
+        let excluded = self.mlp_only_layers.iter().filter(|&&l| self.is_stepped(l)).count() as i64;
+        stepped - excluded
+    }
+
+    fn is_stepped(&self, layer: i64) -> bool {
+        (0..self.layers).contains(&layer) && (layer + 1) % self.decoder_sparse_step == 0
+    }
 }
 
 /// A validated model configuration.
@@ -89,6 +146,8 @@ pub struct ModelConfig {
     pub mlp_bias: bool,
     /// Qwen3's per-head RMSNorm on q and k.
     pub qk_norm: bool,
+    /// The mixture-of-experts layout (Qwen2-MoE, Qwen3-MoE); `None` for dense models.
+    pub moe: Option<MoeConfig>,
     /// `eos_token_id` from config.json (a fallback when generation_config.json has none).
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
@@ -117,7 +176,17 @@ struct RawConfig {
     partial_rotary_factor: Option<f64>,
     tie_word_embeddings: Option<bool>,
     attention_bias: Option<bool>,
+    qkv_bias: Option<bool>,
     mlp_bias: Option<bool>,
+    num_experts: Option<i64>,
+    num_local_experts: Option<i64>,
+    num_experts_per_tok: Option<i64>,
+    moe_intermediate_size: Option<i64>,
+    norm_topk_prob: Option<bool>,
+    shared_expert_intermediate_size: Option<i64>,
+    decoder_sparse_step: Option<i64>,
+    mlp_only_layers: Option<Vec<i64>>,
+    router_aux_loss_coef: Option<f64>,
     hidden_act: Option<String>,
     use_sliding_window: Option<bool>,
     layer_types: Option<Vec<String>>,
@@ -224,10 +293,16 @@ impl ModelConfig {
                 let attn = cfg.attention_bias.unwrap_or(false);
                 (attn, attn, cfg.mlp_bias.unwrap_or(false), false)
             }
-            Architecture::Qwen3 => {
+            Architecture::Qwen3 | Architecture::Qwen3Moe => {
                 let attn = cfg.attention_bias.unwrap_or(false);
                 (attn, attn, false, true)
             }
+            Architecture::Qwen2Moe => (cfg.qkv_bias.unwrap_or(true), false, false, false),
+        };
+        let num_hidden_layers = required(cfg.num_hidden_layers, "num_hidden_layers")?;
+        let moe = match architecture {
+            Architecture::Qwen2Moe | Architecture::Qwen3Moe => Self::moe(&cfg, architecture, num_hidden_layers)?,
+            _ => None,
         };
         let single_id =
             |v: Option<&Value>, field: &str| -> Result<Option<u32>> { Ok(token_ids(v, field)?.first().copied()) };
@@ -241,7 +316,7 @@ impl ModelConfig {
             vocab_size: required(cfg.vocab_size, "vocab_size")?,
             hidden_size,
             intermediate_size: required(cfg.intermediate_size, "intermediate_size")?,
-            num_hidden_layers: required(cfg.num_hidden_layers, "num_hidden_layers")?,
+            num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
@@ -257,6 +332,7 @@ impl ModelConfig {
             o_bias,
             mlp_bias,
             qk_norm,
+            moe,
             eos_token_ids: token_ids(cfg.eos_token_id.as_ref(), "eos_token_id")?,
             bos_token_id: single_id(cfg.bos_token_id.as_ref(), "bos_token_id")?,
             pad_token_id: single_id(cfg.pad_token_id.as_ref(), "pad_token_id")?,
@@ -288,25 +364,97 @@ impl ModelConfig {
         let (hidden, head_dim) = (self.hidden_size, self.head_dim);
         let q_out = mul(self.num_attention_heads, head_dim)?;
         let kv_out = mul(self.num_key_value_heads, head_dim)?;
-        let layer = add(&[
+        let attention = add(&[
             mul(hidden, q_out)?,
             mul(mul(hidden, kv_out)?, 2)?,
             mul(q_out, hidden)?,
             add(&[q_out, mul(kv_out, 2)?, hidden])?, // biases
-            mul(mul(hidden, self.intermediate_size)?, 3)?,
-            add(&[mul(self.intermediate_size, 2)?, hidden])?, // MLP biases
-            mul(hidden, 2)?,                                  // the two norms
-            mul(head_dim, 2)?,                                // q/k norms
+            mul(hidden, 2)?,                         // the two norms
+            mul(head_dim, 2)?,                       // q/k norms
+        ])?;
+        let mlp = |width: i64| -> Result<i64> {
+            add(&[mul(mul(hidden, width)?, 3)?, add(&[mul(width, 2)?, hidden])?])
+            // with biases
+        };
+        let dense = mlp(self.intermediate_size)?;
+        let (sparse_layers, sparse) = match &self.moe {
+            Some(moe) => {
+                let shared = match moe.shared_expert_intermediate_size {
+                    Some(width) => add(&[mlp(width)?, hidden])?,
+                    None => 0,
+                };
+                let experts = mul(mlp(moe.moe_intermediate_size)?, moe.num_experts)?;
+                (moe.sparse_layer_count(), add(&[experts, mul(moe.num_experts, hidden)?, shared])?)
+            }
+            None => (0, 0),
+        };
+        let layers = add(&[
+            mul(attention, self.num_hidden_layers)?,
+            mul(dense, self.num_hidden_layers - sparse_layers)?,
+            mul(sparse, sparse_layers)?,
         ])?;
         let embeddings = mul(mul(self.vocab_size, hidden)?, 2)?;
-        add(&[mul(layer, self.num_hidden_layers)?, embeddings, hidden])
+        add(&[layers, embeddings, hidden])
+    }
+
+    /// The sparse layout of an MoE checkpoint, or `None` when it routes nowhere (`num_experts` 0, or every layer
+    /// dense): then it is the dense model its attention names.
+    fn moe(cfg: &RawConfig, architecture: Architecture, layers: i64) -> Result<Option<MoeConfig>> {
+        let num_experts = cfg.num_experts.or(cfg.num_local_experts).unwrap_or(0);
+        if num_experts < 0 {
+            return Err(ModelError::Config(format!("`num_experts` must not be negative, got {num_experts}")));
+        }
+        let step = match cfg.decoder_sparse_step {
+            None => 1,
+            step => required(step, "decoder_sparse_step")?,
+        };
+        let mut mlp_only_layers = cfg.mlp_only_layers.clone().unwrap_or_default();
+        mlp_only_layers.sort_unstable();
+        mlp_only_layers.dedup();
+        let probe = MoeConfig {
+            num_experts,
+            top_k: 0,
+            moe_intermediate_size: 0,
+            norm_topk_prob: false,
+            shared_expert_intermediate_size: None,
+            decoder_sparse_step: step,
+            mlp_only_layers,
+            router_aux_loss_coef: 0.0,
+            layers,
+        };
+        if num_experts == 0 || probe.sparse_layer_count() == 0 {
+            return Ok(None);
+        }
+        let top_k = required(cfg.num_experts_per_tok, "num_experts_per_tok")?;
+        if top_k > num_experts {
+            return Err(ModelError::Config(format!(
+                "`num_experts_per_tok` ({top_k}) is larger than `num_experts` ({num_experts})"
+            )));
+        }
+        let shared_expert_intermediate_size = match architecture {
+            Architecture::Qwen2Moe => {
+                Some(required(cfg.shared_expert_intermediate_size, "shared_expert_intermediate_size")?)
+            }
+            _ => None,
+        };
+        Ok(Some(MoeConfig {
+            num_experts,
+            top_k,
+            moe_intermediate_size: required(cfg.moe_intermediate_size, "moe_intermediate_size")?,
+            // transformers' defaults: Qwen2-MoE false, Qwen3-MoE true
+            norm_topk_prob: cfg.norm_topk_prob.unwrap_or(architecture == Architecture::Qwen3Moe),
+            shared_expert_intermediate_size,
+            router_aux_loss_coef: cfg.router_aux_loss_coef.unwrap_or(0.001),
+            ..probe
+        }))
     }
 
     fn architecture(cfg: &RawConfig) -> Result<Architecture> {
         if let Some(model_type) = &cfg.model_type {
             return Architecture::from_model_type(model_type).ok_or_else(|| {
                 ModelError::Config(format!(
-                    "unsupported architecture: model_type `{model_type}` (supported: qwen2, llama, qwen3)"
+                    "unsupported architecture: model_type `{model_type}` (supported: qwen2, llama, qwen3, qwen2_moe, \
+                     qwen3_moe)"
                 ))
             });
         }
@@ -314,7 +462,7 @@ impl ModelConfig {
             Some([class, ..]) => Architecture::from_class_name(class).ok_or_else(|| {
                 ModelError::Config(format!(
                     "unsupported architecture `{class}` (supported: Qwen2ForCausalLM, LlamaForCausalLM, \
-                     Qwen3ForCausalLM)"
+                     Qwen3ForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)"
                 ))
             }),
             _ => Err(ModelError::Config("neither `model_type` nor `architectures` names the architecture".into())),
@@ -516,5 +664,57 @@ mod tests {
         assert_eq!(out["torch_dtype"], "bfloat16");
         assert_eq!(out["dtype"], "bfloat16");
         assert_eq!(out["custom"]["x"], 1);
+    }
+
+    fn moe_json(model_type: &str) -> Value {
+        let mut cfg = base(model_type);
+        cfg["num_hidden_layers"] = json!(4);
+        cfg["num_experts"] = json!(8);
+        cfg["num_experts_per_tok"] = json!(2);
+        cfg["moe_intermediate_size"] = json!(8);
+        cfg["shared_expert_intermediate_size"] = json!(16);
+        cfg
+    }
+
+    #[test]
+    fn moe_layers_follow_decoder_sparse_step_and_mlp_only_layers() {
+        let mut cfg = moe_json("qwen3_moe");
+        cfg["decoder_sparse_step"] = json!(2);
+        cfg["mlp_only_layers"] = json!([3, 3]);
+        let parsed = ModelConfig::from_json(cfg).unwrap();
+        let moe = parsed.moe.as_ref().unwrap();
+        assert_eq!((0..4).map(|l| moe.is_sparse(l)).collect::<Vec<_>>(), [false, true, false, false]);
+        assert_eq!(moe.sparse_layer_count(), 1);
+        assert!(moe.norm_topk_prob && moe.shared_expert_intermediate_size.is_none(), "qwen3_moe's defaults");
+        let qwen2 = ModelConfig::from_json(moe_json("qwen2_moe")).unwrap();
+        let moe = qwen2.moe.as_ref().unwrap();
+        assert!(!moe.norm_topk_prob && moe.shared_expert_intermediate_size == Some(16) && qwen2.qkv_bias);
+    }
+
+    #[test]
+    fn num_local_experts_is_read_as_num_experts_and_no_experts_is_a_dense_model() {
+        let mut cfg = moe_json("qwen3_moe");
+        let experts = cfg.as_object_mut().unwrap().remove("num_experts").unwrap();
+        cfg["num_local_experts"] = experts;
+        assert_eq!(ModelConfig::from_json(cfg.clone()).unwrap().moe.unwrap().num_experts, 8);
+        cfg["num_local_experts"] = json!(0);
+        assert!(ModelConfig::from_json(cfg).unwrap().moe.is_none());
+    }
+
+    #[test]
+    fn impossible_moe_layouts_are_refused_by_key() {
+        let mut cfg = moe_json("qwen3_moe");
+        cfg["num_experts_per_tok"] = json!(9);
+        let err = ModelConfig::from_json(cfg).unwrap_err().to_string();
+        assert!(err.contains("num_experts_per_tok") && err.contains("9"), "{err}");
+        let mut cfg = moe_json("qwen2_moe");
+        cfg.as_object_mut().unwrap().remove("shared_expert_intermediate_size");
+        let err = ModelConfig::from_json(cfg).unwrap_err().to_string();
+        assert!(err.contains("shared_expert_intermediate_size"), "{err}");
+        // a claimed layer count is counted, not visited
+        let mut cfg = moe_json("qwen3_moe");
+        cfg["num_hidden_layers"] = json!(i64::MAX / 4);
+        let err = ModelConfig::from_json(cfg).unwrap_err().to_string();
+        assert!(err.contains("overflow"), "{err}");
     }
 }

@@ -317,54 +317,20 @@ pub struct Mlp {
 
 impl Mlp {
     pub fn new(vs: Path, cfg: &ModelConfig) -> Result<Self> {
-        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        Self::with_width(vs, cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+    }
+
+    /// An MLP `hidden → width → hidden` (an MoE expert, or the shared expert).
+    pub fn with_width(vs: Path, hidden: i64, width: i64, bias: bool) -> Result<Self> {
         Ok(Mlp {
-            gate_proj: Linear::new(&vs / "gate_proj", h, i, cfg.mlp_bias)?,
-            up_proj: Linear::new(&vs / "up_proj", h, i, cfg.mlp_bias)?,
-            down_proj: Linear::new(&vs / "down_proj", i, h, cfg.mlp_bias)?,
+            gate_proj: Linear::new(&vs / "gate_proj", hidden, width, bias)?,
+            up_proj: Linear::new(&vs / "up_proj", hidden, width, bias)?,
+            down_proj: Linear::new(&vs / "down_proj", width, hidden, bias)?,
         })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let gate = self.gate_proj.forward(x)?.f_silu()?;
         self.down_proj.forward(&gate.f_mul(&self.up_proj.forward(x)?)?)
-    }
-}
-
-/// Pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
-#[derive(Debug)]
-pub struct DecoderLayer {
-    pub(crate) self_attn: Attention,
-    pub(crate) mlp: Mlp,
-    pub(crate) input_layernorm: RmsNorm,
-    pub(crate) post_attention_layernorm: RmsNorm,
-}
-
-impl DecoderLayer {
-    pub fn new(vs: Path, cfg: &ModelConfig) -> Result<Self> {
-        Ok(DecoderLayer {
-            self_attn: Attention::new(&vs / "self_attn", cfg)?,
-            mlp: Mlp::new(&vs / "mlp", cfg)?,
-            input_layernorm: RmsNorm::new(&vs / "input_layernorm", cfg.hidden_size, cfg.rms_norm_eps)?,
-            post_attention_layernorm: RmsNorm::new(
-                &vs / "post_attention_layernorm",
-                cfg.hidden_size,
-                cfg.rms_norm_eps,
-            )?,
-        })
-    }
-
-    pub fn forward(
-        &self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        attend: Attend<'_>,
-        cache: Option<KvWrite<'_>>,
-    ) -> Result<Tensor> {
-        let attn = self.self_attn.forward(&self.input_layernorm.forward(x)?, cos, sin, attend, cache)?;
-        let x = x.f_add(&attn)?;
-        let mlp = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
-        Ok(x.f_add(&mlp)?)
     }
 }

@@ -1,8 +1,9 @@
-//! jetrl's model: Qwen2 / Llama / Qwen3 decoders in libtorch (`tch`), loaded from and saved to HF checkpoints,
+//! jetrl's model: Qwen2 / Llama / Qwen3 decoders and the Qwen2-MoE / Qwen3-MoE mixtures of experts in libtorch (`tch`), loaded from and saved to HF checkpoints,
 //! with the HF tokenizer and chat template, batched generation and the log-probs a trainer recomputes.
 //!
 //! - [`config`]: `config.json` → [`ModelConfig`] (both RoPE layouts, Llama-3 scaling, Qwen3 q/k norm).
-//! - [`layers`]: one struct per layer (`RmsNorm`, `Attention`, `Mlp`, `DecoderLayer`, RoPE).
+//! - [`layers`]: one struct per layer (`RmsNorm`, `Attention`, `Mlp`, RoPE); [`decoder`]: `DecoderLayer`.
+//! - [`moe`]: the mixture-of-experts feed-forward (Qwen2-MoE, Qwen3-MoE), router replay, the load-balancing loss.
 //! - [`model`]: [`CausalLm`]: parameters in a `VarStore` under HF names; `forward` for training; safetensors
 //!   load/save and in-memory weight swaps.
 //! - [`tokenizer`] and [`chat_template`]: `tokenizer.json`, special tokens, `apply_chat_template` (re-exported from
@@ -20,6 +21,7 @@
 
 mod adapter;
 pub mod config;
+pub mod decoder;
 pub mod device;
 pub mod engine;
 pub mod error;
@@ -27,10 +29,12 @@ pub mod init;
 pub mod layers;
 pub mod lora;
 pub mod model;
+pub mod moe;
 pub mod recompute;
+mod routing;
 mod weights;
 
-pub use config::{Architecture, ModelConfig, RopeScaling};
+pub use config::{Architecture, ModelConfig, MoeConfig, RopeScaling};
 pub use device::{parse_device, resolve_device, set_torch_threads, DType};
 pub use engine::{
     Engine, EngineConfig, EngineStats, Finish, LogprobsMode, Prefix, Request, RequestId, Sampling, SequenceOutput,
@@ -40,6 +44,7 @@ pub use init::{init_model, TOOL_CALL_TOKENS};
 pub use jetrl_tokenizer::{chat_template, tokenizer, ChatTemplate, Tokenizer, TokenizerError};
 pub use lora::{AdapterConfig, LoraMerger, LoraSpec, Targets, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE};
 pub use model::{copy_side_files, CausalLm, Checkpoints, Packed, CONFIG_FILE};
+pub use moe::load_balancing_loss;
 pub use recompute::{log_probs_of, token_log_probs};
 pub use weights::{WEIGHTS_FILE, WEIGHTS_INDEX_FILE};
 

@@ -23,8 +23,9 @@ use tch::{Device, Kind, Tensor};
 
 use crate::adapter::{Adapter, LoraState};
 pub use crate::adapter::{LoraSpec, Targets};
+use crate::decoder::FeedForward;
 use crate::error::{ModelError, Result};
-use crate::layers::Linear;
+use crate::layers::{Linear, Mlp};
 use crate::model::CausalLm;
 use crate::weights;
 
@@ -131,23 +132,39 @@ fn tensor_name(module: &str, which: &str) -> String {
 }
 
 impl CausalLm {
-    /// Every linear layer of the decoder with its full name (`model.layers.0.self_attn.q_proj`), in order.
+    /// Every linear layer of the decoder that an adapter can target, with its full name
+    /// (`model.layers.0.self_attn.q_proj`), in order. In an MoE layer these are each expert's projections
+    /// (`mlp.experts.3.up_proj`) and the shared expert's; the router and the shared expert's gate are left alone.
     pub(crate) fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
+        fn mlp_linears<'a>(out: &mut Vec<(String, &'a mut Linear)>, prefix: &str, mlp: &'a mut Mlp) {
+            for (name, linear) in
+                [("gate_proj", &mut mlp.gate_proj), ("up_proj", &mut mlp.up_proj), ("down_proj", &mut mlp.down_proj)]
+            {
+                out.push((format!("{prefix}.{name}"), linear));
+            }
+        }
         let mut out = Vec::new();
         for (i, layer) in self.layers.iter_mut().enumerate() {
             let prefix = format!("model.layers.{i}");
             let attn = &mut layer.self_attn;
-            let mlp = &mut layer.mlp;
             for (name, linear) in [
                 ("self_attn.q_proj", &mut attn.q_proj),
                 ("self_attn.k_proj", &mut attn.k_proj),
                 ("self_attn.v_proj", &mut attn.v_proj),
                 ("self_attn.o_proj", &mut attn.o_proj),
-                ("mlp.gate_proj", &mut mlp.gate_proj),
-                ("mlp.up_proj", &mut mlp.up_proj),
-                ("mlp.down_proj", &mut mlp.down_proj),
             ] {
                 out.push((format!("{prefix}.{name}"), linear));
+            }
+            match &mut layer.mlp {
+                FeedForward::Dense(mlp) => mlp_linears(&mut out, &format!("{prefix}.mlp"), mlp),
+                FeedForward::Sparse(moe) => {
+                    for (e, expert) in moe.experts.iter_mut().enumerate() {
+                        mlp_linears(&mut out, &format!("{prefix}.mlp.experts.{e}"), expert);
+                    }
+                    if let Some((shared, _)) = &mut moe.shared_expert {
+                        mlp_linears(&mut out, &format!("{prefix}.mlp.shared_expert"), shared);
+                    }
+                }
             }
         }
         out

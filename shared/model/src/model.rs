@@ -9,9 +9,10 @@ use tch::{Device, Kind, Tensor};
 
 use crate::adapter::LoraState;
 use crate::config::ModelConfig;
+use crate::decoder::DecoderLayer;
 use crate::device::DType;
 use crate::error::{ModelError, Result};
-use crate::layers::{Attend, DecoderLayer, RmsNorm, RotaryEmbedding};
+use crate::layers::{Attend, RmsNorm, RotaryEmbedding};
 use crate::weights::{self, CheckpointFiles};
 
 /// File name of the model configuration in a checkpoint directory.
@@ -50,7 +51,7 @@ impl CausalLm {
             path.add("weight", t, true)
         };
         let layers = (0..config.num_hidden_layers)
-            .map(|i| DecoderLayer::new(&model / "layers" / i, &config))
+            .map(|i| DecoderLayer::new(&model / "layers" / i, &config, i as usize))
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::new(&model / "norm", config.hidden_size, config.rms_norm_eps)?;
         let lm_head = if config.tie_word_embeddings {

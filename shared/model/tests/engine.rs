@@ -454,7 +454,7 @@ fn engine_matches_the_training_forward_on_the_tiny_qwen2_preset() {
 #[ignore = "slow tier: against transformers (python with transformers: `./dev.sh test` installs it)"]
 fn engine_matches_the_training_forward_on_every_transformers_layout() {
     let root = hf_checkpoints();
-    for name in ["qwen2_tied", "qwen2_untied", "llama", "qwen3"] {
+    for name in ["qwen2_tied", "qwen2_untied", "llama", "qwen3", "qwen2_moe", "qwen3_moe"] {
         check_fidelity(&root.join(name));
     }
 }

@@ -5,9 +5,12 @@
           qwen2_tied, qwen2_untied, qwen2_bf16 (weights stored as bf16), qwen2_sharded (index + shards),
           qwen2_old_layout (rope_theta at the top of config.json, chat template inside tokenizer_config.json),
           llama (biases, llama3 RoPE scaling inside rope_parameters), llama_old_layout (rope_theta and
-          rope_scaling at the top), qwen3 (q/k norm, explicit head_dim, template list in tokenizer_config.json).
+          rope_scaling at the top), qwen3 (q/k norm, explicit head_dim, template list in tokenizer_config.json),
+          qwen2_moe (routed experts, a gated shared expert, qkv_bias) and qwen3_moe (routed experts renormalised
+          over the top k, one dense layer by mlp_only_layers).
         Each folder gets reference.json: {"sequences", "logprobs" (f32, by transformers), "chat": [{"messages",
-        "tools"?, "add_generation_prompt", "ids"}]}.
+        "tools"?, "add_generation_prompt", "ids"}]}; the MoE ones also "aux_loss" (transformers' load-balancing
+        loss of each sequence's forward).
 
     python make_hf_checkpoints.py score MODEL_DIR
         Loads MODEL_DIR with AutoModelForCausalLM + AutoTokenizer and prints the same reference JSON for a fixed
@@ -31,8 +34,12 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -288,11 +295,16 @@ def reference(model, tok, seqs, convs, tokenizer_json=None):
     regardless of tokenizer.json; `hf_ids` records what it gives.)"""
     model.eval()
     logprobs = []
+    aux_losses = []
+    moe = getattr(model.config, "num_experts", 0) > 0
     with torch.no_grad():
         for ids in seqs:
-            logits = model(torch.tensor([ids])).logits.float()
+            out = model(torch.tensor([ids]), output_router_logits=moe)
+            logits = out.logits.float()
             lp = torch.log_softmax(logits[0, :-1], dim=-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
             logprobs.append(lp.tolist())
+            if moe:
+                aux_losses.append(float(out.aux_loss))
     chat = []
     raw = Tokenizer.from_file(tokenizer_json) if tokenizer_json else None
     for messages, tools in convs:
@@ -304,7 +316,10 @@ def reference(model, tok, seqs, convs, tokenizer_json=None):
             if tools is not None:
                 item["tools"] = tools
             chat.append(item)
-    return {"sequences": seqs, "logprobs": logprobs, "chat": chat}
+    ref = {"sequences": seqs, "logprobs": logprobs, "chat": chat}
+    if aux_losses:
+        ref["aux_loss"] = aux_losses
+    return ref
 
 
 def write_json(path, obj):
@@ -415,6 +430,12 @@ def build(out):
     qwen3 = dict(small, head_dim=32, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     build_one(out, "qwen3", Qwen3Config, Qwen3ForCausalLM, qwen3, QWEN3_TEMPLATE, CONVERSATIONS + TOOL_CONVERSATIONS, 8,
               edit=lambda path: template_into_tokenizer_config(path, as_list=True))
+
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, router_aux_loss_coef=0.01)
+    qwen2_moe = dict(qwen2, **moe, shared_expert_intermediate_size=48, tie_word_embeddings=False)
+    build_one(out, "qwen2_moe", Qwen2MoeConfig, Qwen2MoeForCausalLM, qwen2_moe, CHATML, CONVERSATIONS, 9)
+    qwen3_moe = dict(qwen3, **moe, norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False)
+    build_one(out, "qwen3_moe", Qwen3MoeConfig, Qwen3MoeForCausalLM, qwen3_moe, QWEN3_TEMPLATE, CONVERSATIONS, 10)
 
 
 def score(model_dir):

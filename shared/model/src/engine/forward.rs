@@ -10,6 +10,7 @@
 
 use tch::{Device, Kind, Tensor};
 
+use crate::decoder::FeedForward;
 use crate::engine::cache::SlotCache;
 use crate::error::{ModelError, Result};
 use crate::layers::{Attend, Attention, KvWrite, LayerKv, RmsNorm};
@@ -145,11 +146,11 @@ pub(crate) fn fuse(model: &mut CausalLm, max_len: i64) -> Result<Fused> {
                 (Some(qb), Some(kb), Some(vb)) => Some(share([qb, kb, vb])?),
                 _ => None,
             };
-            let mlp = &mut layer.mlp;
-            let gate_up_weight = if mlp.gate_proj.bias.is_none() && mlp.up_proj.bias.is_none() {
-                Some(share([&mut mlp.gate_proj.weight, &mut mlp.up_proj.weight])?)
-            } else {
-                None
+            let gate_up_weight = match &mut layer.mlp {
+                FeedForward::Dense(mlp) if mlp.gate_proj.bias.is_none() && mlp.up_proj.bias.is_none() => {
+                    Some(share([&mut mlp.gate_proj.weight, &mut mlp.up_proj.weight])?)
+                }
+                _ => None,
             };
             layers.push(FusedLayer { qkv_weight, qkv_bias, gate_up_weight });
         }
@@ -282,14 +283,14 @@ pub(crate) fn decode(
             let attn = decode_attention(&layer.self_attn, f, &norm(&layer.input_layernorm, &x)?, kv, &step)?;
             x = x.f_add(&attn)?;
             let h = norm(&layer.post_attention_layernorm, &x)?;
-            let mlp = match &f.gate_up_weight {
-                Some(w) => {
+            let mlp = match (&f.gate_up_weight, &layer.mlp) {
+                (Some(w), FeedForward::Dense(mlp)) => {
                     let inter = w.size()[0] / 2;
                     let gate_up = h.f_linear(w, None::<&Tensor>)?;
                     let act = gate_up.f_narrow(-1, 0, inter)?.f_silu()?.f_mul(&gate_up.f_narrow(-1, inter, inter)?)?;
-                    layer.mlp.down_proj.forward(&act)?
+                    mlp.down_proj.forward(&act)?
                 }
-                None => layer.mlp.forward(&h)?,
+                (_, ffn) => ffn.forward(&h)?,
             };
             x = x.f_add(&mlp)?;
         }

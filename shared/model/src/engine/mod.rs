@@ -11,7 +11,8 @@
 //!   into free slots (on the CPU at every hole, where shapes are exact; with CUDA graphs only when the batch
 //!   bucket can shrink).
 //! - On CUDA the decode step is a CUDA graph per `(batch, width)` bucket ([`graphs`]), unless
-//!   [`EngineConfig::enforce_eager`]; the CPU runs the same step eagerly at exact shapes.
+//!   [`EngineConfig::enforce_eager`] or the model has MoE layers; the CPU runs the same step eagerly at exact
+//!   shapes.
 //! - A request with `n > 1` samples (a GRPO group) is prefilled once; its rows are forks (copies) of that row's
 //!   prompt keys and values.
 //! - Sampling per request: temperature (0 = greedy), top-p, top-k, repetition penalty, seed, stop token ids,
@@ -181,8 +182,11 @@ impl Engine {
         let fused = forward::fuse(&mut model, config.max_model_len as i64)?;
         let cache = SlotCache::new(&model, slots as i64, config.max_model_len as i64)?;
         let inputs = DecodeInputs::new(&model, slots as i64, config.max_model_len as i64)?;
+        // an MoE layer reads its experts' token counts on the host, which a captured graph cannot do
         let graphs = match model.device() {
-            tch::Device::Cuda(index) if !config.enforce_eager => Some(DecodeGraphs::new(index)?),
+            tch::Device::Cuda(index) if !config.enforce_eager && model.config().moe.is_none() => {
+                Some(DecodeGraphs::new(index)?)
+            }
             _ => None,
         };
         let shapes = if config.bucketed.unwrap_or(graphs.is_some()) { Shapes::Buckets } else { Shapes::Exact };

@@ -39,6 +39,9 @@ pub struct Reference {
     pub logprobs: Vec<Vec<f32>>,
     #[serde(default)]
     pub chat: Vec<ChatCase>,
+    /// transformers' load-balancing loss of each sequence's forward (MoE checkpoints)
+    #[serde(default)]
+    pub aux_loss: Vec<f32>,
 }
 
 pub fn read_reference(dir: &Path) -> Reference {
