@@ -167,6 +167,33 @@ impl MicroBatch {
         Ok(mb)
     }
 
+    /// Where each of `rows` (the rows this micro-batch was built from, in order) has its prompt and response tokens
+    /// in the forward's flattened token order: (first index, token count). Padded rows are `[n, p + r]` row-major
+    /// with the prompt left-padded to `p`; packed rows lie end to end.
+    pub fn token_spans(&self, rows: &[&Sample]) -> Vec<(i64, i64)> {
+        let mut next = 0;
+        rows.iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let (prompt, len) = (s.prompt.len() as i64, (s.prompt.len() + s.response.len()) as i64);
+                let start = match &self.packed {
+                    None => i as i64 * (self.p + self.r) + self.p - prompt,
+                    Some(_) => next,
+                };
+                next += len;
+                (start, len)
+            })
+            .collect()
+    }
+
+    /// The forward's token count: `n × (p + r)` padded, the packed row's length packed.
+    pub fn token_count(&self) -> i64 {
+        match &self.packed {
+            None => self.input_ids.numel() as i64,
+            Some(p) => p.lens.iter().sum(),
+        }
+    }
+
     /// The ids the response logits score: `[n, r]` padded, `[T]` packed.
     pub fn scored_ids(&self) -> &Tensor {
         self.packed.as_ref().map_or(&self.response_ids, |p| &p.response_ids)

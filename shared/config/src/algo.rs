@@ -281,6 +281,31 @@ pub struct ActorConfig {
     pub calculate_entropy: bool,
     /// compute Σπ² per token (needed by the optimal-token-baseline estimators)
     pub calculate_sum_pi_squared: bool,
+    /// MoE router replay (verl's `router_replay`)
+    pub router_replay: RouterReplayConfig,
+    /// weight of the MoE load-balancing loss added to the policy loss (Megatron's `moe_aux_loss_coeff`, which verl
+    /// sets through `actor.megatron.override_transformer_config`); 0 = off
+    pub moe_aux_loss_coeff: f64,
+}
+
+/// verl's `actor.router_replay`: which routes an MoE policy's update forward uses.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RouterReplayConfig {
+    pub mode: RouterReplayMode,
+}
+
+/// verl's router replay modes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RouterReplayMode {
+    /// every forward routes by its own router
+    #[default]
+    #[serde(rename = "disabled")]
+    Disabled,
+    /// the update passes route every token as the π_old pass did (routing replay within the trainer)
+    R2,
+    /// the trainer's passes route every token as the rollout did (rollout routing replay)
+    R3,
 }
 
 impl Default for ActorConfig {
@@ -308,6 +333,8 @@ impl Default for ActorConfig {
             entropy_coeff: 0.0,
             calculate_entropy: false,
             calculate_sum_pi_squared: false,
+            router_replay: RouterReplayConfig::default(),
+            moe_aux_loss_coeff: 0.0,
         }
     }
 }
@@ -329,6 +356,17 @@ impl ActorConfig {
                 ensure(value >= 0.0, path, format!("must be >= 0, got {value}"))?;
             }
         }
+        ensure(
+            self.moe_aux_loss_coeff >= 0.0 && self.moe_aux_loss_coeff.is_finite(),
+            "actor.moe_aux_loss_coeff",
+            format!("must be >= 0, got {}", self.moe_aux_loss_coeff),
+        )?;
+        ensure(
+            self.router_replay.mode != RouterReplayMode::R3,
+            "actor.router_replay.mode",
+            "R3 replays the rollout's routes, which jetrl's rollout does not return yet: use R2 (the update routes \
+             as the π_old pass did) or disabled",
+        )?;
         positive(self.tau_pos, "actor.tau_pos")?;
         positive(self.tau_neg, "actor.tau_neg")?;
         if let Some(factor) = self.loss_scale_factor {

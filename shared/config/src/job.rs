@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     ensure, ensure_threads, ActorConfig, AgentLoop, AlgorithmConfig, BufferConfig, CheckpointConfig, ConfigError,
     CriticConfig, DataConfig, LogConfig, ModelConfig, NatsConfig, ResumeMode, RewardConfig, RolloutConfig, RolloutName,
-    RunConfig, TaskName, TrainerConfig, TrainerMode, WeightTransportKind,
+    RouterReplayMode, RunConfig, TaskName, TrainerConfig, TrainerMode, WeightTransportKind,
 };
 
 /// A whole job: every service reads the sections it needs from the same file.
@@ -92,6 +92,18 @@ impl JobConfig {
             // the calculator computes in f64, exact below 2^53: two 7-digit operands' product has at most 14 digits
             ensure(task.max_len <= 7, "data.task.max_len", "multiply's operands have at most 7 digits")?;
         }
+        ensure(
+            self.actor.moe_aux_loss_coeff == 0.0 || !self.model.enable_gradient_checkpointing,
+            "actor.moe_aux_loss_coeff",
+            "the load-balancing loss needs the routers' logits in the autograd graph, which gradient checkpointing \
+             (model.enable_gradient_checkpointing) does not keep: set one of them off",
+        )?;
+        ensure(
+            self.actor.router_replay.mode != RouterReplayMode::R2
+                || !self.algorithm.rollout_correction.as_ref().is_some_and(|rc| rc.bypass_mode),
+            "actor.router_replay.mode",
+            "R2 replays the routes of the π_old pass, which algorithm.rollout_correction.bypass_mode skips",
+        )?;
         self.validate_mode()?;
         self.validate_ranks()?;
         self.validate_liveness()?;

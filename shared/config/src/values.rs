@@ -547,6 +547,8 @@ config_enum! {
         /// `tiny-digits` with a trained model's output scale (final norm weight 4): the base of the LoRA demo,
         /// which cannot train the final norm
         TinyDigitsLora = "tiny-digits-lora",
+        /// a 2-layer Qwen3-MoE model (8 experts, 2 per token) with the digits vocabulary (the MoE demo)
+        TinyDigitsMoe = "tiny-digits-moe",
         /// `tiny-digits` with `*` and two added tokens that write a Hermes calculator call (the tool demo)
         TinyTools = "tiny-tools",
     }

@@ -21,7 +21,7 @@ use crate::error::{ModelError, Result};
 use crate::model::CausalLm;
 
 /// Presets [`init_model`] knows.
-pub const PRESETS: &[&str] = &["tiny", "tiny-digits", "tiny-digits-lora", "tiny-tools"];
+pub const PRESETS: &[&str] = &["tiny", "tiny-digits", "tiny-digits-lora", "tiny-digits-moe", "tiny-tools"];
 
 /// Special tokens of the character tokenizer, at ids 0, 1, 2. `<|endoftext|>` is also the pad token.
 pub const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
@@ -63,13 +63,14 @@ pub const CHATML_TEMPLATE: &str = "{%- for message in messages %}\
 pub fn init_model(preset: &str, out_dir: &Path, seed: u64) -> Result<()> {
     let (characters, added): (&str, &[&str]) = match preset {
         "tiny" => (CHARACTERS, &[]),
-        "tiny-digits" | "tiny-digits-lora" => (DIGIT_CHARACTERS, &[]),
+        "tiny-digits" | "tiny-digits-lora" | "tiny-digits-moe" => (DIGIT_CHARACTERS, &[]),
         "tiny-tools" => (TOOL_CHARACTERS, &TOOL_CALL_TOKENS),
         other => {
             return Err(ModelError::Config(format!("unknown model preset `{other}` (known: {})", PRESETS.join(", "))))
         }
     };
-    let config = tiny_config(vocab_size(characters) + added.len());
+    let vocab = vocab_size(characters) + added.len();
+    let config = if preset == "tiny-digits-moe" { tiny_moe_config(vocab) } else { tiny_config(vocab) };
     let init_std = 0.02;
     std::fs::create_dir_all(out_dir).map_err(|e| ModelError::io(out_dir, e))?;
     let config = ModelConfig::from_json(config)?;
@@ -105,6 +106,41 @@ fn write_json(path: &Path, value: &Value) -> Result<()> {
 
 fn vocab_size(characters: &str) -> usize {
     SPECIAL_TOKENS.len() + characters.chars().count()
+}
+
+/// Qwen3-MoE at the tiny scale: 2 layers 128 wide, 8 experts of width 128, each token routed to 2 (renormalised).
+fn tiny_moe_config(vocab_size: usize) -> Value {
+    json!({
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 128,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": true,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 0.001,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 512,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": { "rope_theta": 10000.0, "rope_type": "default" },
+        "tie_word_embeddings": true,
+        "use_cache": true,
+        "use_sliding_window": false,
+        "sliding_window": null,
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "eos_token_id": 2,
+        "dtype": "float32",
+    })
 }
 
 fn tiny_config(vocab_size: usize) -> Value {

@@ -31,6 +31,7 @@
 
 mod passes;
 mod phases;
+mod routes;
 mod thread;
 mod update;
 
@@ -44,7 +45,7 @@ use jetrl_algos::{
     ActorLossParams, AdvantageConfig, AdvantageEstimator, KlController, KlPenalty, PfPpoReweight,
     RolloutCorrectionParams,
 };
-use jetrl_config::{JobConfig, ModelDtype};
+use jetrl_config::{JobConfig, ModelDtype, RouterReplayMode};
 use jetrl_model::{CausalLm, DType};
 use tch::{Device, Tensor};
 
@@ -83,6 +84,10 @@ struct Settings {
     gradient_checkpointing: bool,
     /// forward passes on micro-batches packed without padding (`model.use_remove_padding`)
     remove_padding: bool,
+    /// the update passes replay the π_old pass's routes (`actor.router_replay.mode: R2`)
+    router_replay: bool,
+    /// weight of the MoE load-balancing loss (`actor.moe_aux_loss_coeff`)
+    moe_aux_loss_coeff: f64,
 }
 
 /// The result of one [`Actor::train`]: verl-named metrics and the phase timings (`timing_s/<phase>`).
@@ -128,6 +133,8 @@ pub struct Actor {
     /// the dtype weights are shipped to rollout workers in (`model.dtype`)
     ship_dtype: DType,
     pad_id: i64,
+    /// the current step's π_old routes of the rows this rank holds (router replay R2)
+    routes: routes::RowRoutes,
     /// the trainer's ranks: each holds the whole model, its shard of the optimizer state, and a share of every
     /// batch's rows
     comm: Comm,
@@ -181,6 +188,15 @@ impl Actor {
         };
         if let Some((spec, modules)) = model.lora_spec() {
             tracing::info!(rank = spec.rank, alpha = spec.alpha, modules = modules.len(), "training a LoRA adapter");
+        }
+        let router_replay = cfg.actor.router_replay.mode == RouterReplayMode::R2;
+        if (router_replay || cfg.actor.moe_aux_loss_coeff > 0.0) && model.sparse_layer_count() == 0 {
+            return Err(ActorError::Model(jetrl_model::ModelError::Config(format!(
+                "actor.router_replay.mode and actor.moe_aux_loss_coeff act on mixture-of-experts layers; {} has none \
+                 (model_type {})",
+                model_dir.display(),
+                model.config().architecture.model_type()
+            ))));
         }
         let params: Vec<(String, Tensor)> = model.trainable_parameters().into_iter().collect();
         let mut optim = AdamW::sharded(params, &cfg.actor.optim, comm.clone())?;
@@ -241,11 +257,14 @@ impl Actor {
                 bypass_old_log_prob: bypass,
                 gradient_checkpointing: cfg.model.enable_gradient_checkpointing,
                 remove_padding: cfg.model.use_remove_padding,
+                router_replay,
+                moe_aux_loss_coeff: cfg.actor.moe_aux_loss_coeff,
             },
             actor_updates: 0,
             model_dir,
             ship_dtype: DType::from(cfg.model.dtype),
             pad_id: 0,
+            routes: routes::RowRoutes::default(),
             comm,
         };
         if let Some((_, state)) = resume {
@@ -445,6 +464,7 @@ impl Actor {
         if let Some(method) = self.pf_ppo {
             let picked = phases::pf_ppo_rows(&batch.rows, method, step_seed(self.settings.run_seed, step) as u64)?;
             trained = Cow::Owned(batch.resampled(&picked));
+            self.routes.resample(&picked);
             cols = cols.take_rows(&picked);
         }
         phases::data_metrics(&cols, &mut out.metrics);

@@ -8,12 +8,20 @@ use jetrl_model::{CausalLm, Checkpoints};
 use tch::Tensor;
 
 use super::phases::{host_tensor, rollout_probs_diff};
+use super::routes::RowRoutes;
 use super::{Actor, OldPolicy};
 use crate::batch::{to_host, MicroBatch, RankBatch, Sample};
 use crate::error::ActorError;
 
 /// Per-row log-probs, and the entropy and Σπ² when asked, as `[rows, width]` host matrices.
 type ScoredRows = (Vec<f32>, Option<Vec<f32>>, Option<Vec<f32>>);
+
+/// Which per-token columns besides the log-probs a scoring pass computes.
+#[derive(Debug, Clone, Copy, Default)]
+struct Scoring {
+    entropy: bool,
+    sum_pi_squared: bool,
+}
 
 /// π_old of a step, and Σπ² when the advantage estimator needs it.
 pub(super) struct OldPass {
@@ -33,22 +41,24 @@ impl Actor {
         mask: &[f32],
         metrics: &mut BTreeMap<String, f64>,
     ) -> Result<OldPass, ActorError> {
+        self.model.set_router_replay(None)?;
+        self.routes.clear();
         if self.settings.bypass_old_log_prob {
             return Ok(OldPass { log_probs: rollout.to_vec(), sum_pi_squared: None });
         }
-        let spsq = self.settings.calculate_sum_pi_squared;
-        let (old, entropy, spsq) = match pi_old {
-            OldPolicy::CycleStart if self.lora_snapshot.is_some() => {
-                self.with_snapshot_adapters(|actor| actor.score_rows(&actor.model, batch, width, true, spsq))?
-            }
-            OldPolicy::Current => self.score_rows(&self.model, batch, width, true, spsq)?,
-            OldPolicy::CycleStart => {
-                let policy = self.cycle_start.as_ref().ok_or_else(|| {
-                    ActorError::Batch("π_old of the cycle start was asked for before any snapshot".into())
-                })?;
-                self.score_rows(policy, batch, width, true, spsq)?
-            }
+        let scoring = Scoring { entropy: true, sum_pi_squared: self.settings.calculate_sum_pi_squared };
+        let mut routes = self.settings.router_replay.then(|| std::mem::take(&mut self.routes));
+        let scored = match pi_old {
+            OldPolicy::CycleStart if self.lora_snapshot.is_some() => self
+                .with_snapshot_adapters(|actor| actor.score_rows(&actor.model, batch, width, scoring, routes.as_mut())),
+            OldPolicy::Current => self.score_rows(&self.model, batch, width, scoring, routes.as_mut()),
+            OldPolicy::CycleStart => match self.cycle_start.as_ref() {
+                Some(policy) => self.score_rows(policy, batch, width, scoring, routes.as_mut()),
+                None => Err(ActorError::Batch("π_old of the cycle start was asked for before any snapshot".into())),
+            },
         };
+        self.routes = routes.unwrap_or_default();
+        let (old, entropy, spsq) = scored?;
         if let Some(entropy) = entropy {
             let n = batch.len();
             let full_batch = GlobalBatchInfo {
@@ -69,10 +79,10 @@ impl Actor {
     /// adapters off); None without a reference.
     pub(super) fn reference_pass(&mut self, batch: &RankBatch, width: usize) -> Result<Option<Vec<f32>>, ActorError> {
         match &self.reference {
-            Some(model) => Ok(Some(self.score_rows(model, batch, width, false, false)?.0)),
+            Some(model) => Ok(Some(self.score_rows(model, batch, width, Scoring::default(), None)?.0)),
             None if self.reference_is_base => {
                 self.model.set_lora_enabled(false);
-                let scored = self.score_rows(&self.model, batch, width, false, false);
+                let scored = self.score_rows(&self.model, batch, width, Scoring::default(), None);
                 self.model.set_lora_enabled(true);
                 Ok(Some(scored?.0))
             }
@@ -111,30 +121,35 @@ impl Actor {
 
     /// Log-probs of every row's response under `model` without autograd, as `[rows, width]` host matrices of the
     /// whole batch, with the per-token entropy and Σπ² when asked: each rank scores the rows it holds, and the
-    /// matrices are summed over the ranks (each row is held by one).
+    /// matrices are summed over the ranks (each row is held by one). With `routes`, the experts every token of a
+    /// held row was routed to are kept there (router replay R2).
     fn score_rows(
         &self,
         model: &CausalLm,
         batch: &RankBatch,
         width: usize,
-        entropy: bool,
-        sum_pi_squared: bool,
+        scoring: Scoring,
+        mut routes: Option<&mut RowRoutes>,
     ) -> Result<ScoredRows, ActorError> {
         let n = batch.len();
         let mut lp = vec![0f32; n * width];
-        let mut ent = entropy.then(|| vec![0f32; n * width]);
-        let mut spsq = sum_pi_squared.then(|| vec![0f32; n * width]);
+        let mut ent = scoring.entropy.then(|| vec![0f32; n * width]);
+        let mut spsq = scoring.sum_pi_squared.then(|| vec![0f32; n * width]);
+        model.record_routes(routes.is_some());
         let copy = |dst: &mut [f32], src: &[f32], chunk: &[usize], r: usize| {
             for (k, &row) in chunk.iter().enumerate() {
                 let len = batch.rows[row].response_len;
                 dst[row * width..row * width + len].copy_from_slice(&src[k * r..k * r + len]);
             }
         };
-        tch::no_grad(|| -> Result<(), ActorError> {
+        let scored = tch::no_grad(|| -> Result<(), ActorError> {
             for chunk in batch.local_micro_batches(&batch.local_rows(), self.settings.max_token_len) {
                 let refs = batch.samples(&chunk);
                 let mb = MicroBatch::build_for(&refs, self.pad_id, model.device(), self.settings.remove_padding)?;
                 let (logits, _) = Self::response_logits(model, &mb, self.settings.temperature, false)?;
+                if let Some(routes) = routes.as_mut() {
+                    routes.keep(&model.take_routes()?, &mb, &chunk, &refs)?;
+                }
                 let r = mb.r as usize;
                 let rows = |values: Tensor| -> Result<Vec<f32>, tch::TchError> { to_host(&mb.to_rows(&values)?) };
                 copy(&mut lp, &rows(logprobs_from_logits(&logits, mb.scored_ids()))?, &chunk, r);
@@ -146,7 +161,9 @@ impl Actor {
                 }
             }
             Ok(())
-        })?;
+        });
+        model.record_routes(false);
+        scored?;
         let device = model.device();
         self.comm.all_reduce_f32(&mut lp, device)?;
         if let Some(ent) = ent.as_mut() {

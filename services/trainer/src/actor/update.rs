@@ -10,7 +10,7 @@ use jetrl_algos::{
 use tch::{Device, Kind};
 
 use super::phases::Columns;
-use super::Actor;
+use super::{routes, Actor};
 use crate::batch::{gather_rows, mini_batches, MicroBatch, RankBatch, Sample};
 use crate::dist::Comm;
 use crate::error::ActorError;
@@ -79,8 +79,16 @@ impl Actor {
         let device = self.model.device();
         self.optim.zero_grad();
         let mut metrics: BTreeMap<String, f64> = BTreeMap::new();
+        let moe = self.model.config().moe.as_ref().map(|m| m.top_k);
+        let aux_coeff = self.settings.moe_aux_loss_coeff;
         for chunk in batch.local_micro_batches(rows, self.settings.max_token_len) {
-            let mb = MicroBatch::build_for(&batch.samples(&chunk), self.pad_id, device, self.settings.remove_padding)?;
+            let samples = batch.samples(&chunk);
+            let mb = MicroBatch::build_for(&samples, self.pad_id, device, self.settings.remove_padding)?;
+            if let (true, Some(top_k)) = (self.settings.router_replay, moe) {
+                let layers = self.model.sparse_layer_count();
+                self.model.set_router_replay(Some(self.routes.layout(&mb, &chunk, &samples, layers, top_k)?))?;
+            }
+            self.model.collect_router_logits(aux_coeff > 0.0);
             let r = mb.r as usize;
             let mask = gather_rows(&cols.mask, width, &chunk, r, device)?;
             let old = gather_rows(&cols.old_log_probs, width, &chunk, r, device)?;
@@ -113,11 +121,22 @@ impl Actor {
                 ref_log_prob: reference.as_ref(),
             };
             let (loss, m) = compute_actor_loss(&inputs, &self.loss, &info)?;
+            let weight = f64::try_from(mask.f_sum(Kind::Double)?)? / total_tokens.max(1.0);
+            let loss = match moe.filter(|_| aux_coeff > 0.0) {
+                // the micro-batch's share of the mini-batch's mean load-balancing loss
+                Some(top_k) => {
+                    let aux = routes::aux_loss(&self.model, &mb, top_k)?;
+                    *metrics.entry("actor/moe_aux_loss".into()).or_insert(0.0) += f64::try_from(&aux)? * weight;
+                    loss.f_add(&aux.f_mul_scalar(aux_coeff * weight)?)?
+                }
+                None => loss,
+            };
+            self.model.collect_router_logits(false);
             loss.f_backward()?;
             if let Some(checkpoints) = checkpoints {
                 self.model.backward_checkpointed(checkpoints)?;
             }
-            let weight = f64::try_from(mask.f_sum(Kind::Double)?)? / total_tokens.max(1.0);
+            self.model.set_router_replay(None)?;
             for (k, v) in m.to_map() {
                 // losses of a micro-batch are already its share of the mini-batch loss: sum them; ratios and
                 // fractions are per-token means: weight them by the micro-batch's token share.

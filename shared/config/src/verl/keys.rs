@@ -148,6 +148,11 @@ pub static KEYS: &[Key] = &[
     k("actor_rollout_ref.actor.entropy_coeff", Map("actor.entropy_coeff")),
     k("actor_rollout_ref.actor.calculate_entropy", Map("actor.calculate_entropy")),
     k("actor_rollout_ref.actor.calculate_sum_pi_squared", Map("actor.calculate_sum_pi_squared")),
+    k("actor_rollout_ref.actor.router_replay.mode", Map("actor.router_replay.mode")),
+    k(
+        "actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff",
+        Map("actor.moe_aux_loss_coeff"),
+    ),
     k("actor_rollout_ref.actor.use_kl_loss", Map("actor.use_kl_loss")),
     k("actor_rollout_ref.actor.kl_loss_coef", Map("actor.kl_loss_coef")),
     k("actor_rollout_ref.actor.kl_loss_type", Map("actor.kl_loss_type")),
