@@ -14,8 +14,9 @@ mod requests;
 mod rewards;
 #[cfg(test)]
 mod tests;
+mod waiting;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,12 +29,12 @@ use jetrl_bus::watch::{Follower, Resume};
 use jetrl_bus::{Bus, BusError, Cause, GroupStore};
 use jetrl_config::JobConfig;
 use jetrl_telemetry::Shutdown;
-use jetrl_wire::v1::SampleRequest;
 use jetrl_wire::Message;
 
 use self::answers::Answers;
+use self::waiting::WaitingRequests;
 use crate::reread::Reread;
-use crate::sampler::{Progress, SamplerConfig};
+use crate::sampler::SamplerConfig;
 use crate::state::BufferState;
 
 const SERVICE: &str = jetrl_wire::ServiceKind::Buffer.as_str();
@@ -71,14 +72,6 @@ impl BufferError {
             Self::InputClosed { .. } => "input_closed",
         }
     }
-}
-
-/// A sample request waiting for enough complete groups.
-struct Waiting {
-    request: SampleRequest,
-    reply: async_nats::Subject,
-    deadline: Instant,
-    received: Instant,
 }
 
 /// The buffer's two stores as it reads them.
@@ -134,15 +127,10 @@ struct Buffer {
     rewards_purge: Option<tokio::task::JoinHandle<()>>,
     state: BufferState,
     sampler: SamplerConfig,
-    /// per request id: the sample loop's memory (refill credit, metrics) between iterations
-    progress: HashMap<String, Progress>,
-    waiting: VecDeque<Waiting>,
-    /// since when a sample request has waited with none answered (None: the last one was answered)
-    waiting_since: Option<Instant>,
+    /// sample requests waiting for enough complete groups
+    waiting: WaitingRequests,
     /// reading both inputs again when a request has waited long with nothing coming in
     reread: Reread,
-    /// the newest trainer incarnation a sample request came from (0: none named yet)
-    incarnation: u64,
     /// answers given, for retried requests
     answers: Answers,
     /// the newest GROUPS revision the watch has delivered: a sample request naming a newer one waits for it
@@ -183,11 +171,8 @@ impl Buffer {
             rewards_purge: None,
             state: BufferState::default(),
             sampler,
-            progress: HashMap::new(),
-            waiting: VecDeque::new(),
-            waiting_since: None,
+            waiting: WaitingRequests::default(),
             reread,
-            incarnation: 0,
             answers: Answers::new(ANSWER_CACHE),
             groups_revision: 0,
             groups_current: empty_bucket,
@@ -221,7 +206,7 @@ impl Buffer {
         let mut gauge_tick = tokio::time::interval(Duration::from_secs(1));
         let mut watch_check = tokio::time::interval(jetrl_bus::watch::WATCH_CHECK);
         loop {
-            let next_deadline = self.waiting.iter().map(|w| w.deadline).min();
+            let next_deadline = self.waiting.next_deadline();
             let expiry = async move {
                 match next_deadline {
                     Some(at) => tokio::time::sleep_until(at.into()).await,
@@ -305,8 +290,7 @@ impl Buffer {
             self.on_group_entry(entry)
         };
         // a request that waited for this revision can be decided now
-        let reached = |w: &Waiting| (before + 1..=self.groups_revision).contains(&w.request.groups_revision);
-        applied || self.waiting.iter().any(reached)
+        applied || self.waiting.names_revision_in(before + 1..=self.groups_revision)
     }
 
     /// A message of the REWARDS stream (or a re-read's): indexed; returns whether it could let a waiting request
@@ -366,11 +350,11 @@ impl Buffer {
         if let Some(pass) = self.reread.finish(now) {
             self.report_reread(&pass);
         }
-        let waiting_since = self.waiting_since.filter(|_| !self.waiting.is_empty());
+        let waiting_since = self.waiting.waiting_since();
         if !(self.groups_current && self.rewards_current && self.reread.due(now, waiting_since, inputs.last_input)) {
             return Ok(());
         }
-        let view = self.state.waiting_view(self.waiting_partition());
+        let view = self.state.waiting_view(self.waiting.partition());
         tracing::debug!(
             waited_s = waiting_since.map_or(0, |t| t.elapsed().as_secs()),
             complete = view.complete,

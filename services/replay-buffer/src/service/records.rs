@@ -57,16 +57,11 @@ impl Buffer {
         self.on_group_entry(entry)
     }
 
-    /// The partition of the oldest waiting request (`train` when none waits).
-    pub(super) fn waiting_partition(&self) -> &str {
-        self.waiting.front().map_or("train", |w| w.request.partition.as_str())
-    }
-
     /// Says what a finished re-read found: a warning and a count when the inputs had missed something, otherwise
     /// what the waiting request waits on (the stores hold nothing more).
     pub(super) fn report_reread(&self, pass: &Pass) {
-        let view = self.state.waiting_view(self.waiting_partition());
-        let waited_s = self.waiting_since.map_or(0, |t| t.elapsed().as_secs());
+        let view = self.state.waiting_view(self.waiting.partition());
+        let waited_s = self.waiting.waiting_since().map_or(0, |t| t.elapsed().as_secs());
         if pass.found() > 0 {
             metrics::counter!("jetrl_buffer_reread_found_total", "kind" => "records").increment(pass.found_records);
             metrics::counter!("jetrl_buffer_reread_found_total", "kind" => "rewards").increment(pass.found_rewards);

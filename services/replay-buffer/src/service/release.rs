@@ -30,7 +30,7 @@ impl Buffer {
         let groups = self.state.release(&request.request_ids);
         for id in &request.request_ids {
             self.answers.forget(id);
-            self.progress.remove(id);
+            self.waiting.forget(id);
         }
         let released: usize = groups.iter().map(|g| g.2).sum();
         self.record_release(&request, &groups).await;

@@ -2,7 +2,7 @@
 //! must), kept waiting until its deadline otherwise; answers remembered for a retried request.
 
 use std::collections::VecDeque;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use jetrl_bus::{consume, BusError, Cause, GroupStore};
 use jetrl_wire::subjects;
@@ -10,25 +10,26 @@ use jetrl_wire::v1::{ErrorCode, GroupState, SampleRequest, SampleResponse};
 use jetrl_wire::Message;
 
 use super::release::purge_payloads;
-use super::{Buffer, Waiting, SERVICE};
+use super::{Buffer, SERVICE};
 use crate::sampler::{next_action, Action, EvictReason, Progress};
 
 impl Buffer {
     pub(super) fn on_sample_request(&mut self, msg: async_nats::Message) {
         let Some(reply) = msg.reply.clone() else { return };
         match SampleRequest::decode(msg.payload.as_ref()) {
-            Ok(request) if request.incarnation != 0 && request.incarnation < self.incarnation => {
+            Ok(request) if self.waiting.is_superseded(request.incarnation) => {
                 tracing::warn!(
                     request_id = %request.request_id,
                     incarnation = request.incarnation,
-                    newest = self.incarnation,
+                    newest = self.waiting.incarnation(),
                     "sample request from a superseded trainer incarnation refused"
                 );
                 let response = SampleResponse {
                     request_id: request.request_id.clone(),
                     error: format!(
                         "trainer incarnation {} is superseded by {} (a newer trainer holds the job)",
-                        request.incarnation, self.incarnation
+                        request.incarnation,
+                        self.waiting.incarnation()
                     ),
                     code: ErrorCode::Superseded as i32,
                     ..Default::default()
@@ -36,15 +37,7 @@ impl Buffer {
                 let client = self.bus.client().clone();
                 tokio::spawn(async move { client.publish(reply, response.encode_to_vec().into()).await });
             }
-            Ok(request) => {
-                if request.incarnation > self.incarnation {
-                    self.supersede_incarnations_below(request.incarnation);
-                }
-                let wait = Duration::from_millis(u64::from(request.wait_ms.max(1)));
-                let now = Instant::now();
-                self.waiting_since.get_or_insert(now);
-                self.waiting.push_back(Waiting { request, reply, deadline: now + wait, received: now });
-            }
+            Ok(request) => self.waiting.admit(request, reply, Instant::now()),
             Err(err) => {
                 let reason = format!("malformed SampleRequest: {err}");
                 consume::dead_letter(SERVICE, self.bus.names().buffer_sample(), &msg.subject, &reason, &msg.payload);
@@ -60,51 +53,28 @@ impl Buffer {
         }
     }
 
-    /// A newer trainer holds the job: the waiting requests of older incarnations are dropped unanswered (their
-    /// sender is gone; groups handed to them would never be trained on, nor given to the new trainer).
-    pub(super) fn supersede_incarnations_below(&mut self, incarnation: u64) {
-        let (stale, keep): (Vec<_>, Vec<_>) =
-            self.waiting.drain(..).partition(|w| w.request.incarnation != 0 && w.request.incarnation < incarnation);
-        self.waiting = keep.into();
-        for w in &stale {
-            self.progress.remove(&w.request.request_id);
-        }
-        if self.incarnation != 0 || !stale.is_empty() {
-            tracing::info!(
-                incarnation,
-                previous = self.incarnation,
-                dropped_requests = stale.len(),
-                "a new trainer incarnation; requests of older ones dropped"
-            );
-        }
-        self.incarnation = incarnation;
-    }
-
     /// Answers every waiting request that can be answered now, in arrival order.
     pub(super) async fn answer_waiting(&mut self) {
         if !(self.groups_current && self.rewards_current) || self.waiting.is_empty() {
             return;
         }
         let mut still_waiting = VecDeque::new();
-        while let Some(w) = self.waiting.pop_front() {
+        for w in self.waiting.take_all() {
             match self.try_answer(&w.request).await {
                 Some(response) => {
                     metrics::histogram!("jetrl_buffer_sample_wait_seconds").record(w.received.elapsed().as_secs_f64());
                     self.reply(&w.reply, &response).await;
-                    self.waiting_since = None;
+                    self.waiting.answered();
                     self.reread.answered();
                 }
                 None => still_waiting.push_back(w),
             }
         }
-        self.waiting = still_waiting;
+        self.waiting.put_back(still_waiting);
     }
 
     pub(super) async fn expire_waiting(&mut self) {
-        let now = Instant::now();
-        let (expired, keep): (Vec<_>, Vec<_>) = self.waiting.drain(..).partition(|w| w.deadline <= now);
-        self.waiting = keep.into();
-        for w in expired {
+        for w in self.waiting.take_expired(Instant::now()) {
             let response =
                 SampleResponse { request_id: w.request.request_id.clone(), not_ready: true, ..Default::default() };
             self.reply(&w.reply, &response).await;
@@ -139,10 +109,10 @@ impl Buffer {
                 "part of this request's batch is marked sampled; sampling the rest"
             );
         }
-        let mut progress = self.progress.remove(&request.request_id).unwrap_or_default();
+        let mut progress = self.waiting.take_progress(&request.request_id);
         let response = self.run_policy(request, &prior, &mut progress).await;
         if response.as_ref().is_none_or(|r| r.not_ready) {
-            self.progress.insert(request.request_id.clone(), progress);
+            self.waiting.keep_progress(&request.request_id, progress);
         }
         response
     }

@@ -173,7 +173,7 @@ async fn a_request_waits_for_a_full_batch_then_its_groups_are_marked_sampled_and
 
     complete_group(&mut buffer, "g2", 3).await;
     buffer.answer_waiting().await;
-    assert!(buffer.waiting.is_empty() && buffer.waiting_since.is_none());
+    assert!(buffer.waiting.is_empty() && buffer.waiting.waiting_since().is_none());
     let answer = next_answer(&mut replies).await;
     assert_eq!((answer.request_id.as_str(), answer.not_ready, answer.error.as_str()), ("r1", false, ""));
     assert_eq!(uids(&answer), ["g1", "g2"]);
@@ -242,7 +242,7 @@ async fn an_off_policy_group_is_evicted_in_the_bucket_with_its_reason_and_the_re
     assert_eq!(status.evicted_reason, "submission span 5");
     let (status, _) = buffer.groups.get("train", "fresh").await.unwrap().expect("record");
     assert_eq!(status.state(), GroupState::Finished, "the fresh group stays for the batch");
-    assert!(buffer.progress.contains_key("r5"), "the refill granted is remembered for the request");
+    assert!(buffer.waiting.has_progress("r5"), "the refill granted is remembered for the request");
 }
 
 #[tokio::test]
@@ -259,7 +259,7 @@ async fn malformed_and_superseded_requests_are_answered_with_their_code_and_a_ne
 
     let at = |incarnation: u64, id: &str| SampleRequest { incarnation, ..request(id, 1, 4) }.encode_to_vec();
     buffer.on_sample_request(sample_message(&buffer, at(5, "five"), "replies.5"));
-    assert_eq!((buffer.waiting.len(), buffer.incarnation), (1, 5));
+    assert_eq!((buffer.waiting.len(), buffer.waiting.incarnation()), (1, 5));
 
     buffer.on_sample_request(sample_message(&buffer, at(3, "three"), "replies.3"));
     let answer = next_answer(&mut replies).await;
@@ -267,8 +267,12 @@ async fn malformed_and_superseded_requests_are_answered_with_their_code_and_a_ne
     assert_eq!(buffer.waiting.len(), 1, "a superseded trainer's request is refused, not kept");
 
     buffer.on_sample_request(sample_message(&buffer, at(7, "seven"), "replies.7"));
-    let ids: Vec<&str> = buffer.waiting.iter().map(|w| w.request.request_id.as_str()).collect();
-    assert_eq!((ids, buffer.incarnation), (vec!["seven"], 7), "incarnation 5's request left with its trainer");
+    let ids: Vec<&str> = buffer.waiting.request_ids().collect();
+    assert_eq!(
+        (ids, buffer.waiting.incarnation()),
+        (vec!["seven"], 7),
+        "incarnation 5's request left with its trainer"
+    );
 }
 
 #[tokio::test]
