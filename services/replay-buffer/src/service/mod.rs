@@ -8,6 +8,7 @@
 //! - here: the checks of both inputs (stalls, re-reads) and the gauges.
 
 mod answers;
+mod groups_cursor;
 mod records;
 mod release;
 mod requests;
@@ -32,6 +33,7 @@ use jetrl_telemetry::Shutdown;
 use jetrl_wire::Message;
 
 use self::answers::Answers;
+use self::groups_cursor::GroupsCursor;
 use self::waiting::WaitingRequests;
 use crate::reread::Reread;
 use crate::sampler::SamplerConfig;
@@ -48,8 +50,6 @@ const MARKERS_KEPT: u64 = 1000;
 /// group is created before its prompt is sent; these belong to deleted or foreign groups and would hold the purge
 /// floor down for ever), once the groups watch has delivered everything the bucket held since they came.
 const ORPHAN_TTL: Duration = Duration::from_secs(120);
-/// Bucket revisions remembered for the watch to reach at most (one per watch check; the oldest go first).
-const MAX_GROUPS_MARKS: usize = 1024;
 /// How long a stopping buffer waits for the archiver to store what it was handed.
 const ARCHIVE_FLUSH: Duration = Duration::from_secs(5);
 
@@ -115,12 +115,8 @@ struct Buffer {
     rewards: async_nats::jetstream::stream::Stream,
     /// `(when, the newest REWARDS sequence read)` at each tick of the last ORPHAN_TTL, oldest first
     reward_seq_history: VecDeque<(Instant, u64)>,
-    /// `(when, the GROUPS bucket's last revision then)`, oldest first, not yet delivered by the watch
-    groups_marks: VecDeque<(Instant, u64)>,
-    /// the latest time as of which the groups watch is known to have delivered everything the bucket held: orphan
-    /// rewards are forgotten only when their groups' records would have come by then (a watch whose consumer sits
-    /// on a cluster node still catching up delivers late, and its rewards must not be dropped meanwhile)
-    groups_seen_through: Option<Instant>,
+    /// how far the GROUPS watch has read the bucket
+    groups_cursor: GroupsCursor,
     /// REWARDS is purged below this sequence (written by the purge task)
     rewards_purged_below: Arc<AtomicU64>,
     /// the floor purge in flight, if any (one at a time)
@@ -133,10 +129,6 @@ struct Buffer {
     reread: Reread,
     /// answers given, for retried requests
     answers: Answers,
-    /// the newest GROUPS revision the watch has delivered: a sample request naming a newer one waits for it
-    groups_revision: u64,
-    /// the initial replay of the GROUPS bucket is done
-    groups_current: bool,
     /// the initial replay of the REWARDS stream is done
     rewards_current: bool,
     /// the replay's already-released groups have been retired (once, when both replays are current)
@@ -165,8 +157,7 @@ impl Buffer {
             traj,
             rewards,
             reward_seq_history: VecDeque::new(),
-            groups_marks: VecDeque::new(),
-            groups_seen_through: None,
+            groups_cursor: GroupsCursor::new(empty_bucket),
             rewards_purged_below: Arc::new(AtomicU64::new(0)),
             rewards_purge: None,
             state: BufferState::default(),
@@ -174,8 +165,6 @@ impl Buffer {
             waiting: WaitingRequests::default(),
             reread,
             answers: Answers::new(ANSWER_CACHE),
-            groups_revision: 0,
-            groups_current: empty_bucket,
             rewards_current: empty_stream,
             replay_retired: false,
         })
@@ -251,7 +240,7 @@ impl Buffer {
                     false
                 }
             };
-            if !self.replay_retired && self.groups_current && self.rewards_current {
+            if !self.replay_retired && self.groups_cursor.is_current() && self.rewards_current {
                 self.state.retire_replayed_releases();
                 self.replay_retired = true;
                 may_answer = true;
@@ -278,19 +267,14 @@ impl Buffer {
     /// answered.
     fn on_record(&mut self, entry: &kv::Entry, inputs: &mut Inputs) -> bool {
         inputs.last_input = Instant::now();
-        let before = self.groups_revision;
-        self.groups_revision = inputs.records.seen();
-        self.groups_seen(self.groups_revision);
-        if entry.delta == 0 {
-            self.groups_current = true;
-        }
+        let reached = self.groups_cursor.delivered(inputs.records.seen(), entry.delta);
         let applied = if self.reread.replays_record(entry.revision) {
             self.on_replayed_record(entry)
         } else {
             self.on_group_entry(entry)
         };
         // a request that waited for this revision can be decided now
-        applied || self.waiting.names_revision_in(before + 1..=self.groups_revision)
+        applied || self.waiting.names_revision_in(reached)
     }
 
     /// A message of the REWARDS stream (or a re-read's): indexed; returns whether it could let a waiting request
@@ -316,14 +300,10 @@ impl Buffer {
     /// rewards consumer again after the newest reward read when it has stalled behind its stream (a consumer whose
     /// node died can go quiet without an error). The group records' watch checks itself ([`Follower`]).
     async fn check_inputs(&mut self, inputs: &mut Inputs) -> Result<(), BufferError> {
-        if self.groups_current {
+        if self.groups_cursor.is_current() {
             let asked = Instant::now();
             if let Some(newest) = jetrl_bus::watch::newest(self.groups.kv(), None).await {
-                if self.groups_marks.len() >= MAX_GROUPS_MARKS {
-                    self.groups_marks.pop_front();
-                }
-                self.groups_marks.push_back((asked, newest));
-                self.groups_seen(self.groups_revision);
+                self.groups_cursor.mark(asked, newest);
             }
         }
         if self.rewards_current && inputs.last_reward.elapsed() >= jetrl_bus::watch::WATCH_CHECK {
@@ -351,7 +331,10 @@ impl Buffer {
             self.report_reread(&pass);
         }
         let waiting_since = self.waiting.waiting_since();
-        if !(self.groups_current && self.rewards_current && self.reread.due(now, waiting_since, inputs.last_input)) {
+        if !(self.groups_cursor.is_current()
+            && self.rewards_current
+            && self.reread.due(now, waiting_since, inputs.last_input))
+        {
             return Ok(());
         }
         let view = self.state.waiting_view(self.waiting.partition());
@@ -367,7 +350,7 @@ impl Buffer {
         // every record's newest value, then every change; every message REWARDS still holds
         inputs.records.replay();
         inputs.rewards = self.follow_rewards(DeliverPolicy::All).await?;
-        self.reread.begin(now, self.groups_revision, self.state.rewards_read());
+        self.reread.begin(now, self.groups_cursor.revision(), self.state.rewards_read());
         inputs.last_reward = now;
         Ok(())
     }

@@ -1,5 +1,5 @@
-//! The GROUPS input: a record applied to the state as the watch delivers it (or again, by a re-read), and how far
-//! the watch is known to have read the bucket.
+//! The GROUPS input: a record applied to the state as the watch delivers it (or again, by a re-read), and what a
+//! finished re-read found. How far the watch has read the bucket is [`GroupsCursor`](super::groups_cursor).
 
 use jetrl_bus::consume;
 use jetrl_bus::groups::decode_entry;
@@ -82,17 +82,6 @@ impl Buffer {
                 orphan_rewards = view.orphan_rewards,
                 "a sample request is still waiting; the buffer holds every group record and reward the stores hold"
             );
-        }
-    }
-
-    /// The watch has delivered revision `revision`: every mark at or below it is reached.
-    pub(super) fn groups_seen(&mut self, revision: u64) {
-        while let Some(&(at, newest)) = self.groups_marks.front() {
-            if newest > revision {
-                break;
-            }
-            self.groups_seen_through = Some(at);
-            self.groups_marks.pop_front();
         }
     }
 }

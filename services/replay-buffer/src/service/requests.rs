@@ -55,7 +55,7 @@ impl Buffer {
 
     /// Answers every waiting request that can be answered now, in arrival order.
     pub(super) async fn answer_waiting(&mut self) {
-        if !(self.groups_current && self.rewards_current) || self.waiting.is_empty() {
+        if !(self.groups_cursor.is_current() && self.rewards_current) || self.waiting.is_empty() {
             return;
         }
         let mut still_waiting = VecDeque::new();
@@ -93,7 +93,7 @@ impl Buffer {
         if !prior.is_empty() && prior.len() >= request.batch_size as usize {
             return Some(self.respond(request, &prior, Default::default()));
         }
-        if request.groups_revision > self.groups_revision {
+        if request.groups_revision > self.groups_cursor.revision() {
             // the trainer created records for this request that the watch has not delivered yet: deciding now
             // would leave those groups out (a sync DAPO batch answered before its last refills were seen)
             return None;

@@ -121,7 +121,7 @@ impl Buffer {
         let mut horizon = 0;
         while let Some(&(at, seq)) = self.reward_seq_history.front() {
             // older than the TTL, and the watch has delivered every record the bucket held since
-            if now.duration_since(at) < ORPHAN_TTL || self.groups_seen_through.is_none_or(|seen| seen < at) {
+            if now.duration_since(at) < ORPHAN_TTL || self.groups_cursor.seen_through().is_none_or(|seen| seen < at) {
                 break;
             }
             horizon = seq;

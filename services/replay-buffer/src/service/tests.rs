@@ -132,7 +132,7 @@ fn uids(response: &SampleResponse) -> Vec<String> {
 async fn a_record_is_applied_with_its_revision_a_delete_forgets_it_and_a_malformed_one_is_left_out() {
     let server = NatsServer::start().unwrap();
     let mut buffer = buffer(&server).await;
-    assert!(buffer.groups_current && buffer.rewards_current, "an empty bucket and stream are read through");
+    assert!(buffer.groups_cursor.is_current() && buffer.rewards_current, "an empty bucket and stream are read through");
 
     buffer.groups.create(&record("running", GroupState::Running, 1)).await.unwrap();
     let entry = newest_entry(&buffer, "running").await;
@@ -207,7 +207,7 @@ async fn a_restarted_buffer_answers_a_retry_from_the_groups_already_marked_for_i
 
     // a new buffer has no remembered answers; it reads the records (now sampled for r1) and the rewards again
     let mut after = buffer(&server).await;
-    assert!(!after.groups_current, "a bucket with records is replayed first");
+    assert!(!after.groups_cursor.is_current(), "a bucket with records is replayed first");
     for uid in ["g1", "g2", "g3"] {
         if uid == "g3" {
             after.groups.create(&record(uid, GroupState::Finished, 2)).await.unwrap();
@@ -282,7 +282,7 @@ async fn a_request_naming_a_groups_revision_the_watch_has_not_delivered_waits_fo
     let mut replies = buffer.bus.client().subscribe("replies.>").await.unwrap();
     let revision = complete_group(&mut buffer, "g1", 1).await;
     // what `on_record` notes once the watch has delivered g1's record
-    buffer.groups_revision = revision;
+    buffer.groups_cursor.delivered(revision, 0);
 
     let ahead = SampleRequest { groups_revision: revision + 1, wait_ms: 50, ..request("ahead", 1, 1) };
     assert!(buffer.try_answer(&ahead).await.is_none(), "a record the watch has not delivered may belong to it");
