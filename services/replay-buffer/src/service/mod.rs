@@ -13,13 +13,11 @@ mod records;
 mod release;
 mod requests;
 mod rewards;
+mod rewards_input;
 #[cfg(test)]
 mod tests;
 mod waiting;
 
-use std::collections::VecDeque;
-use std::sync::atomic::AtomicU64;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::DeliverPolicy;
@@ -34,6 +32,7 @@ use jetrl_wire::Message;
 
 use self::answers::Answers;
 use self::groups_cursor::GroupsCursor;
+use self::rewards_input::RewardsInput;
 use self::waiting::WaitingRequests;
 use crate::reread::Reread;
 use crate::sampler::SamplerConfig;
@@ -46,10 +45,6 @@ const ANSWER_CACHE: usize = 64;
 /// a left-over reward of one of its groups (a redelivered score request's late copy) can still be above the
 /// floor, which is a few steps at most.
 const MARKERS_KEPT: u64 = 1000;
-/// Rewards of a group whose record has not arrived this long after them are forgotten (the record of a live
-/// group is created before its prompt is sent; these belong to deleted or foreign groups and would hold the purge
-/// floor down for ever), once the groups watch has delivered everything the bucket held since they came.
-const ORPHAN_TTL: Duration = Duration::from_secs(120);
 /// How long a stopping buffer waits for the archiver to store what it was handed.
 const ARCHIVE_FLUSH: Duration = Duration::from_secs(5);
 
@@ -113,14 +108,10 @@ struct Buffer {
     traj: async_nats::jetstream::stream::Stream,
     /// REWARDS: release markers go in; everything below the floor of the rewards still indexed is purged
     rewards: async_nats::jetstream::stream::Stream,
-    /// `(when, the newest REWARDS sequence read)` at each tick of the last ORPHAN_TTL, oldest first
-    reward_seq_history: VecDeque<(Instant, u64)>,
     /// how far the GROUPS watch has read the bucket
     groups_cursor: GroupsCursor,
-    /// REWARDS is purged below this sequence (written by the purge task)
-    rewards_purged_below: Arc<AtomicU64>,
-    /// the floor purge in flight, if any (one at a time)
-    rewards_purge: Option<tokio::task::JoinHandle<()>>,
+    /// the REWARDS input's replay, orphans and floor purge
+    rewards_input: RewardsInput,
     state: BufferState,
     sampler: SamplerConfig,
     /// sample requests waiting for enough complete groups
@@ -129,8 +120,6 @@ struct Buffer {
     reread: Reread,
     /// answers given, for retried requests
     answers: Answers,
-    /// the initial replay of the REWARDS stream is done
-    rewards_current: bool,
     /// the replay's already-released groups have been retired (once, when both replays are current)
     replay_retired: bool,
 }
@@ -156,16 +145,13 @@ impl Buffer {
             groups,
             traj,
             rewards,
-            reward_seq_history: VecDeque::new(),
             groups_cursor: GroupsCursor::new(empty_bucket),
-            rewards_purged_below: Arc::new(AtomicU64::new(0)),
-            rewards_purge: None,
+            rewards_input: RewardsInput::new(empty_stream),
             state: BufferState::default(),
             sampler,
             waiting: WaitingRequests::default(),
             reread,
             answers: Answers::new(ANSWER_CACHE),
-            rewards_current: empty_stream,
             replay_retired: false,
         })
     }
@@ -240,7 +226,7 @@ impl Buffer {
                     false
                 }
             };
-            if !self.replay_retired && self.groups_cursor.is_current() && self.rewards_current {
+            if !self.replay_retired && self.groups_cursor.is_current() && self.rewards_input.is_current() {
                 self.state.retire_replayed_releases();
                 self.replay_retired = true;
                 may_answer = true;
@@ -283,9 +269,7 @@ impl Buffer {
         inputs.last_reward = Instant::now();
         inputs.last_input = inputs.last_reward;
         let (seq, pending) = msg.info().map(|i| (i.stream_sequence, i.pending)).unwrap_or((0, 1));
-        if pending == 0 {
-            self.rewards_current = true;
-        }
+        self.rewards_input.delivered(pending);
         let replay = self.reread.replays_reward(seq);
         self.state.rewards_read_through(seq);
         if replay || !jetrl_telemetry::crash::missed_input("buffer.reward") {
@@ -306,7 +290,7 @@ impl Buffer {
                 self.groups_cursor.mark(asked, newest);
             }
         }
-        if self.rewards_current && inputs.last_reward.elapsed() >= jetrl_bus::watch::WATCH_CHECK {
+        if self.rewards_input.is_current() && inputs.last_reward.elapsed() >= jetrl_bus::watch::WATCH_CHECK {
             if self.rewards_behind().await {
                 let next = self.state.rewards_read() + 1;
                 tracing::warn!(
@@ -332,7 +316,7 @@ impl Buffer {
         }
         let waiting_since = self.waiting.waiting_since();
         if !(self.groups_cursor.is_current()
-            && self.rewards_current
+            && self.rewards_input.is_current()
             && self.reread.due(now, waiting_since, inputs.last_input))
         {
             return Ok(());

@@ -55,7 +55,7 @@ impl Buffer {
 
     /// Answers every waiting request that can be answered now, in arrival order.
     pub(super) async fn answer_waiting(&mut self) {
-        if !(self.groups_cursor.is_current() && self.rewards_current) || self.waiting.is_empty() {
+        if !(self.groups_cursor.is_current() && self.rewards_input.is_current()) || self.waiting.is_empty() {
             return;
         }
         let mut still_waiting = VecDeque::new();

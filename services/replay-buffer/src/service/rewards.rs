@@ -1,8 +1,6 @@
 //! The REWARDS input: reward batches indexed and release markers applied as the ordered consumer delivers them,
 //! and the floor purge of what no group still needs.
 
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::{self, DeliverPolicy};
@@ -11,7 +9,7 @@ use jetrl_wire::v1::{ReleasedGroups, RewardBatch};
 use jetrl_wire::Message;
 
 use super::release::purge_payloads;
-use super::{Buffer, MARKERS_KEPT, ORPHAN_TTL, SERVICE};
+use super::{Buffer, MARKERS_KEPT, SERVICE};
 
 impl Buffer {
     /// An ordered consumer of the REWARDS stream (reward batches and release markers) from `start`, created again
@@ -109,50 +107,46 @@ impl Buffer {
         may_answer
     }
 
-    /// Once a second, after the restart's replay: forgets orphan rewards older than [`ORPHAN_TTL`], then purges
-    /// every reward batch below the oldest reward still indexed (in the background, one purge at a time), and
-    /// release markers beyond the newest [`MARKERS_KEPT`]. One purge request per second, whatever the rate.
+    /// Once a second, after the restart's replay: forgets orphan rewards (`RewardsInput::orphan_horizon`),
+    /// then purges every reward batch below the oldest reward still indexed (in the background, one purge at a
+    /// time), and release markers beyond the newest [`MARKERS_KEPT`]. One purge request per second, whatever the
+    /// rate.
     pub(super) fn purge_rewards(&mut self) {
         if !self.replay_retired {
             return;
         }
-        let now = Instant::now();
-        self.reward_seq_history.push_back((now, self.state.rewards_read()));
-        let mut horizon = 0;
-        while let Some(&(at, seq)) = self.reward_seq_history.front() {
-            // older than the TTL, and the watch has delivered every record the bucket held since
-            if now.duration_since(at) < ORPHAN_TTL || self.groups_cursor.seen_through().is_none_or(|seen| seen < at) {
-                break;
-            }
-            horizon = seq;
-            self.reward_seq_history.pop_front();
-        }
+        let horizon = self.rewards_input.orphan_horizon(
+            Instant::now(),
+            self.state.rewards_read(),
+            self.groups_cursor.seen_through(),
+        );
         let dropped = self.state.drop_orphans_below(horizon);
         if dropped > 0 {
             tracing::warn!(dropped, "rewards whose group record never came are forgotten");
             metrics::counter!("jetrl_buffer_orphan_rewards_dropped_total").increment(dropped as u64);
         }
-        if self.rewards_purge.as_ref().is_some_and(|task| !task.is_finished()) {
-            return;
-        }
         let floor = self.state.reward_floor().unwrap_or(self.state.rewards_read() + 1);
-        if floor <= self.rewards_purged_below.load(Ordering::Relaxed) {
+        if !self.rewards_input.purge_due(floor) {
             return;
         }
-        let (rewards, purged_below) = (self.rewards.clone(), Arc::clone(&self.rewards_purged_below));
+        let rewards = self.rewards.clone();
         let (batches, markers) =
             (self.bus.names().reward_batches_filter(), self.bus.names().released_subject().to_string());
-        self.rewards_purge = Some(tokio::spawn(async move {
-            match rewards.purge().filter(batches).sequence(floor).await {
+        self.rewards_input.start_purge(floor, async move {
+            let purged = match rewards.purge().filter(batches).sequence(floor).await {
                 Ok(purged) => {
                     metrics::counter!("jetrl_buffer_purged_reward_messages_total").increment(purged.purged);
-                    purged_below.store(floor, Ordering::Relaxed);
+                    true
                 }
-                Err(err) => tracing::warn!(floor, error = %err, "rewards below the floor not purged; retrying"),
-            }
+                Err(err) => {
+                    tracing::warn!(floor, error = %err, "rewards below the floor not purged; retrying");
+                    false
+                }
+            };
             if let Err(err) = rewards.purge().filter(markers).keep(MARKERS_KEPT).await {
                 tracing::warn!(error = %err, "old release markers not purged");
             }
-        }));
+            purged
+        });
     }
 }

@@ -132,7 +132,10 @@ fn uids(response: &SampleResponse) -> Vec<String> {
 async fn a_record_is_applied_with_its_revision_a_delete_forgets_it_and_a_malformed_one_is_left_out() {
     let server = NatsServer::start().unwrap();
     let mut buffer = buffer(&server).await;
-    assert!(buffer.groups_cursor.is_current() && buffer.rewards_current, "an empty bucket and stream are read through");
+    assert!(
+        buffer.groups_cursor.is_current() && buffer.rewards_input.is_current(),
+        "an empty bucket and stream are read through"
+    );
 
     buffer.groups.create(&record("running", GroupState::Running, 1)).await.unwrap();
     let entry = newest_entry(&buffer, "running").await;
