@@ -5,8 +5,8 @@
 //!   of every stream, consumer, KV bucket and object store the services use ([`topology`]: by the trainer; the
 //!   other services only wait for it).
 //! - [`service`]: what every service does first (connect, the topology, dead letters, heartbeat, `/metrics`).
-//! - [`watch`]: the [`watch::Follower`] of a KV watch that opens it again when it fails or stalls (the buffer's
-//!   group records, the rollout workers' weights, the trainer's view of the fleet).
+//! - [`watch`]: the [`watch::Follower`] of a KV watch or a stream that opens it again when it fails or stalls (the
+//!   buffer's group records and rewards, the rollout workers' weights, the trainer's view of the fleet).
 //! - [`heartbeat`]: every service's heartbeat in the job's WORKERS bucket, and the count of JetStream leader
 //!   elections.
 //! - [`Publisher`] ([`publish`]): JetStream publishes with `Nats-Msg-Id` de-duplication and pipelined,

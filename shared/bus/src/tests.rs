@@ -933,6 +933,49 @@ async fn a_quiet_follower_watches_again_and_is_handed_each_keys_newest_value() {
     assert_eq!(follower.restarts(), 1, "a replay asked for is not a restart");
 }
 
+/// The stream sequence of the next message within `within`.
+async fn next_seq(follower: &mut watch::Follower<watch::Messages>, within: Duration) -> u64 {
+    let msg = tokio::time::timeout(within, follower.next()).await.expect("a message in time").expect("following");
+    msg.info().expect("a JetStream message").stream_sequence
+}
+
+/// A stream's follower delivers each message once, in order, also when its consumer is deleted on the server
+/// (recreated by the client or opened again by the follower, after the last sequence delivered); `replay` reads
+/// every message again. (The stall check itself is unit-tested in `watch`.)
+#[tokio::test]
+async fn a_stream_follower_delivers_each_message_once_through_a_lost_consumer_and_replays_on_demand() {
+    use futures::StreamExt;
+    let server = NatsServer::start().unwrap();
+    let bus = bus(&server).await;
+    let config = async_nats::jetstream::stream::Config {
+        name: "FOLLOW_MSGS".into(),
+        subjects: vec!["follow.>".into()],
+        ..Default::default()
+    };
+    let stream = bus.jetstream().create_stream(config).await.expect("stream");
+    let js = bus.jetstream();
+    let publish =
+        |n: u64| async move { js.publish(format!("follow.{n}"), "x".into()).await.unwrap().await.unwrap().sequence };
+    assert_eq!(publish(1).await, 1);
+    let mut follower =
+        watch::Follower::messages(bus.jetstream().clone(), "FOLLOW_MSGS", "follow.>", "test", "test_restarts_total")
+            .check_every(Duration::from_millis(200));
+    assert_eq!(next_seq(&mut follower, Duration::from_secs(5)).await, 1);
+    let consumers: Vec<String> = stream.consumer_names().filter_map(|n| async move { n.ok() }).collect().await;
+    assert!(!consumers.is_empty(), "the follower's consumer");
+    for name in &consumers {
+        stream.delete_consumer(name).await.unwrap();
+    }
+    publish(2).await;
+    publish(3).await;
+    assert_eq!(next_seq(&mut follower, Duration::from_secs(3)).await, 2);
+    assert_eq!(next_seq(&mut follower, Duration::from_secs(3)).await, 3);
+    assert_eq!(follower.seen(), 3);
+    assert!(tokio::time::timeout(Duration::from_millis(700), follower.next()).await.is_err(), "nothing twice");
+    follower.replay();
+    assert_eq!(next_seq(&mut follower, Duration::from_secs(3)).await, 1, "a replay reads every message again");
+}
+
 /// A filter without wildcards is one key: the follower compares that key's revision with what it delivered, so
 /// writes to other keys do not make it watch again.
 #[tokio::test]
