@@ -1,11 +1,16 @@
 //! The replay-buffer service loop: one task owns [`BufferState`]; every input is an event, dispatched by
 //! [`Buffer::serve`] to its handler:
 //!
-//! - [`records`]: group records from the GROUPS watch (a [`Follower`]);
-//! - [`rewards`]: reward batches and release markers from the REWARDS stream, and the floor purge;
+//! - [`records`]: group records from the GROUPS watch (a [`Follower`] of the bucket);
+//! - [`rewards`]: reward batches and release markers from the REWARDS stream (a [`Follower`] of the stream), and
+//!   the floor purge;
 //! - [`requests`]: sample requests, answered by the sampling policy or kept waiting until their deadline;
 //! - [`release`]: releases of trained groups, and ledger queries;
-//! - here: the checks of both inputs (stalls, re-reads) and the gauges.
+//! - here: the marks of how far the GROUPS bucket had come, re-reads of both inputs, and the gauges.
+//!
+//! The state beside [`BufferState`] is in small parts, each unit-tested without a server: [`GroupsCursor`] (how
+//! far the GROUPS watch has read), [`RewardsInput`] (the REWARDS replay, orphans and floor purge),
+//! [`WaitingRequests`] and [`Answers`] (answers kept for retried requests).
 
 mod answers;
 mod groups_cursor;
@@ -20,11 +25,10 @@ mod waiting;
 
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::consumer::DeliverPolicy;
 use async_nats::jetstream::kv;
 use futures::StreamExt;
 use jetrl_bus::service::{self, Start, Started};
-use jetrl_bus::watch::{Follower, Resume};
+use jetrl_bus::watch::{Follower, Messages, Resume};
 use jetrl_bus::{Bus, BusError, Cause, GroupStore};
 use jetrl_config::JobConfig;
 use jetrl_telemetry::Shutdown;
@@ -54,8 +58,6 @@ pub enum BufferError {
     Bus(#[from] BusError),
     #[error("metrics endpoint: {0}")]
     Metrics(#[from] jetrl_telemetry::TelemetryError),
-    #[error("{what} subscription ended")]
-    InputClosed { what: &'static str },
 }
 
 impl BufferError {
@@ -64,7 +66,6 @@ impl BufferError {
         match self {
             Self::Bus(..) => "bus",
             Self::Metrics(..) => "metrics",
-            Self::InputClosed { .. } => "input_closed",
         }
     }
 }
@@ -74,10 +75,9 @@ struct Inputs {
     /// GROUPS: every record's newest value, then every change (opened again after what it delivered when it fails
     /// or stalls)
     records: Follower,
-    /// REWARDS: reward batches and release markers, in stream order
-    rewards: async_nats::jetstream::consumer::pull::Ordered,
-    /// when the rewards consumer last delivered (or was checked)
-    last_reward: Instant,
+    /// REWARDS: reward batches and release markers, in stream order (opened again after the last sequence
+    /// delivered when it fails or stalls)
+    rewards: Follower<Messages>,
     /// when anything last came in on either
     last_input: Instant,
 }
@@ -173,8 +173,14 @@ impl Buffer {
                 "jetrl_buffer_watch_restarts_total",
                 Resume::After,
             ),
-            rewards: self.follow_rewards(DeliverPolicy::All).await?,
-            last_reward: Instant::now(),
+            rewards: Follower::messages(
+                self.bus.jetstream().clone(),
+                names.rewards_stream(),
+                &names.rewards_filter(),
+                "rewards",
+                "jetrl_buffer_watch_restarts_total",
+            )
+            .reason_prefix("rewards_"),
             last_input: Instant::now(),
         };
         tracing::info!("replay buffer serving");
@@ -194,13 +200,7 @@ impl Buffer {
             let mut may_answer = tokio::select! {
                 _ = shutdown.wait() => break,
                 entry = inputs.records.next() => self.on_record(&entry?, &mut inputs),
-                msg = inputs.rewards.next() => match msg.ok_or(BufferError::InputClosed { what: "rewards stream" })? {
-                    Ok(msg) => self.on_reward(&msg, &mut inputs),
-                    Err(err) => {
-                        tracing::warn!(error = %err, "rewards consumer error");
-                        false
-                    }
-                },
+                msg = inputs.rewards.next() => self.on_reward(&msg?, &mut inputs),
                 Some(msg) = sample_sub.next() => {
                     self.on_sample_request(msg);
                     true
@@ -218,11 +218,11 @@ impl Buffer {
                     false
                 }
                 _ = watch_check.tick() => {
-                    self.check_inputs(&mut inputs).await?;
+                    self.mark_groups().await;
                     false
                 }
                 _ = gauge_tick.tick() => {
-                    self.every_second(&mut inputs).await?;
+                    self.every_second(&mut inputs);
                     false
                 }
             };
@@ -266,8 +266,7 @@ impl Buffer {
     /// A message of the REWARDS stream (or a re-read's): indexed; returns whether it could let a waiting request
     /// be answered.
     fn on_reward(&mut self, msg: &async_nats::jetstream::Message, inputs: &mut Inputs) -> bool {
-        inputs.last_reward = Instant::now();
-        inputs.last_input = inputs.last_reward;
+        inputs.last_input = Instant::now();
         let (seq, pending) = msg.info().map(|i| (i.stream_sequence, i.pending)).unwrap_or((0, 1));
         self.rewards_input.delivered(pending);
         let replay = self.reread.replays_reward(seq);
@@ -280,34 +279,20 @@ impl Buffer {
     }
 
     /// Every [`WATCH_CHECK`](jetrl_bus::watch::WATCH_CHECK): marks how far the GROUPS bucket had come (once the
-    /// watch has delivered that revision, it had everything the bucket held at this moment), and starts the
-    /// rewards consumer again after the newest reward read when it has stalled behind its stream (a consumer whose
-    /// node died can go quiet without an error). The group records' watch checks itself ([`Follower`]).
-    async fn check_inputs(&mut self, inputs: &mut Inputs) -> Result<(), BufferError> {
+    /// watch has delivered that revision, it had everything the bucket held at this moment). Both inputs check
+    /// themselves for stalls ([`Follower`]).
+    async fn mark_groups(&mut self) {
         if self.groups_cursor.is_current() {
             let asked = Instant::now();
             if let Some(newest) = jetrl_bus::watch::newest(self.groups.kv(), None).await {
                 self.groups_cursor.mark(asked, newest);
             }
         }
-        if self.rewards_input.is_current() && inputs.last_reward.elapsed() >= jetrl_bus::watch::WATCH_CHECK {
-            if self.rewards_behind().await {
-                let next = self.state.rewards_read() + 1;
-                tracing::warn!(
-                    next,
-                    "rewards consumer stalled behind its stream; reading again from the next sequence"
-                );
-                metrics::counter!("jetrl_buffer_watch_restarts_total", "reason" => "rewards_stalled").increment(1);
-                inputs.rewards = self.follow_rewards(DeliverPolicy::ByStartSequence { start_sequence: next }).await?;
-            }
-            inputs.last_reward = Instant::now();
-        }
-        Ok(())
     }
 
     /// Once a second: the gauges, the rewards purge, and a re-read of both inputs when a request has waited long
     /// with nothing coming in ([`Reread`]).
-    async fn every_second(&mut self, inputs: &mut Inputs) -> Result<(), BufferError> {
+    fn every_second(&mut self, inputs: &mut Inputs) {
         self.export_gauges();
         self.purge_rewards();
         let now = Instant::now();
@@ -319,7 +304,7 @@ impl Buffer {
             && self.rewards_input.is_current()
             && self.reread.due(now, waiting_since, inputs.last_input))
         {
-            return Ok(());
+            return;
         }
         let view = self.state.waiting_view(self.waiting.partition());
         tracing::debug!(
@@ -333,10 +318,8 @@ impl Buffer {
         metrics::counter!("jetrl_buffer_rereads_total").increment(1);
         // every record's newest value, then every change; every message REWARDS still holds
         inputs.records.replay();
-        inputs.rewards = self.follow_rewards(DeliverPolicy::All).await?;
+        inputs.rewards.replay();
         self.reread.begin(now, self.groups_cursor.revision(), self.state.rewards_read());
-        inputs.last_reward = now;
-        Ok(())
     }
 
     async fn reply<M: Message>(&self, subject: &async_nats::Subject, message: &M) {

@@ -1,10 +1,9 @@
-//! The REWARDS input: reward batches indexed and release markers applied as the ordered consumer delivers them,
+//! The REWARDS input: reward batches indexed and release markers applied as the stream's follower delivers them,
 //! and the floor purge of what no group still needs.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use async_nats::jetstream::consumer::{self, DeliverPolicy};
-use jetrl_bus::{consume, BusError, Cause, Patience};
+use jetrl_bus::consume;
 use jetrl_wire::v1::{ReleasedGroups, RewardBatch};
 use jetrl_wire::Message;
 
@@ -12,38 +11,6 @@ use super::release::purge_payloads;
 use super::{Buffer, MARKERS_KEPT, SERVICE};
 
 impl Buffer {
-    /// An ordered consumer of the REWARDS stream (reward batches and release markers) from `start`, created again
-    /// with backoff through a cluster's election (within nats.connect_timeout_s).
-    pub(super) async fn follow_rewards(
-        &self,
-        start: DeliverPolicy,
-    ) -> Result<async_nats::jetstream::consumer::pull::Ordered, BusError> {
-        let names = self.bus.names();
-        let rewards_err = |cause: Cause| BusError::Consume { what: names.rewards_stream().into(), cause };
-        let config = consumer::pull::OrderedConfig {
-            filter_subject: names.rewards_filter(),
-            deliver_policy: start,
-            ..Default::default()
-        };
-        Patience::within(self.bus.topology_wait())
-            .retry("follow the rewards stream", || async {
-                let stream = self.bus.stream(names.rewards_stream()).await?;
-                let ordered = stream.create_consumer(config.clone()).await.map_err(|e| rewards_err(Cause::of(e)))?;
-                ordered.messages().await.map_err(|e| rewards_err(Cause::of(e)))
-            })
-            .await
-    }
-
-    /// Whether the REWARDS stream holds messages after the newest one this buffer read (so a consumer that
-    /// delivered nothing for a while is stalled). A stream that cannot be asked now is not taken as behind.
-    pub(super) async fn rewards_behind(&self) -> bool {
-        let ask = async {
-            let mut stream = self.bus.stream(self.bus.names().rewards_stream()).await.ok()?;
-            stream.info().await.ok().map(|i| i.state.last_sequence)
-        };
-        matches!(tokio::time::timeout(Duration::from_secs(2), ask).await, Ok(Some(last)) if last > self.state.rewards_read())
-    }
-
     /// A message of the REWARDS stream: a reward batch (indexed), or a release marker. Returns whether it could
     /// let a waiting request be answered.
     ///
