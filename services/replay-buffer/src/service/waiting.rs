@@ -162,16 +162,23 @@ mod tests {
         SampleRequest { request_id: id.into(), partition: "train".into(), incarnation, wait_ms, ..Default::default() }
     }
 
+    /// Requests `(id, incarnation, wait_ms)` admitted at `now`, in that order.
+    fn admitted(now: Instant, requests: &[(&str, u64, u32)]) -> WaitingRequests {
+        let mut waiting = WaitingRequests::default();
+        for &(id, incarnation, wait_ms) in requests {
+            waiting.admit(request(id, incarnation, wait_ms), format!("r.{id}").into(), now);
+        }
+        waiting
+    }
+
     fn ids(waiting: &WaitingRequests) -> Vec<&str> {
         waiting.request_ids().collect()
     }
 
     #[test]
     fn a_newer_incarnation_drops_older_requests_and_their_progress_and_supersedes_their_trainer() {
-        let mut waiting = WaitingRequests::default();
         let now = Instant::now();
-        waiting.admit(request("five", 5, 1000), "r.5".into(), now);
-        waiting.admit(request("unnamed", 0, 1000), "r.0".into(), now);
+        let mut waiting = admitted(now, &[("five", 5, 1000), ("unnamed", 0, 1000)]);
         waiting.keep_progress("five", Progress::default());
         assert_eq!(waiting.incarnation(), 5);
         assert!(waiting.is_superseded(3) && !waiting.is_superseded(5) && !waiting.is_superseded(0));
@@ -184,11 +191,8 @@ mod tests {
 
     #[test]
     fn requests_expire_at_their_deadline_and_the_rest_keep_their_order() {
-        let mut waiting = WaitingRequests::default();
         let now = Instant::now();
-        waiting.admit(request("long", 1, 1000), "r.1".into(), now);
-        waiting.admit(request("short", 1, 10), "r.2".into(), now);
-        waiting.admit(request("zero", 1, 0), "r.3".into(), now);
+        let mut waiting = admitted(now, &[("long", 1, 1000), ("short", 1, 10), ("zero", 1, 0)]);
         assert_eq!(waiting.next_deadline(), Some(now + Duration::from_millis(1)), "a wait of 0 counts as 1 ms");
 
         let expired: Vec<String> =
@@ -222,9 +226,8 @@ mod tests {
 
     #[test]
     fn requests_put_back_stay_ahead_of_those_that_came_meanwhile() {
-        let mut waiting = WaitingRequests::default();
         let now = Instant::now();
-        waiting.admit(request("old", 1, 1000), "r.1".into(), now);
+        let mut waiting = admitted(now, &[("old", 1, 1000)]);
         let taken = waiting.take_all();
         waiting.admit(request("new", 1, 1000), "r.2".into(), now);
         waiting.put_back(taken);
