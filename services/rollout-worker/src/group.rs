@@ -420,6 +420,9 @@ impl<'a> GroupPublisher<'a> {
             raw_prompt: task.messages.clone(),
             // the baseline of a remax group is the session after its n samples
             greedy_baseline: task.greedy_baseline && out.session == task.n.max(1) as usize,
+            routed_experts_layers: if out.routed_experts.is_empty() { 0 } else { self.worker.routes_layout.0 },
+            routed_experts_top_k: if out.routed_experts.is_empty() { 0 } else { self.worker.routes_layout.1 },
+            routed_experts: out.routed_experts.iter().map(|&e| u32::from(e)).collect(),
             ..Default::default()
         };
         let subject = self.worker.bus.names().traj_subject(&task.partition, &task.uid);

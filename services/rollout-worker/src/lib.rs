@@ -127,6 +127,7 @@ fn engine_config(cfg: &JobConfig, model: &ModelConfig, seed: u64, eos: Vec<u32>,
         eos_token_ids: eos,
         logprobs_mode: mode,
         enforce_eager: r.enforce_eager,
+        return_routed_experts: r.enable_rollout_routing_replay,
         ..EngineConfig::default()
     }
 }
@@ -157,6 +158,8 @@ pub(crate) struct Worker {
     version_wait: Duration,
     /// colocate_async: whether a pause releases the engine's memory (`rollout.free_cache_engine`)
     free_cache_engine: bool,
+    /// the model's (sparse layers, experts per token): how the trajectories' routed experts are laid out (R3)
+    routes_layout: (u32, u32),
 }
 
 /// Runs one rollout worker until `shutdown` resolves.
@@ -240,6 +243,10 @@ pub async fn run(
         status: weights::Status::default(),
         version_wait: Duration::from_secs_f64(cfg.rollout.heartbeat_timeout_s.max(1.0)),
         free_cache_engine: cfg.rollout.free_cache_engine,
+        routes_layout: model_config
+            .moe
+            .as_ref()
+            .map_or((0, 0), |moe| (moe.sparse_layer_count() as u32, moe.top_k as u32)),
     });
     worker.status.set(WorkerState::Starting, "loading the announced weights");
 

@@ -58,6 +58,7 @@ impl Llm for Script {
                 max_version: 3 + turn.min(1),
                 version_runs: vec![(0, 3 + turn.min(1))],
                 time_to_first_token: Some(Duration::from_millis(1)),
+                routed_experts: Vec::new(),
             })
         })
     }

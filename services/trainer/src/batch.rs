@@ -40,6 +40,11 @@ pub struct Sample {
     pub version_runs: Vec<(u32, u64)>,
     /// remax: the score of the greedy rollout of the same prompt (verl's `reward_baselines`)
     pub reward_baseline: Option<f64>,
+    /// R3: the experts the rollout routed each prompt and response token to, token-major
+    /// (`[token][sparse layer][top_k]`), for the tokens a rollout forward read; empty without R3
+    pub routed_experts: Vec<u16>,
+    /// the layout of `routed_experts`: (sparse layers, experts per token)
+    pub routes_layout: (u32, u32),
 }
 
 /// What a trajectory from the wire may hold before the trainer uses it: the model's vocabulary and context.
@@ -102,6 +107,25 @@ impl Sample {
         if !reward.score.is_finite() {
             return Err(format!("score {} is not finite", reward.score));
         }
+        let per_token = (traj.routed_experts_layers as usize) * (traj.routed_experts_top_k as usize);
+        if !traj.routed_experts.is_empty()
+            && (per_token == 0
+                || traj.routed_experts.len() % per_token != 0
+                || traj.routed_experts.len() / per_token > prompt.len() + response.len())
+        {
+            return Err(format!(
+                "routed_experts has {} entries, not whole tokens of {} layers × {} experts for at most {} tokens",
+                traj.routed_experts.len(),
+                traj.routed_experts_layers,
+                traj.routed_experts_top_k,
+                prompt.len() + response.len()
+            ));
+        }
+        let routed_experts = traj
+            .routed_experts
+            .iter()
+            .map(|&e| u16::try_from(e).map_err(|_| format!("routed expert {e} is not an expert index")))
+            .collect::<Result<Vec<u16>, String>>()?;
         Ok(Sample {
             key: traj.key.clone(),
             uid: traj.uid.clone(),
@@ -123,6 +147,8 @@ impl Sample {
             dataset_row: traj.dataset_row,
             session_id: traj.session_id,
             version_runs: traj.version_runs.iter().map(|r| (r.first_token, r.version)).collect(),
+            routed_experts,
+            routes_layout: (traj.routed_experts_layers, traj.routed_experts_top_k),
             reward_baseline: None,
         })
     }

@@ -100,3 +100,48 @@ fn router_replay_and_the_aux_loss_on_a_dense_model_are_refused_by_key() {
         assert!(err.contains("actor.router_replay.mode") && err.contains("mixture-of-experts"), "{err}");
     }
 }
+
+/// The routes a forward of `model` over each sample's prompt and response chooses, token-major, as a rollout
+/// engine returns them (every token but the last), with `shift` added to every expert modulo 8.
+fn with_routes(model: &std::path::Path, shift: u16) -> Vec<Sample> {
+    let m = CausalLm::load(model, Device::Cpu, DType::F32).unwrap();
+    let mut samples = batch();
+    for s in &mut samples {
+        let ids: Vec<i64> = s.prompt.iter().chain(&s.response).map(|&t| i64::from(t)).collect();
+        let input = Tensor::from_slice(&ids).unsqueeze(0);
+        m.record_routes(true);
+        let _ = tch::no_grad(|| m.forward(&input, &input.ones_like())).unwrap();
+        let routes = Tensor::stack(&m.take_routes().unwrap(), 1).narrow(0, 0, ids.len() as i64 - 1);
+        let routes: Vec<i64> = Vec::try_from(routes.reshape([-1])).unwrap();
+        s.routed_experts = routes.into_iter().map(|e| (e as u16 + shift) % 8).collect();
+        s.routes_layout = (2, 2);
+    }
+    samples
+}
+
+fn r3_step(model: &std::path::Path, samples: Vec<Sample>) -> Result<BTreeMap<String, f64>, String> {
+    let mut cfg = config(model, RouterReplayMode::R3, 0.0);
+    cfg.rollout.enable_rollout_routing_replay = true;
+    let mut actor = Actor::new(&cfg, 1, None, Comm::Solo).unwrap();
+    actor.train(&RankBatch::whole(samples), 1, OldPolicy::Current).map(|o| o.metrics).map_err(|e| e.to_string())
+}
+
+#[test]
+fn r3_computes_pi_old_on_the_rollouts_routes_and_refuses_trajectories_without_them() {
+    let dir = tempfile::tempdir().unwrap();
+    jetrl_model::init_model("tiny-digits-moe", dir.path(), 4).unwrap();
+    let (free, _) = step(&config(dir.path(), RouterReplayMode::Disabled, 0.0));
+    // the rollout routed as the trainer does: π_old is the free forward's, bit for bit
+    let same = r3_step(dir.path(), with_routes(dir.path(), 0)).unwrap();
+    assert_eq!(same["actor/entropy"], free["actor/entropy"], "{same:?}");
+    // other routes: π_old is computed on them
+    let moved = r3_step(dir.path(), with_routes(dir.path(), 1)).unwrap();
+    assert_ne!(moved["actor/entropy"], free["actor/entropy"], "R3 must replay the rollout's routes");
+
+    let err = r3_step(dir.path(), batch()).unwrap_err();
+    assert!(err.contains("carries no routed experts") && err.contains("enable_rollout_routing_replay"), "{err}");
+    let mut wrong = with_routes(dir.path(), 0);
+    wrong[0].routes_layout = (3, 2);
+    let err = r3_step(dir.path(), wrong).unwrap_err();
+    assert!(err.contains("3 layers × 2") && err.contains("model routes 2 layers"), "{err}");
+}

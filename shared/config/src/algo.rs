@@ -361,12 +361,6 @@ impl ActorConfig {
             "actor.moe_aux_loss_coeff",
             format!("must be >= 0, got {}", self.moe_aux_loss_coeff),
         )?;
-        ensure(
-            self.router_replay.mode != RouterReplayMode::R3,
-            "actor.router_replay.mode",
-            "R3 replays the rollout's routes, which jetrl's rollout does not return yet: use R2 (the update routes \
-             as the π_old pass did) or disabled",
-        )?;
         positive(self.tau_pos, "actor.tau_pos")?;
         positive(self.tau_neg, "actor.tau_neg")?;
         if let Some(factor) = self.loss_scale_factor {

@@ -99,6 +99,17 @@ impl JobConfig {
              (model.enable_gradient_checkpointing) does not keep: set one of them off",
         )?;
         ensure(
+            self.actor.router_replay.mode != RouterReplayMode::R3 || self.rollout.enable_rollout_routing_replay,
+            "rollout.enable_rollout_routing_replay",
+            "actor.router_replay.mode R3 replays the rollout's routes: set rollout.enable_rollout_routing_replay so \
+             the rollout returns them",
+        )?;
+        ensure(
+            !self.rollout.enable_rollout_routing_replay || self.rollout.name == RolloutName::Jetrl,
+            "rollout.enable_rollout_routing_replay",
+            "the routes are returned by jetrl's engine (rollout.name: jetrl); reading vLLM's is not built",
+        )?;
+        ensure(
             self.actor.router_replay.mode != RouterReplayMode::R2
                 || !self.algorithm.rollout_correction.as_ref().is_some_and(|rc| rc.bypass_mode),
             "actor.router_replay.mode",

@@ -61,6 +61,9 @@ pub struct RolloutConfig {
     /// decode eagerly on CUDA instead of replaying one CUDA graph per batch bucket (vLLM's and verl's
     /// `enforce_eager`; graphs take a little memory and a capture per new shape). The CPU is always eager.
     pub enforce_eager: bool,
+    /// verl's `enable_rollout_routing_replay`: the rollout returns the experts each token of an MoE policy was
+    /// routed to, and the trajectories carry them (what `actor.router_replay.mode: R3` replays)
+    pub enable_rollout_routing_replay: bool,
     /// sampling seed of the worker's engine (requests without their own seed); default run.seed mixed with the
     /// instance id, so workers draw different streams
     pub seed: Option<u64>,
@@ -123,6 +126,7 @@ impl Default for RolloutConfig {
             kv_cache_tokens: None,
             kv_cache_memory_gb: 4.0,
             enforce_eager: false,
+            enable_rollout_routing_replay: false,
             seed: None,
             logprobs_mode: LogprobsMode::Processed,
             multi_turn: MultiTurnConfig::default(),

@@ -145,3 +145,43 @@ fn lora_targets_every_experts_projections_and_the_adapter_saves_under_their_name
     again.load_lora(dir.path()).unwrap();
     assert_eq!(again.lora_parameters().len(), adapters.len());
 }
+
+/// The rollout side of R3: the engine returns the experts every token was routed to (prompt prefill and each
+/// decode step, forks sharing their prompt's), and they are the routes a training forward over the same tokens
+/// chooses.
+#[test]
+fn the_engine_returns_each_tokens_routes_as_the_training_forward_routes_them() {
+    use jetrl_model::{Engine, EngineConfig, Request, Sampling};
+    let config = EngineConfig {
+        max_num_seqs: 4,
+        max_model_len: 64,
+        seed: 1,
+        return_routed_experts: true,
+        prefill_chunk: 8, // the 11-token prompt is prefilled in chunks, the short one packed
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(model(6, DType::F32), config).unwrap();
+    let prompts: Vec<Vec<u32>> = vec![(3..14).collect(), vec![40, 41, 42]];
+    let sampling = Sampling { temperature: 1.0, max_tokens: 9, ignore_eos: true, ..Sampling::default() };
+    engine.add_request(0, Request::new(prompts[0].clone(), 3, sampling.clone())).unwrap();
+    engine.add_request(1, Request::new(prompts[1].clone(), 1, sampling)).unwrap();
+    let outputs = engine.run_to_completion().unwrap();
+    assert_eq!(outputs.len(), 4);
+
+    let trainer = model(6, DType::F32);
+    let (mut same, mut all) = (0usize, 0usize);
+    for out in &outputs {
+        let ids: Vec<u32> = prompts[out.request as usize].iter().chain(&out.tokens).copied().collect();
+        assert_eq!(out.routed_experts.len(), (ids.len() - 1) * 2 * 2, "every token but the last, 2 layers × top 2");
+        let input = Tensor::from_slice(&ids.iter().map(|&i| i64::from(i)).collect::<Vec<_>>()).unsqueeze(0);
+        trainer.record_routes(true);
+        let _ = tch::no_grad(|| trainer.forward(&input, &input.ones_like())).unwrap();
+        let routes = Tensor::stack(&trainer.take_routes().unwrap(), 1); // [tokens, layers, k]
+        trainer.record_routes(false);
+        let expected: Vec<i64> = Vec::try_from(routes.narrow(0, 0, ids.len() as i64 - 1).reshape([-1])).unwrap();
+        all += expected.len();
+        same += expected.iter().zip(&out.routed_experts).filter(|(a, b)| **a == i64::from(**b)).count();
+    }
+    println!("engine routes equal to the training forward's: {same} of {all}");
+    assert!(same as f64 >= 0.99 * all as f64, "{same} of {all}");
+}

@@ -102,6 +102,9 @@ fn trajectory() -> Trajectory {
         dataset_row: 5,
         version_runs: vec![VersionRun { first_token: 0, version: 6 }, VersionRun { first_token: 2, version: 7 }],
         greedy_baseline: true,
+        routed_experts: vec![3, 0, 7, 1, 2, 5],
+        routed_experts_layers: 1,
+        routed_experts_top_k: 2,
     }
 }
 
@@ -773,6 +776,7 @@ prop_compose! {
             stop_reason, raw_prompt, stored_seq, prompt_len, response_len, epoch: u64::from(session_id),
             dataset_row: submit_step, version_runs: vec![VersionRun { first_token: index, version: min_version }],
             greedy_baseline: session_id % 2 == 1,
+            routed_experts: vec![index, session_id], routed_experts_layers: 1, routed_experts_top_k: 2,
         }
     }
 }
@@ -944,9 +948,9 @@ fn every_example_decodes_as_its_own_type() {
 #[test]
 fn a_lying_length_prefix_is_an_error_naming_the_message() {
     let fields = split_fields(&trajectory().encode_to_vec()).unwrap();
-    // the last length-delimited field (`version_runs`, field 30; `greedy_baseline`, field 31, a varint, follows)
+    // the last length-delimited field (`routed_experts`, field 32, packed; two varints, fields 33 and 34, follow)
     // rewritten with a length running past the end
-    let lying = lying_length(&fields, fields.len() - 2, 5);
+    let lying = lying_length(&fields, fields.len() - 3, 50);
     let err = Trajectory::decode(lying.as_slice()).unwrap_err().to_string();
-    assert!(err.starts_with("failed to decode Protobuf message: Trajectory.version_runs"), "{err}");
+    assert!(err.starts_with("failed to decode Protobuf message: Trajectory.routed_experts"), "{err}");
 }

@@ -48,6 +48,9 @@ pub struct SessionOutput {
     /// length is the session's tool-call count (the trainer's `training/tool_calls/*`)
     pub tool_rewards: Vec<f64>,
     pub time_to_first_token: Option<Duration>,
+    /// the experts each token of the prompt and response was routed to (R3), from the last turn's engine output,
+    /// whose context held every earlier token; empty unless the engine returns them
+    pub routed_experts: Vec<u16>,
 }
 
 impl SessionOutput {
@@ -68,6 +71,7 @@ impl SessionOutput {
             num_turns: 2,
             tool_rewards: Vec::new(),
             time_to_first_token: output.time_to_first_token,
+            routed_experts: output.routed_experts,
         }
     }
 }
@@ -220,6 +224,7 @@ impl ToolAgent {
             num_turns: 0,
             tool_rewards: Vec::new(),
             time_to_first_token: None,
+            routed_experts: Vec::new(),
         };
         let mut turns = Turns::default();
         let eos = self.tokenizer.eos_token_ids().to_vec();
@@ -259,6 +264,9 @@ impl ToolAgent {
                 }
             }
             turns.assistant += 1;
+            if !generated.routed_experts.is_empty() {
+                out.routed_experts = generated.routed_experts;
+            }
             context.extend_from_slice(&generated.tokens);
             out.response_mask.extend(std::iter::repeat_n(1u8, generated.tokens.len()));
             out.response_ids.extend_from_slice(&generated.tokens);

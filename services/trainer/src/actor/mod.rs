@@ -84,8 +84,8 @@ struct Settings {
     gradient_checkpointing: bool,
     /// forward passes on micro-batches packed without padding (`model.use_remove_padding`)
     remove_padding: bool,
-    /// the update passes replay the π_old pass's routes (`actor.router_replay.mode: R2`)
-    router_replay: bool,
+    /// which routes the π_old and update passes replay (`actor.router_replay.mode`)
+    router_replay: RouterReplayMode,
     /// weight of the MoE load-balancing loss (`actor.moe_aux_loss_coeff`)
     moe_aux_loss_coeff: f64,
 }
@@ -133,7 +133,8 @@ pub struct Actor {
     /// the dtype weights are shipped to rollout workers in (`model.dtype`)
     ship_dtype: DType,
     pad_id: i64,
-    /// the current step's π_old routes of the rows this rank holds (router replay R2)
+    /// the current step's routes of the rows this rank holds (router replay: R2's from the π_old pass, R3's from
+    /// the rollout)
     routes: routes::RowRoutes,
     /// the trainer's ranks: each holds the whole model, its shard of the optimizer state, and a share of every
     /// batch's rows
@@ -189,8 +190,10 @@ impl Actor {
         if let Some((spec, modules)) = model.lora_spec() {
             tracing::info!(rank = spec.rank, alpha = spec.alpha, modules = modules.len(), "training a LoRA adapter");
         }
-        let router_replay = cfg.actor.router_replay.mode == RouterReplayMode::R2;
-        if (router_replay || cfg.actor.moe_aux_loss_coeff > 0.0) && model.sparse_layer_count() == 0 {
+        let router_replay = cfg.actor.router_replay.mode;
+        if (router_replay != RouterReplayMode::Disabled || cfg.actor.moe_aux_loss_coeff > 0.0)
+            && model.sparse_layer_count() == 0
+        {
             return Err(ActorError::Model(jetrl_model::ModelError::Config(format!(
                 "actor.router_replay.mode and actor.moe_aux_loss_coeff act on mixture-of-experts layers; {} has none \
                  (model_type {})",

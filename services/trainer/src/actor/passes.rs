@@ -8,6 +8,8 @@ use jetrl_model::{CausalLm, Checkpoints};
 use tch::Tensor;
 
 use super::phases::{host_tensor, rollout_probs_diff};
+use jetrl_config::RouterReplayMode;
+
 use super::routes::RowRoutes;
 use super::{Actor, OldPolicy};
 use crate::batch::{to_host, MicroBatch, RankBatch, Sample};
@@ -21,6 +23,16 @@ type ScoredRows = (Vec<f32>, Option<Vec<f32>>, Option<Vec<f32>>);
 struct Scoring {
     entropy: bool,
     sum_pi_squared: bool,
+}
+
+/// How the forward passes of a scoring pass route an MoE model's tokens.
+enum Routing<'a> {
+    /// each by its own router
+    Free,
+    /// by its own router, the routes kept (R2's π_old pass)
+    Record(&'a mut RowRoutes),
+    /// by the given routes (R3)
+    Replay(&'a RowRoutes),
 }
 
 /// π_old of a step, and Σπ² when the advantage estimator needs it.
@@ -43,21 +55,30 @@ impl Actor {
     ) -> Result<OldPass, ActorError> {
         self.model.set_router_replay(None)?;
         self.routes.clear();
+        if self.settings.router_replay == RouterReplayMode::R3 {
+            self.routes = RowRoutes::from_rollout(batch, &self.model)?;
+        }
         if self.settings.bypass_old_log_prob {
             return Ok(OldPass { log_probs: rollout.to_vec(), sum_pi_squared: None });
         }
         let scoring = Scoring { entropy: true, sum_pi_squared: self.settings.calculate_sum_pi_squared };
-        let mut routes = self.settings.router_replay.then(|| std::mem::take(&mut self.routes));
+        let mut routes = std::mem::take(&mut self.routes);
+        let mut routing = match self.settings.router_replay {
+            RouterReplayMode::Disabled => Routing::Free,
+            RouterReplayMode::R2 => Routing::Record(&mut routes),
+            RouterReplayMode::R3 => Routing::Replay(&routes),
+        };
         let scored = match pi_old {
-            OldPolicy::CycleStart if self.lora_snapshot.is_some() => self
-                .with_snapshot_adapters(|actor| actor.score_rows(&actor.model, batch, width, scoring, routes.as_mut())),
-            OldPolicy::Current => self.score_rows(&self.model, batch, width, scoring, routes.as_mut()),
+            OldPolicy::CycleStart if self.lora_snapshot.is_some() => {
+                self.with_snapshot_adapters(|actor| actor.score_rows(&actor.model, batch, width, scoring, &mut routing))
+            }
+            OldPolicy::Current => self.score_rows(&self.model, batch, width, scoring, &mut routing),
             OldPolicy::CycleStart => match self.cycle_start.as_ref() {
-                Some(policy) => self.score_rows(policy, batch, width, scoring, routes.as_mut()),
+                Some(policy) => self.score_rows(policy, batch, width, scoring, &mut routing),
                 None => Err(ActorError::Batch("π_old of the cycle start was asked for before any snapshot".into())),
             },
         };
-        self.routes = routes.unwrap_or_default();
+        self.routes = routes;
         let (old, entropy, spsq) = scored?;
         if let Some(entropy) = entropy {
             let n = batch.len();
@@ -79,10 +100,10 @@ impl Actor {
     /// adapters off); None without a reference.
     pub(super) fn reference_pass(&mut self, batch: &RankBatch, width: usize) -> Result<Option<Vec<f32>>, ActorError> {
         match &self.reference {
-            Some(model) => Ok(Some(self.score_rows(model, batch, width, Scoring::default(), None)?.0)),
+            Some(model) => Ok(Some(self.score_rows(model, batch, width, Scoring::default(), &mut Routing::Free)?.0)),
             None if self.reference_is_base => {
                 self.model.set_lora_enabled(false);
-                let scored = self.score_rows(&self.model, batch, width, Scoring::default(), None);
+                let scored = self.score_rows(&self.model, batch, width, Scoring::default(), &mut Routing::Free);
                 self.model.set_lora_enabled(true);
                 Ok(Some(scored?.0))
             }
@@ -121,21 +142,23 @@ impl Actor {
 
     /// Log-probs of every row's response under `model` without autograd, as `[rows, width]` host matrices of the
     /// whole batch, with the per-token entropy and Σπ² when asked: each rank scores the rows it holds, and the
-    /// matrices are summed over the ranks (each row is held by one). With `routes`, the experts every token of a
-    /// held row was routed to are kept there (router replay R2).
+    /// matrices are summed over the ranks (each row is held by one). `routing` says whether the forward passes
+    /// route freely, record their routes (R2) or replay given ones (R3).
     fn score_rows(
         &self,
         model: &CausalLm,
         batch: &RankBatch,
         width: usize,
         scoring: Scoring,
-        mut routes: Option<&mut RowRoutes>,
+        routing: &mut Routing<'_>,
     ) -> Result<ScoredRows, ActorError> {
         let n = batch.len();
         let mut lp = vec![0f32; n * width];
         let mut ent = scoring.entropy.then(|| vec![0f32; n * width]);
         let mut spsq = scoring.sum_pi_squared.then(|| vec![0f32; n * width]);
-        model.record_routes(routes.is_some());
+        model.record_routes(matches!(routing, Routing::Record(_)));
+        let layers = model.sparse_layer_count();
+        let top_k = model.config().moe.as_ref().map_or(0, |m| m.top_k);
         let copy = |dst: &mut [f32], src: &[f32], chunk: &[usize], r: usize| {
             for (k, &row) in chunk.iter().enumerate() {
                 let len = batch.rows[row].response_len;
@@ -146,9 +169,14 @@ impl Actor {
             for chunk in batch.local_micro_batches(&batch.local_rows(), self.settings.max_token_len) {
                 let refs = batch.samples(&chunk);
                 let mb = MicroBatch::build_for(&refs, self.pad_id, model.device(), self.settings.remove_padding)?;
+                if let Routing::Replay(routes) = routing {
+                    model.set_router_replay(Some(routes.layout(&mb, &chunk, &refs, layers, top_k)?))?;
+                }
                 let (logits, _) = Self::response_logits(model, &mb, self.settings.temperature, false)?;
-                if let Some(routes) = routes.as_mut() {
-                    routes.keep(&model.take_routes()?, &mb, &chunk, &refs)?;
+                match routing {
+                    Routing::Record(routes) => routes.keep(&model.take_routes()?, &mb, &chunk, &refs)?,
+                    Routing::Replay(_) => model.set_router_replay(None)?,
+                    Routing::Free => {}
                 }
                 let r = mb.r as usize;
                 let rows = |values: Tensor| -> Result<Vec<f32>, tch::TchError> { to_host(&mb.to_rows(&values)?) };
@@ -163,6 +191,7 @@ impl Actor {
             Ok(())
         });
         model.record_routes(false);
+        model.set_router_replay(None)?;
         scored?;
         let device = model.device();
         self.comm.all_reduce_f32(&mut lp, device)?;

@@ -1,17 +1,21 @@
-//! MoE routing in the actor's passes: router replay R2 (the π_old pass records the experts each token of each
-//! held row was routed to; the update passes of the step route every token the same way, so the PPO ratio
-//! compares the same experts) and the load-balancing loss of each update micro-batch.
+//! MoE routing in the actor's passes: router replay and the load-balancing loss of each update micro-batch.
+//!
+//! - R2: the π_old pass records the experts each token of each held row was routed to; the update passes of the
+//!   step route every token the same way, so the PPO ratio compares the same experts.
+//! - R3: the rollout's routes, carried by the trajectories, are replayed in the π_old pass and the updates, so the
+//!   trainer computes its log-probs on the experts that sampled the tokens.
 
 use std::collections::BTreeMap;
 
 use jetrl_model::{load_balancing_loss, CausalLm};
 use tch::{Kind, Tensor};
 
-use crate::batch::{MicroBatch, Sample};
+use crate::batch::{MicroBatch, RankBatch, Sample};
 use crate::error::ActorError;
 
-/// Each held row's routes from the π_old pass of the current step: one `[tokens, top_k]` int64 tensor per sparse
-/// layer, the row's prompt then response tokens.
+/// Each held row's routes for the current step (from the π_old pass, or the rollout's): one `[tokens, top_k]`
+/// int64 tensor per sparse layer over the row's prompt then response tokens, or its first tokens (a token no
+/// forward read in the rollout has no route; it is routed by the filler, which only the unscored tail reaches).
 #[derive(Debug, Default)]
 pub(super) struct RowRoutes {
     rows: BTreeMap<usize, Vec<Tensor>>,
@@ -20,6 +24,41 @@ pub(super) struct RowRoutes {
 impl RowRoutes {
     pub fn clear(&mut self) {
         self.rows.clear();
+    }
+
+    /// The rollout's routes of the rows this rank holds (R3), checked against the model: its sparse layers, its
+    /// experts per token and its expert count.
+    pub fn from_rollout(batch: &RankBatch, model: &CausalLm) -> Result<Self, ActorError> {
+        let layers = model.sparse_layer_count();
+        let (top_k, experts) = model.config().moe.as_ref().map_or((0, 0), |m| (m.top_k, m.num_experts));
+        let mut rows = BTreeMap::new();
+        for (&row, sample) in &batch.local {
+            if sample.routed_experts.is_empty() {
+                return Err(ActorError::Batch(format!(
+                    "router replay R3: trajectory {} carries no routed experts (is \
+                     rollout.enable_rollout_routing_replay on for the workers that sampled it?)",
+                    sample.key
+                )));
+            }
+            if sample.routes_layout != (layers as u32, top_k as u32) {
+                return Err(ActorError::Batch(format!(
+                    "router replay R3: trajectory {} has routes of {} layers × {} experts; the model routes {layers} \
+                     layers × {top_k}",
+                    sample.key, sample.routes_layout.0, sample.routes_layout.1
+                )));
+            }
+            if let Some(bad) = sample.routed_experts.iter().find(|&&e| i64::from(e) >= experts) {
+                return Err(ActorError::Batch(format!(
+                    "router replay R3: trajectory {} routes to expert {bad}; the model has {experts}",
+                    sample.key
+                )));
+            }
+            let ids: Vec<i64> = sample.routed_experts.iter().map(|&e| i64::from(e)).collect();
+            let all = Tensor::f_from_slice(&ids)?.f_view([-1, layers as i64, top_k])?;
+            let per_layer = (0..layers as i64).map(|l| all.f_select(1, l)).collect::<Result<Vec<_>, _>>()?;
+            rows.insert(row, per_layer);
+        }
+        Ok(Self { rows })
     }
 
     /// Keeps the routes a micro-batch's forward recorded (`[N, top_k]` per sparse layer over its flattened
@@ -39,7 +78,8 @@ impl RowRoutes {
     }
 
     /// The routes of `chunk`'s rows laid out as micro-batch `mb`'s forward reads its tokens, one `[N, top_k]`
-    /// tensor per sparse layer; padding tokens get experts `0..top_k` (their outputs are masked).
+    /// tensor per sparse layer; padding tokens, and a row's tokens past its known routes, get experts `0..top_k`
+    /// (their outputs reach no scored position).
     pub fn layout(
         &self,
         mb: &MicroBatch,
@@ -49,24 +89,26 @@ impl RowRoutes {
         top_k: i64,
     ) -> Result<Vec<Tensor>, ActorError> {
         let device = mb.input_ids.device();
-        let spans = mb.token_spans(samples);
+        let mut held = Vec::with_capacity(chunk.len());
         let mut positions = Vec::new();
-        for &(start, len) in &spans {
-            positions.extend(start..start + len);
+        for (row, (start, len)) in chunk.iter().zip(mb.token_spans(samples)) {
+            let routes = self
+                .rows
+                .get(row)
+                .filter(|r| r.len() == layers)
+                .ok_or_else(|| ActorError::Batch(format!("router replay: no routes for row {row} of the step")))?;
+            let known = routes.first().map_or(0, |t| t.size()[0]).min(len);
+            positions.extend(start..start + known);
+            held.push((routes, known));
         }
         let positions = Tensor::f_from_slice(&positions)?.f_to_device(device)?;
         let filler = Tensor::f_arange(top_k, (Kind::Int64, device))?.f_expand([mb.token_count(), top_k], false)?;
         (0..layers)
             .map(|layer| {
-                let parts = chunk
+                let parts = held
                     .iter()
-                    .map(|row| {
-                        let routes = self.rows.get(row).and_then(|r| r.get(layer)).ok_or_else(|| {
-                            ActorError::Batch(format!("router replay: no π_old routes for row {row} of the step"))
-                        })?;
-                        Ok(routes.f_to_device(device)?)
-                    })
-                    .collect::<Result<Vec<_>, ActorError>>()?;
+                    .map(|(routes, known)| routes[layer].f_narrow(0, 0, *known)?.f_to_device(device))
+                    .collect::<Result<Vec<_>, _>>()?;
                 let mut out = filler.f_contiguous()?;
                 let _ = out.f_index_copy_(0, &positions, &Tensor::f_cat(&parts, 0)?)?;
                 Ok(out)

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use jetrl_algos::{
     compute_actor_loss, entropy_from_logits, logprobs_from_logits, ActorLossInputs, GlobalBatchInfo, PolicyLossInputs,
 };
+use jetrl_config::RouterReplayMode;
 use tch::{Device, Kind};
 
 use super::phases::Columns;
@@ -84,7 +85,7 @@ impl Actor {
         for chunk in batch.local_micro_batches(rows, self.settings.max_token_len) {
             let samples = batch.samples(&chunk);
             let mb = MicroBatch::build_for(&samples, self.pad_id, device, self.settings.remove_padding)?;
-            if let (true, Some(top_k)) = (self.settings.router_replay, moe) {
+            if let (RouterReplayMode::R2 | RouterReplayMode::R3, Some(top_k)) = (self.settings.router_replay, moe) {
                 let layers = self.model.sparse_layer_count();
                 self.model.set_router_replay(Some(self.routes.layout(&mb, &chunk, &samples, layers, top_k)?))?;
             }

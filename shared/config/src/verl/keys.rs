@@ -149,6 +149,7 @@ pub static KEYS: &[Key] = &[
     k("actor_rollout_ref.actor.calculate_entropy", Map("actor.calculate_entropy")),
     k("actor_rollout_ref.actor.calculate_sum_pi_squared", Map("actor.calculate_sum_pi_squared")),
     k("actor_rollout_ref.actor.router_replay.mode", Map("actor.router_replay.mode")),
+    k("actor_rollout_ref.rollout.enable_rollout_routing_replay", Map("rollout.enable_rollout_routing_replay")),
     k(
         "actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff",
         Map("actor.moe_aux_loss_coeff"),

@@ -45,6 +45,7 @@ impl Engine {
             serial: 0,
             sampled: 0,
             closing: false,
+            routes: Vec::new(),
         }
         .with_sampled()
     }
@@ -120,8 +121,16 @@ impl Engine {
             let slots: Vec<i64> = group.iter().map(|(slot, _, _)| *slot as i64).collect();
             let contexts: Vec<&[u32]> = group.iter().map(|(_, shared, _)| shared.context.as_slice()).collect();
             let logits = forward::prefill_packed(&self.model, cache, &slots, &contexts)?;
-            let tokens = contexts.iter().map(|c| c.len() as u64).sum();
-            for ((slot, _, place), logits) in group.drain(..).zip(logits) {
+            let tokens: u64 = contexts.iter().map(|c| c.len() as u64).sum();
+            let routes = super::take_routes(&self.model, self.config.return_routed_experts)?;
+            let per_token = routes.as_ref().map_or(0, |r| r.len() / (tokens as usize).max(1));
+            let mut start = 0;
+            for ((slot, shared, place), logits) in group.drain(..).zip(logits) {
+                if let Some(routes) = &routes {
+                    let end = start + shared.context.len() * per_token;
+                    let _ = shared.context_routes.set(routes[start..end].to_vec());
+                    start = end;
+                }
                 *place = Some((slot, logits));
             }
             Ok((tokens, 1))
@@ -130,6 +139,9 @@ impl Engine {
             let len = shared.context.len();
             if len > chunk {
                 let logits = forward::prefill(&self.model, cache, slot as i64, &shared.context, chunk)?;
+                if let Some(routes) = super::take_routes(&self.model, self.config.return_routed_experts)? {
+                    let _ = shared.context_routes.set(routes);
+                }
                 self.stats.prefill_tokens += len as u64;
                 self.stats.prefill_passes += len.div_ceil(chunk) as u64;
                 *place = Some((slot, logits));

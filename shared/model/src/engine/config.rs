@@ -31,6 +31,10 @@ pub struct EngineConfig {
     /// stopped is found one step late and the token it sampled meanwhile is dropped (its outputs are unchanged).
     /// `None`: on any device but the CPU, where the host reads tensors without waiting anyway.
     pub defer_stop_checks: Option<bool>,
+    /// Record the experts each token of an MoE model was routed to, returned with each sequence
+    /// ([`crate::SequenceOutput::routed_experts`]; vLLM's `enable_return_routed_experts`). Refused for a dense
+    /// model.
+    pub return_routed_experts: bool,
 }
 
 impl Default for EngineConfig {
@@ -46,6 +50,7 @@ impl Default for EngineConfig {
             bucketed: None,
             prefill_chunk: 2048,
             defer_stop_checks: None,
+            return_routed_experts: false,
         }
     }
 }

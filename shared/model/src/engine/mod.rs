@@ -70,6 +70,9 @@ struct Shared {
     added: Instant,
     /// Longest stop string in bytes: the window of tokens re-decoded after each token.
     stop_window: usize,
+    /// The experts the context's tokens were routed to in its prefill (with `return_routed_experts`), set once;
+    /// the forks of the request share it.
+    context_routes: std::sync::OnceLock<Vec<u16>>,
 }
 
 /// A request with samples not yet admitted.
@@ -107,6 +110,8 @@ struct Row {
     /// Its last sampled token ends it whatever it is (`max_tokens` reached, or the slot is full): it decodes no
     /// more and leaves when that token is read.
     closing: bool,
+    /// The experts each of its decoded tokens was routed to (with `return_routed_experts`), token-major.
+    routes: Vec<u16>,
 }
 
 /// The tokens one step sampled, read by the host one step later when stop checks are deferred (on CUDA: the
@@ -176,6 +181,15 @@ impl Engine {
                 "a KV budget of {:?} tokens does not hold one sequence of max_model_len {}",
                 config.kv_cache_tokens, config.max_model_len
             )));
+        }
+        if config.return_routed_experts {
+            if model.sparse_layer_count() == 0 {
+                return Err(ModelError::Config(format!(
+                    "return_routed_experts needs a mixture-of-experts model; this one ({}) has no routed layer",
+                    model.config().architecture.model_type()
+                )));
+            }
+            model.record_routes(true);
         }
         // Inference only: parameters without autograd make every op cheaper, and weight swaps copy under no_grad.
         model.var_store_mut().freeze();
@@ -345,6 +359,7 @@ impl Engine {
             context,
             row: sampling.row(),
             stop_window: sampling.stop.iter().map(String::len).max().unwrap_or(0),
+            context_routes: std::sync::OnceLock::new(),
             sampling,
             seed,
             prefix: resume,
@@ -656,9 +671,14 @@ impl Engine {
             Some(graphs) => graphs.replay(b, w, step)?,
             None => step()?,
         };
+        let routes = self.take_routes()?;
+        let per_token = routes.as_ref().map_or(0, |r| r.len() / batch.max(1));
         for &s in decoding {
             if let Some(row) = self.rows[s].as_mut() {
                 row.cached += 1;
+                if let Some(routes) = &routes {
+                    row.routes.extend_from_slice(&routes[s * per_token..(s + 1) * per_token]);
+                }
             }
         }
         self.stats.decoded_slots += batch as u64;
@@ -673,6 +693,11 @@ impl Engine {
         Ok(Some(logits.f_index_select(0, &index)?))
     }
 
+    fn take_routes(&self) -> Result<Option<Vec<u16>>> {
+        take_routes(&self.model, self.config.return_routed_experts)
+    }
+
+    /// Runs steps until every request held has finished; outputs in completion order.
     /// Runs steps until every request held has finished; outputs in completion order.
     pub fn run_to_completion(&mut self) -> Result<Vec<SequenceOutput>> {
         let mut out = Vec::new();
@@ -728,7 +753,23 @@ impl Row {
     }
 
     fn into_output(self, finish: Finish, version: u64) -> SequenceOutput {
+        let routed_experts = match self.shared.context_routes.get() {
+            Some(context) => {
+                // a token's routes are recorded when a forward pass reads it: every token but the newest, and a
+                // deferred stop check may have read one more
+                let prefix = self.shared.prefix.as_ref().map_or(0, |p| p.tokens.len());
+                let tokens = self.shared.context.len() + self.tokens.len().saturating_sub(prefix);
+                let per_token =
+                    if self.shared.context.is_empty() { 0 } else { context.len() / self.shared.context.len() };
+                let mut all = context.clone();
+                all.extend_from_slice(&self.routes);
+                all.truncate(tokens.saturating_sub(1) * per_token);
+                all
+            }
+            None => Vec::new(),
+        };
         SequenceOutput {
+            routed_experts,
             request: self.shared.id,
             index: self.index,
             tokens: self.tokens,
@@ -740,4 +781,20 @@ impl Row {
             time_to_first_token: self.first_token,
         }
     }
+}
+
+/// The routes `model` recorded since the last take, token-major (`[token][sparse layer][top_k]`) on the host;
+/// `None` unless `recording` (the engine returns routed experts).
+pub(super) fn take_routes(model: &CausalLm, recording: bool) -> Result<Option<Vec<u16>>> {
+    if !recording {
+        return Ok(None);
+    }
+    let layers = model.take_routes()?;
+    if layers.is_empty() {
+        return Ok(Some(Vec::new()));
+    }
+    let stacked = Tensor::f_stack(&layers, 1)?.f_to_kind(tch::Kind::Int)?.f_to_device(tch::Device::Cpu)?;
+    let flat = Vec::<i32>::try_from(stacked.f_reshape([-1])?)
+        .map_err(|e| ModelError::Generation(format!("reading the routed experts: {e}")))?;
+    Ok(Some(flat.into_iter().map(|e| e as u16).collect()))
 }

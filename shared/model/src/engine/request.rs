@@ -169,4 +169,8 @@ pub struct SequenceOutput {
     pub version_runs: Vec<(u32, u64)>,
     /// From [`Engine::add_request`] to this sequence's first new token.
     pub time_to_first_token: Option<Duration>,
+    /// With [`crate::EngineConfig::return_routed_experts`]: the experts every token of the prompt and the
+    /// generated tokens was routed to, token-major (`[token][sparse layer][top_k]`), for every token a forward
+    /// pass read: all but the last generated one. Empty otherwise.
+    pub routed_experts: Vec<u16>,
 }

@@ -450,6 +450,7 @@ impl Driver {
             max_version,
             version_runs: sample.version_runs,
             time_to_first_token: None,
+            routed_experts: Vec::new(),
         };
         let _ = serving.results.try_send(Ok(output));
         serving.remaining = serving.remaining.saturating_sub(1);
@@ -529,6 +530,7 @@ impl Driver {
                     max_version,
                     version_runs: slot.prefix.version_runs,
                     time_to_first_token: None,
+                    routed_experts: Vec::new(),
                 }
             })
             .collect();
