@@ -56,6 +56,11 @@ pub struct DataConfig {
     pub validation_shuffle: bool,
     pub seed: u64,
     pub prompt_key: String,
+    /// the column of a row's images (verl `image_key`): a row whose column holds any is refused when the data
+    /// loads, as jetrl trains on text prompts only
+    pub image_key: String,
+    /// the column of a row's videos (verl `video_key`), refused like `image_key`'s
+    pub video_key: String,
     /// drop rows whose templated prompt exceeds `max_prompt_length` when the dataset is loaded
     pub filter_overlong_prompts: bool,
     /// what to do with a prompt over `max_prompt_length`
@@ -78,6 +83,8 @@ impl Default for DataConfig {
             validation_shuffle: false,
             seed: 42,
             prompt_key: "prompt".into(),
+            image_key: "images".into(),
+            video_key: "videos".into(),
             filter_overlong_prompts: false,
             truncation: Truncation::Error,
         }

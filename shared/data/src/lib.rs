@@ -104,9 +104,57 @@ fn ground_truth_text(value: &serde_json::Value) -> String {
     }
 }
 
+/// The columns a row is read by: verl's `data.prompt_key`, `data.image_key` and `data.video_key`. A prompt
+/// column's name alone stands for these with verl's image and video columns (`images`, `videos`).
+#[derive(Debug, Clone, Copy)]
+pub struct Columns<'a> {
+    pub prompt: &'a str,
+    pub image: &'a str,
+    pub video: &'a str,
+}
+
+impl<'a> From<&'a str> for Columns<'a> {
+    fn from(prompt: &'a str) -> Self {
+        Self { prompt, image: "images", video: "videos" }
+    }
+}
+
+impl<'a> From<&'a jetrl_config::DataConfig> for Columns<'a> {
+    fn from(cfg: &'a jetrl_config::DataConfig) -> Self {
+        Self { prompt: &cfg.prompt_key, image: &cfg.image_key, video: &cfg.video_key }
+    }
+}
+
+/// Whether a column's value holds something, as Python's truth test reads it (verl's `example.pop(key) or []`).
+fn holds_something(value: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match value {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64() != Some(0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(items) => !items.is_empty(),
+        Value::Object(map) => !map.is_empty(),
+    }
+}
+
 /// Converts one verl row (a JSON object) into an [`Example`]; `row` is the row number, the index when the row
-/// has no `extra_info.index`.
-pub(crate) fn example_from_row(mut value: serde_json::Value, prompt_key: &str, row: usize) -> Result<Example, String> {
+/// has no `extra_info.index`. A row with images or videos is refused: jetrl trains on text prompts only, and verl
+/// would put them in the prompt.
+pub(crate) fn example_from_row(
+    mut value: serde_json::Value,
+    columns: Columns<'_>,
+    row: usize,
+) -> Result<Example, String> {
+    for (column, key, what) in [(columns.image, "image_key", "images"), (columns.video, "video_key", "videos")] {
+        if value.get(column).is_some_and(holds_something) {
+            return Err(format!(
+                "column `{column}` (data.{key}) holds {what}: multi-modal inputs are not built, jetrl trains on \
+                 text prompts only (give a dataset without {what}, or drop the column)"
+            ));
+        }
+    }
+    let prompt_key = columns.prompt;
     let prompt_value = value.get_mut(prompt_key).map(|v| v.take());
     let parsed: VerlRow = serde_json::from_value(value).map_err(|e| e.to_string())?;
     let prompt = match prompt_value {
@@ -152,11 +200,13 @@ fn visit_rows(path: &Path, on_row: &mut OnRow<'_>) -> Result<(), DataError> {
 }
 
 /// Loads verl-format rows from a `.parquet`, `.jsonl` or `.arrow` file, or a directory HF `datasets` wrote with
-/// `Dataset.save_to_disk`. `prompt_key` names the prompt column (verl `data.prompt_key`).
-pub fn load_file(path: &Path, prompt_key: &str) -> Result<Vec<Example>, DataError> {
+/// `Dataset.save_to_disk`. `columns` names the prompt column (verl `data.prompt_key`) and the image and video
+/// columns whose rows are refused ([`Columns`]).
+pub fn load_file<'a>(path: &Path, columns: impl Into<Columns<'a>>) -> Result<Vec<Example>, DataError> {
+    let columns = columns.into();
     let mut out = Vec::new();
     visit_rows(path, &mut |row, n| {
-        out.push(example_from_row(row, prompt_key, n)?);
+        out.push(example_from_row(row, columns, n)?);
         Ok(())
     })?;
     if out.is_empty() {
@@ -342,11 +392,11 @@ pub fn load_datasets(cfg: &jetrl_config::DataConfig) -> Result<(Vec<Example>, Ve
     if !cfg.train_files.is_empty() {
         let mut train = Vec::new();
         for f in &cfg.train_files {
-            train.extend(load_file(Path::new(f), &cfg.prompt_key)?);
+            train.extend(load_file(Path::new(f), cfg)?);
         }
         let mut val = Vec::new();
         for f in &cfg.val_files {
-            val.extend(load_file(Path::new(f), &cfg.prompt_key)?);
+            val.extend(load_file(Path::new(f), cfg)?);
         }
         let train = limit_samples(train, cfg.train_max_samples, cfg.shuffle, cfg.seed);
         let val = limit_samples(val, cfg.val_max_samples, cfg.validation_shuffle, cfg.seed);
@@ -381,6 +431,19 @@ mod tests {
         assert_eq!(rows[0].prompt, Prompt::Messages(vec![ChatMessage { role: "user".into(), content: "1+1?".into() }]));
         assert_eq!(rows[1].prompt, Prompt::Text("raw text".into()));
         assert_eq!(rows[1].ground_truth, r#"{"target":["a"]}"#);
+    }
+
+    #[test]
+    fn a_row_with_videos_is_refused_and_empty_media_columns_load() {
+        let mut f = tempfile::Builder::new().suffix(".jsonl").tempfile().unwrap();
+        writeln!(f, r#"{{"prompt":"a","images":[],"videos":null}}"#).unwrap();
+        writeln!(f, r#"{{"prompt":"<video>b","clips":[{{"video":"b.mp4"}}]}}"#).unwrap();
+        let cfg = jetrl_config::DataConfig { video_key: "clips".into(), ..Default::default() };
+        let err = load_file(f.path(), &cfg).unwrap_err().to_string();
+        assert!(err.contains("line 2") && err.contains("column `clips` (data.video_key) holds videos"), "{err}");
+        let only_first = tempfile::Builder::new().suffix(".jsonl").tempfile().unwrap();
+        std::fs::write(only_first.path(), "{\"prompt\":\"a\",\"images\":[],\"videos\":null}\n").unwrap();
+        assert_eq!(load_file(only_first.path(), &cfg).unwrap().len(), 1);
     }
 
     #[test]

@@ -105,6 +105,20 @@ mod tests {
         }
     }
 
+    /// verl would put the second row's image in the prompt: refused, naming the column, the key and the row.
+    #[test]
+    fn a_row_with_images_is_refused_naming_the_column_and_the_key() {
+        let path = fixture("geo3k_images.parquet");
+        let err = crate::load_file(&path, "prompt").unwrap_err().to_string();
+        assert!(
+            err.contains("row 2") && err.contains("column `images` (data.image_key)") && err.contains("multi-modal"),
+            "{err}"
+        );
+        // the image column by another name (verl `data.image_key=pictures`): that column is the one read
+        let columns = crate::Columns { prompt: "prompt", image: "pictures", video: "videos" };
+        assert_eq!(crate::load_file(&path, columns).unwrap().len(), 2);
+    }
+
     #[test]
     fn missing_prompt_column_names_the_key_and_the_row() {
         let err = crate::load_file(&fixture("gsm8k_snappy.parquet"), "question").unwrap_err().to_string();
