@@ -92,6 +92,9 @@ const REF_MICRO: &str =
     "the reference policy's micro-batches; jetrl computes reference log-probs in the trainer with the actor's budget";
 const STRATEGY: &str =
     "megatron's tensor and pipeline parallel training is not built: jetrl's trainer is data parallel (FSDP-like ZeRO-2)";
+const ROUTER_REPLAY: &str = "router replay (a mixture of experts' routing recorded and replayed) is not built";
+const MULTI_MODAL: &str =
+    "read only for rows with images or videos, which jetrl refuses when it loads the data (data.image_key, data.video_key)";
 const ONE_DEVICE: &str = "sequence parallelism (Ulysses) is not built: one sequence stays on one device";
 
 /// Every verl key jetrl reads, in verl's order.
@@ -186,6 +189,7 @@ pub static KEYS: &[Key] = &[
     k("actor_rollout_ref.actor.fsdp_config.*", Ignore(FSDP)),
     k("actor_rollout_ref.actor.checkpoint.*", Ignore("jetrl's checkpoints always hold the model, optimizer and state")),
     k("actor_rollout_ref.actor.profiler.*", Ignore(PROFILER)),
+    k("actor_rollout_ref.actor.router_replay.mode", Only(&["disabled"], ROUTER_REPLAY)),
     // actor_rollout_ref.ref
     k("actor_rollout_ref.ref.log_prob_micro_batch_size", Ignore(REF_MICRO)),
     k("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", Ignore(REF_MICRO)),
@@ -194,6 +198,7 @@ pub static KEYS: &[Key] = &[
     k("actor_rollout_ref.ref.ulysses_sequence_parallel_size", Only(&["1"], ONE_DEVICE)),
     k("actor_rollout_ref.ref.fsdp_config.*", Ignore(FSDP)),
     k("actor_rollout_ref.ref.profiler.*", Ignore(PROFILER)),
+    k("actor_rollout_ref.ref.router_replay.mode", Only(&["disabled"], ROUTER_REPLAY)),
     k("actor_rollout_ref.ref.*", Ignore("the reference policy runs in jetrl's trainer beside the actor")),
     // actor_rollout_ref.rollout
     k("actor_rollout_ref.rollout.name", MapSet("rollout.name")),
@@ -213,8 +218,11 @@ pub static KEYS: &[Key] = &[
         "actor_rollout_ref.rollout.ignore_eos",
         Only(&["false"], "changes what is generated; jetrl's engine stops a sequence at its end-of-sequence token"),
     ),
-    k("actor_rollout_ref.rollout.prompt_length", Ignore("jetrl takes data.max_prompt_length")),
-    k("actor_rollout_ref.rollout.response_length", Ignore("jetrl takes data.max_response_length")),
+    k(
+        "actor_rollout_ref.rollout.prompt_length",
+        Ignore("verl pads prompts to it; jetrl's prompts are filtered or cut at data.max_prompt_length"),
+    ),
+    k("actor_rollout_ref.rollout.response_length", Map("rollout.max_new_tokens")),
     k("actor_rollout_ref.rollout.dtype", Ignore("the rollout runs in the model's dtype (model.dtype, set by trainer.device)")),
     k("actor_rollout_ref.rollout.gpu_memory_utilization", MapSet("rollout.gpu_memory_utilization")),
     k("actor_rollout_ref.rollout.tensor_model_parallel_size", MapSet("rollout.tensor_model_parallel_size")),
@@ -251,12 +259,19 @@ pub static KEYS: &[Key] = &[
         "actor_rollout_ref.rollout.multi_turn.interaction_config_path",
         Only(&["null"], "simulated-user interactions are not built"),
     ),
-    k("actor_rollout_ref.rollout.multi_turn.*", Ignore("tokenization checks of verl's agent loop")),
+    k(
+        "actor_rollout_ref.rollout.multi_turn.*",
+        Ignore("tokenization checks of verl's agent loop, and settings only its SGLang rollout reads (SGLang is refused)"),
+    ),
     k("actor_rollout_ref.rollout.agent.default_agent_loop", Map("rollout.agent.default_agent_loop")),
     k("actor_rollout_ref.rollout.agent.num_workers", Ignore("verl's agent-loop Ray actors; jetrl's loops are tasks of the rollout worker")),
     k(
         "actor_rollout_ref.rollout.agent.agent_loop_config_path",
         Only(&["null"], "custom Python agent loops are not loaded; jetrl has single_turn_agent and tool_agent"),
+    ),
+    k(
+        "actor_rollout_ref.rollout.agent.custom_async_server.path",
+        Only(&["null"], "custom Python rollout servers are not loaded; rollout.name picks the engine"),
     ),
     k("actor_rollout_ref.rollout.agent.*", Ignore("verl's agent-loop Ray actors")),
     k("actor_rollout_ref.rollout.trace.*", Ignore("verl's rollout tracing")),
@@ -291,9 +306,10 @@ pub static KEYS: &[Key] = &[
     k("data.return_full_prompt", Ignore("what verl's dataloader hands its workers; jetrl's rows go over NATS")),
     k("data.dataloader_num_workers", Ignore("verl's dataloader processes")),
     k("data.filter_overlong_prompts_workers", Ignore("verl's dataloader processes")),
-    k("data.image_key", Ignore("multi-modal inputs are not built; text prompts only")),
-    k("data.video_key", Ignore("multi-modal inputs are not built; text prompts only")),
-    k("data.return_multi_modal_inputs", Ignore("multi-modal inputs are not built; text prompts only")),
+    k("data.image_key", Map("data.image_key")),
+    k("data.video_key", Map("data.video_key")),
+    k("data.return_multi_modal_inputs", Ignore(MULTI_MODAL)),
+    k("data.image_patch_size", Ignore(MULTI_MODAL)),
     k("data.trust_remote_code", Ignore("jetrl never runs a dataset's remote code")),
     k("data.custom_cls.path", Only(&["null"], "custom Python dataset classes are not loaded")),
     k("data.custom_cls.*", Ignore("custom Python dataset classes are not loaded")),
@@ -320,6 +336,15 @@ pub static KEYS: &[Key] = &[
     k("critic.optim.clip_grad", Map("critic.grad_clip")),
     k("critic.optim.total_training_steps", Ignore("set by the trainer from trainer.total_training_steps, as verl does")),
     k("critic.model.path", Rule("jetrl's critic starts from the actor's model: another path is refused")),
+    k("critic.model.tokenizer_path", Rule("jetrl's critic reads the actor's tokens: another path is refused")),
+    k(
+        "critic.model.override_config",
+        Only(&["{}"], "jetrl reads the model's config.json as it is; edit the model directory instead"),
+    ),
+    k(
+        "critic.model.external_lib",
+        Only(&["null"], "jetrl runs the architectures it implements in Rust; no Python model library is imported"),
+    ),
     k("critic.model.lora_rank", Only(&["0"], "the critic trains in full; LoRA is the actor's (actor_rollout_ref.model.lora_rank)")),
     k("critic.model.fsdp_config.*", Ignore(FSDP)),
     k("critic.model.*", Ignore("the critic runs with the actor's model settings")),
@@ -352,6 +377,16 @@ pub static KEYS: &[Key] = &[
     ),
     k("reward_model.reward_manager", Only(&["naive", "dapo"], "jetrl's reward service scores like verl's naive manager (dapo: with reward.reward_kwargs.overlong_buffer_cfg)")),
     k("reward_model.sandbox_fusion.url", Only(&["null"], "Sandbox Fusion scoring is not built; jetrl's code scorer runs the tests itself")),
+    k(
+        "reward_model.reward_kwargs.*",
+        Rule("read by reward_model.reward_manager=dapo, as reward.reward_kwargs.* (same keys); refused with another manager"),
+    ),
+    k(
+        "reward_model.overlong_buffer.*",
+        Rule("recipe.dapo.main_dapo's spelling: as reward.reward_kwargs.overlong_buffer_cfg.*, max_resp_len = data.max_response_length"),
+    ),
+    k("reward_model.reward_loop_source", Only(&["register"], "custom Python reward managers are not loaded")),
+    k("reward_model.reward_loop_module_path", Only(&["null"], "custom Python reward managers are not loaded")),
     k("reward_model.*", Ignore("settings of verl's in-process reward model (reward_model.enable is refused)")),
     k("custom_reward_function.path", Convert("reward.custom_reward_function.path", Conv::Path)),
     k("custom_reward_function.name", Map("reward.custom_reward_function.name")),
@@ -442,9 +477,12 @@ pub static SECTIONS: &[(&str, &str)] = &[
     ("trainer.", "trainer."),
 ];
 
-/// The entry for a dotted verl path: an exact key first, then the longest `prefix.*` that holds it.
+/// The entry for a dotted verl path: an exact key first, then a key whose value is a mapping that holds it
+/// (`critic.model.override_config` holds `critic.model.override_config.hidden_dropout`), then the longest
+/// `prefix.*` that holds it.
 pub fn lookup(path: &str) -> Option<&'static Key> {
-    KEYS.iter().find(|key| key.verl == path).or_else(|| {
+    let below = |key: &&Key| path.strip_prefix(key.verl).is_some_and(|rest| rest.starts_with('.'));
+    KEYS.iter().find(|key| key.verl == path).or_else(|| KEYS.iter().find(below)).or_else(|| {
         KEYS.iter()
             .filter(|key| {
                 key.verl

@@ -160,27 +160,34 @@ fn translate(
         if path.split('.').any(|part| part == "_target_") || path.is_empty() {
             continue;
         }
-        match keys::lookup(&path).map(|key| key.fate) {
+        let key = keys::lookup(&path);
+        // a leaf inside a key whose value is a mapping: the part of the path below that key
+        let below = key.and_then(|key| path.strip_prefix(key.verl)).unwrap_or("");
+        match key.map(|key| key.fate) {
             Some(Fate::Map(to)) => {
                 if !value.is_null() {
-                    out.set(to, &path, value);
+                    out.set(&format!("{to}{below}"), &path, value);
                 }
             }
             Some(Fate::MapSet(to)) => {
                 if set_by_user(user_set, &path) && !value.is_null() {
-                    out.set(to, &path, value);
+                    out.set(&format!("{to}{below}"), &path, value);
                 }
             }
             Some(Fate::Convert(to, conv)) => {
                 let converted = conv.apply(&value).map_err(|message| invalid(&path, message))?;
                 if !converted.is_null() {
-                    out.set(to, &path, converted);
+                    out.set(&format!("{to}{below}"), &path, converted);
                 }
             }
             Some(Fate::Only(allowed, why)) => {
-                let written = spelling(&value);
+                let (key, value) = match key {
+                    Some(key) if !below.is_empty() => (key.verl, get(tree, key.verl).unwrap_or(&value)),
+                    _ => (path.as_str(), &value),
+                };
+                let written = spelling(value);
                 if !allowed.contains(&written.as_str()) {
-                    return Err(invalid(&path, format!("{written} is refused: {why}")));
+                    return Err(invalid(key, format!("{written} is refused: {why}")));
                 }
             }
             Some(Fate::Ignore(why)) => {
@@ -231,21 +238,26 @@ fn rules(tree: &Value, user_set: &BTreeSet<String>, out: &mut Builder) -> Result
     {
         out.set("rollout.agent.default_agent_loop", "actor_rollout_ref.rollout.multi_turn.enable", json!("tool_agent"));
     }
-    // the critic's model is the actor's
-    if set_by_user(user_set, "critic.model.path") {
-        let critic = get(tree, "critic.model.path").map(spelling).map(|p| keys::expand_home(&p));
+    // the critic's model and tokenizer are the actor's
+    for key in ["critic.model.path", "critic.model.tokenizer_path"] {
+        if !set_by_user(user_set, key) {
+            continue;
+        }
+        let critic = get(tree, key).map(spelling).map(|p| keys::expand_home(&p));
         let actor = get(tree, "actor_rollout_ref.model.path").map(spelling).map(|p| keys::expand_home(&p));
         if critic.is_some() && critic.as_deref() != Some("null") && critic != actor {
             return Err(invalid(
-                "critic.model.path",
+                key,
                 format!(
-                    "{} is refused: jetrl's critic starts from the actor's model (actor_rollout_ref.model.path {})",
+                    "{} is refused: jetrl's critic starts from the actor's model and tokenizer \
+                     (actor_rollout_ref.model.path {})",
                     critic.unwrap_or_default(),
                     actor.unwrap_or_default()
                 ),
             ));
         }
     }
+    reward_kwargs(tree, out)?;
     if let Some(correction) = get(tree, "algorithm.rollout_correction").filter(|v| !v.is_null()) {
         out.set("algorithm.rollout_correction", "algorithm.rollout_correction", correction.clone());
     }
@@ -277,6 +289,55 @@ fn rules(tree: &Value, user_set: &BTreeSet<String>, out: &mut Builder) -> Result
     }
     mode_rule(tree, user_set, out)?;
     micro_batches(tree, out)
+}
+
+/// The DAPO overlong penalty as jetrl's `reward.reward_kwargs`: verl's `main_ppo` hands
+/// `reward_model.reward_kwargs` (`+reward_model.reward_kwargs.overlong_buffer_cfg.*`, `max_resp_len`) to the reward
+/// manager, which only `dapo` accepts; `recipe.dapo.main_dapo` reads `reward_model.overlong_buffer.*` with
+/// `data.max_response_length` as `max_resp_len`.
+fn reward_kwargs(tree: &Value, out: &mut Builder) -> Result<(), ConfigError> {
+    let set = |path: &str| get(tree, path).filter(|v| !v.is_null() && *v != &json!({})).cloned();
+    let kwargs = set("reward_model.reward_kwargs");
+    let recipe = set("reward_model.overlong_buffer");
+    if kwargs.is_none() && recipe.is_none() {
+        return Ok(());
+    }
+    for (path, subtree) in [("reward_model.reward_kwargs", &kwargs), ("reward_model.overlong_buffer", &recipe)] {
+        if subtree.as_ref().is_some_and(|v| !v.is_object()) {
+            return Err(invalid(path, "must be a mapping of keys"));
+        }
+    }
+    let manager = get(tree, "reward_model.reward_manager").map(spelling).unwrap_or_else(|| "naive".into());
+    let given = if kwargs.is_some() { "reward_model.reward_kwargs" } else { "reward_model.overlong_buffer" };
+    if manager != "dapo" {
+        return Err(invalid(
+            given,
+            format!(
+                "is read by verl's dapo reward manager, and reward_model.reward_manager is {manager}: set \
+                 reward_model.reward_manager=dapo"
+            ),
+        ));
+    }
+    for (rest, value) in kwargs.as_ref().map(leaves).unwrap_or_default() {
+        out.set(&format!("reward.reward_kwargs.{rest}"), &format!("reward_model.reward_kwargs.{rest}"), value);
+    }
+    if let Some(buffer) = &recipe {
+        for (rest, value) in leaves(buffer) {
+            out.set(
+                &format!("reward.reward_kwargs.overlong_buffer_cfg.{rest}"),
+                &format!("reward_model.overlong_buffer.{rest}"),
+                value,
+            );
+        }
+        if get(tree, "reward_model.reward_kwargs.max_resp_len").is_none() {
+            let max = get(tree, "data.max_response_length").cloned().unwrap_or(Value::Null);
+            out.set("reward.reward_kwargs.max_resp_len", "data.max_response_length", max);
+        }
+    } else if get(tree, "reward_model.reward_kwargs.max_resp_len").is_none() {
+        // an error about the missing key names it as verl's
+        out.origin.push(("reward.reward_kwargs.max_resp_len".into(), "reward_model.reward_kwargs.max_resp_len".into()));
+    }
+    Ok(())
 }
 
 /// `trainer.v1.trainer_mode` and the keys of each mode: a mode's keys set in a job of another mode are refused.

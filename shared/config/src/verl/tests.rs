@@ -326,3 +326,128 @@ fn verls_older_example_with_global_micro_batches_loads() {
         "{err}"
     );
 }
+
+/// verl's DAPO recipe (`recipe/dapo/test_dapo_7b_math.sh`), its arguments to `verl.trainer.main_ppo` with the
+/// script's values, and the paths of this test.
+fn dapo_recipe() -> Vec<String> {
+    "data.train_files=/d/dapo-math-17k.parquet data.val_files=/d/aime-2024.parquet data.prompt_key=prompt \
+     data.truncation=left data.max_prompt_length=2048 data.max_response_length=8192 data.train_batch_size=512 \
+     actor_rollout_ref.rollout.n=16 algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False \
+     algorithm.kl_ctrl.kl_coef=0.0 actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.actor.kl_loss_coef=0.0 \
+     actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.28 \
+     actor_rollout_ref.actor.clip_ratio_c=10.0 actor_rollout_ref.model.use_remove_padding=True \
+     +actor_rollout_ref.model.override_config.max_position_embeddings=32768 \
+     actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True \
+     actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20480 \
+     actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=30720 \
+     actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=30720 actor_rollout_ref.model.path=/m/Qwen2.5-Math-7B \
+     actor_rollout_ref.model.enable_gradient_checkpointing=True actor_rollout_ref.actor.optim.lr=1e-6 \
+     actor_rollout_ref.actor.optim.lr_warmup_steps=10 actor_rollout_ref.actor.optim.weight_decay=0.1 \
+     actor_rollout_ref.actor.ppo_mini_batch_size=32 actor_rollout_ref.actor.fsdp_config.param_offload=True \
+     actor_rollout_ref.actor.fsdp_config.optimizer_offload=True actor_rollout_ref.actor.entropy_coeff=0 \
+     actor_rollout_ref.actor.grad_clip=1.0 actor_rollout_ref.actor.loss_agg_mode=token-mean \
+     actor_rollout_ref.actor.ulysses_sequence_parallel_size=4 actor_rollout_ref.rollout.gpu_memory_utilization=0.80 \
+     actor_rollout_ref.rollout.tensor_model_parallel_size=4 actor_rollout_ref.rollout.enable_chunked_prefill=True \
+     actor_rollout_ref.rollout.max_num_batched_tokens=10240 actor_rollout_ref.rollout.temperature=1.0 \
+     actor_rollout_ref.rollout.top_p=1.0 actor_rollout_ref.rollout.top_k=-1 \
+     actor_rollout_ref.rollout.val_kwargs.temperature=1.0 actor_rollout_ref.rollout.val_kwargs.top_p=0.7 \
+     actor_rollout_ref.rollout.val_kwargs.top_k=-1 actor_rollout_ref.rollout.val_kwargs.do_sample=True \
+     actor_rollout_ref.rollout.val_kwargs.n=1 actor_rollout_ref.ref.fsdp_config.param_offload=True \
+     actor_rollout_ref.ref.ulysses_sequence_parallel_size=4 actor_rollout_ref.actor.fsdp_config.fsdp_size=32 \
+     reward_model.reward_manager=dapo +reward_model.reward_kwargs.overlong_buffer_cfg.enable=True \
+     +reward_model.reward_kwargs.overlong_buffer_cfg.len=4096 \
+     +reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0 \
+     +reward_model.reward_kwargs.overlong_buffer_cfg.log=False +reward_model.reward_kwargs.max_resp_len=8192 \
+     trainer.logger=['console','wandb'] trainer.project_name=DAPO trainer.experiment_name=DAPO-Qwen2.5-7b-MATH-0527a1 \
+     trainer.n_gpus_per_node=8 trainer.nnodes=8 trainer.val_before_train=True trainer.test_freq=10 \
+     trainer.save_freq=10 trainer.total_epochs=10 trainer.total_training_steps=200 \
+     trainer.default_local_dir=/c/DAPO trainer.resume_mode=auto trainer.log_val_generations=10"
+        .split_whitespace()
+        .map(str::to_string)
+        .collect()
+}
+
+/// What the recipe needs that jetrl refuses (Ulysses, a model config override, an experiment name with a `.` as the
+/// job's NATS namespace), undone by the user's arguments.
+const DAPO_ON_JETRL: &[&str] = &[
+    "nats.namespace=dapo",
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1",
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size=1",
+    "~actor_rollout_ref.model.override_config.max_position_embeddings",
+];
+
+#[test]
+fn dapo_recipes_overlong_penalty_is_honoured() {
+    let err = error(&dapo_recipe());
+    assert!(err.contains("ulysses_sequence_parallel_size") || err.contains("override_config"), "{err}");
+    let (job, cfg) = load(&with(dapo_recipe(), DAPO_ON_JETRL)).unwrap();
+    let kwargs = &cfg.reward.reward_kwargs;
+    let buffer = &kwargs.overlong_buffer_cfg;
+    assert!(buffer.enable && !buffer.log);
+    assert_eq!((buffer.len, buffer.penalty_factor, kwargs.max_resp_len), (4096, 1.0, Some(8192)));
+    let line = job.ignored_line().unwrap();
+    assert!(!line.contains("reward_kwargs"), "{line}");
+    // recipe.dapo.main_dapo's own spelling (verl's tests/special_e2e/run_dapo.sh): the response budget is the data's
+    let mut older: Vec<String> = with(dapo_recipe(), DAPO_ON_JETRL)
+        .into_iter()
+        .filter(|arg| !arg.starts_with("+reward_model.reward_kwargs"))
+        .collect();
+    older.extend(
+        [
+            "reward_model.overlong_buffer.enable=True",
+            "reward_model.overlong_buffer.len=128",
+            "data.max_response_length=2048",
+        ]
+        .map(String::from),
+    );
+    let (_, cfg) = load(&older).unwrap();
+    let kwargs = &cfg.reward.reward_kwargs;
+    assert!(kwargs.overlong_buffer_cfg.enable);
+    assert_eq!((kwargs.overlong_buffer_cfg.len, kwargs.max_resp_len), (128, Some(2048)));
+}
+
+#[test]
+fn dapo_kwargs_without_the_dapo_manager_or_their_budget_are_refused_by_verls_key() {
+    let recipe = with(dapo_recipe(), DAPO_ON_JETRL);
+    let err = error(&with(recipe.clone(), &["reward_model.reward_manager=naive"]));
+    assert!(err.contains("reward_model.reward_kwargs") && err.contains("reward_model.reward_manager=dapo"), "{err}");
+    let err = error(&with(recipe, &["~reward_model.reward_kwargs.max_resp_len"]));
+    assert!(err.contains("reward_model.reward_kwargs.max_resp_len") && err.contains("required"), "{err}");
+}
+
+#[test]
+fn keys_that_change_what_is_learned_are_refused_not_ignored() {
+    let base = with(dapo_recipe(), DAPO_ON_JETRL);
+    for (arg, named) in [
+        ("+actor_rollout_ref.ref.router_replay.mode=R3", "router replay"),
+        ("+actor_rollout_ref.rollout.agent.custom_async_server.path=/p/server.py", "rollout servers"),
+        ("+critic.model.override_config.hidden_dropout=0.1", "config.json"),
+        ("+critic.model.tokenizer_path=/m/other", "tokenizer"),
+        ("+reward_model.reward_loop_module_path=/p/manager.py", "reward managers"),
+    ] {
+        let key = arg.trim_start_matches('+').split(['=']).next().unwrap();
+        let key = key.strip_suffix(".hidden_dropout").unwrap_or(key);
+        let err = error(&with(base.clone(), &[arg]));
+        assert!(err.contains(key) && err.contains(named), "{arg}: {err}");
+    }
+    // the actor's tokenizer loads; verl generates up to the rollout's response length, as jetrl's max_new_tokens
+    let (_, cfg) = load(&with(
+        base,
+        &["actor_rollout_ref.rollout.response_length=4096", "+critic.model.tokenizer_path=/m/Qwen2.5-Math-7B"],
+    ))
+    .unwrap();
+    assert_eq!((cfg.data.max_response_length, cfg.max_new_tokens()), (8192, 4096));
+}
+
+#[test]
+fn keys_inside_a_mapped_mapping_map_below_its_jetrl_key() {
+    let args = with(dapo_recipe(), &[DAPO_ON_JETRL, &["+custom_reward_function.reward_kwargs.scale=2"]].concat());
+    let (_, cfg) = load(&args).unwrap();
+    assert_eq!(cfg.reward.custom_reward_function.reward_kwargs["scale"], serde_json::json!(2));
+}
+
+#[test]
+fn image_and_video_columns_are_verls_keys() {
+    let (_, cfg) = load(&with(dapo_recipe(), &[DAPO_ON_JETRL, &["data.image_key=pictures"]].concat())).unwrap();
+    assert_eq!((cfg.data.image_key.as_str(), cfg.data.video_key.as_str()), ("pictures", "videos"));
+}
