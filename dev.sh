@@ -33,7 +33,7 @@ if [ "${1:-demo}" = test ]; then
   vllm_setup=$!
 fi
 case "${1:-demo}" in
-  test) scripts/setup.sh transformers peft wandb mlflow-server datasets ;;
+  test) scripts/setup.sh transformers peft wandb mlflow-server datasets tensorboard ;;
   bench) scripts/setup.sh transformers peft ;;
   *) scripts/setup.sh ;;
 esac

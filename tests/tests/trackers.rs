@@ -1,11 +1,12 @@
 //! `trainer.logger` against the real things: a real `mlflow server` (sqlite store and proxied artifacts in a
 //! temporary directory) read back through MLflow's own Python client, wandb in offline mode read back from its
-//! run file, and verl's `file` logger. Each job is the shortest of the suite (the tiny model, a few steps, the five
+//! run file, TensorBoard's event files read back by the `tensorboard` package's own reader, and verl's `file`
+//! logger. Each job is the shortest of the suite (the tiny model, a few steps, the five
 //! services as processes on a real nats-server). A tracker that is down must not stop training: the MLflow server
 //! is killed in the middle of a second job, which must finish and say what it lost.
 //!
-//! The MLflow and wandb tests need the repository's Python (`.venv`) with `mlflow` (the server too) and `wandb`:
-//! `./dev.sh test` installs them. Without them a test says so and passes, except under `CI=true`, where it fails.
+//! The MLflow, wandb and TensorBoard tests need the repository's Python (`.venv`) with `mlflow` (the server too),
+//! `wandb` and `tensorboard`: `./dev.sh test` installs them. Without them a test fails, saying what to install.
 
 #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
 
@@ -28,14 +29,15 @@ fn python() -> PathBuf {
     }
 }
 
-/// Whether `python()` imports every module of `modules`.
-fn python_has(modules: &str) -> bool {
-    Command::new(python())
-        .args(["-c", &format!("import {modules}")])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
+/// Fails the test unless `python()` imports every module of `modules`.
+fn require_python(modules: &str) {
+    let out = Command::new(python()).args(["-c", &format!("import {modules}")]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{} cannot import {modules} (`./dev.sh test` installs what the suite needs):\n{}",
+        python().display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// The job of every test here: the base test job (tiny model, reverse-4 task, batch 8 × 4 samples) with
@@ -185,15 +187,7 @@ print(json.dumps(out))
 #[test]
 #[ignore = "slow tier: two short jobs against a real mlflow server, one of them killed mid-run"]
 fn mlflow_gets_params_every_step_and_artifacts_and_a_killed_server_never_stops_training() {
-    if !python_has("mlflow.server, flask_cors, sqlalchemy, alembic, huey, graphene, aiohttp") {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "the mlflow server is not installed in {} (`./dev.sh test` installs it)",
-            python().display()
-        );
-        eprintln!("SKIPPED mlflow test: mlflow (with its server) is not importable by {}", python().display());
-        return;
-    }
+    require_python("mlflow.server, flask_cors, sqlalchemy, alembic, huey, graphene, aiohttp");
     let store = tempfile::tempdir().unwrap();
     let mut server = MlflowServer::start(store.path());
     let mut first = job(3, "[console, mlflow]");
@@ -324,15 +318,7 @@ print(json.dumps(out))
 #[test]
 #[ignore = "slow tier: a short job logging to wandb offline, read back from the run file"]
 fn wandb_offline_run_has_every_step_and_the_config() {
-    if !python_has("wandb, wandb.proto.wandb_internal_pb2") {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "wandb is not installed in {} (`./dev.sh test` installs it)",
-            python().display()
-        );
-        eprintln!("SKIPPED wandb test: wandb is not importable by {}", python().display());
-        return;
-    }
+    require_python("wandb, wandb.proto.wandb_internal_pb2");
     let wandb_dir = tempfile::tempdir().unwrap();
     let mut job = job(3, "[console, wandb]");
     job.spawn_services(1, 1);
@@ -367,6 +353,48 @@ fn wandb_offline_run_has_every_step_and_the_config() {
     assert_eq!(run["exit_code"], 0, "{run}");
     let files = run["files"].as_array().unwrap();
     assert!(files.contains(&"reward_curve.svg".into()) && files.contains(&"summary.json".into()), "{files:?}");
+}
+
+/// Every scalar of the event files in a directory, read by TensorBoard's own `EventAccumulator` (every point
+/// kept: `size_guidance` 0): tag → step → value.
+const TENSORBOARD_READ: &str = r#"
+import json, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator, SCALARS
+events = EventAccumulator(sys.argv[1], size_guidance={SCALARS: 0})
+events.Reload()
+print(json.dumps({tag: {str(e.step): e.value for e in events.Scalars(tag)} for tag in events.Tags()[SCALARS]}))
+"#;
+
+/// (e) `trainer.logger=[console,tensorboard]`: the event files of a short job, read by TensorBoard's reader, hold
+/// every step's metrics under verl's tags, each the float32 of metrics.jsonl's value.
+#[test]
+#[ignore = "slow tier: a short job logging to TensorBoard, read back by the tensorboard package"]
+fn tensorboard_reads_every_step_under_verls_tags() {
+    require_python("tensorboard.backend.event_processing.event_accumulator");
+    let mut job = job(3, "[console, tensorboard]");
+    job.spawn_services(1, 1);
+    let mut trainer = spawn_trainer(&job, &[]);
+    let status = wait_trainer(&job, &mut trainer, Duration::from_secs(300));
+    assert!(status.success(), "trainer failed:\n{}", trainer_log(&job));
+
+    let dir = job.run_dir().join("tensorboard");
+    let scalars = python_json(TENSORBOARD_READ, &[dir.to_str().unwrap()], &[]);
+    let lines = job.metrics();
+    assert_eq!(lines.len(), 3);
+    for tag in ["critic/score/mean", "actor/pg_loss", "response_length/mean", "actor/entropy", "timing_s/step"] {
+        let steps = scalars[tag].as_object().unwrap_or_else(|| panic!("no {tag} in {scalars}"));
+        assert_eq!(steps.keys().collect::<Vec<_>>(), ["1", "2", "3"], "{tag}");
+    }
+    for line in &lines {
+        let step = line["training/global_step"].as_f64().unwrap() as u64;
+        for (tag, value) in line.as_object().unwrap() {
+            let read = scalars[tag][step.to_string()].as_f64();
+            assert_eq!(read, value.as_f64().map(|v| f64::from(v as f32)), "{tag} at step {step}");
+        }
+    }
+    let tags: std::collections::BTreeSet<&String> = scalars.as_object().unwrap().keys().collect();
+    let keys: std::collections::BTreeSet<&String> = lines.iter().flat_map(|l| l.as_object().unwrap().keys()).collect();
+    assert_eq!(tags, keys, "the event files hold metrics.jsonl's keys, no more");
 }
 
 /// (d) verl's `file` logger writes `{"step": n, "data": {...}}` per step at `VERL_FILE_LOGGER_PATH`; and a
