@@ -43,10 +43,51 @@ fn require_python(modules: &str) {
 /// The job of every test here: the base test job (tiny model, reverse-4 task, batch 8 × 4 samples) with
 /// `steps` steps and `logger`.
 fn job(steps: u32, logger: &str) -> TestJob {
+    job_with(steps, logger, "")
+}
+
+/// [`job`] with more `trainer` keys (`extra`, `key: value, …`).
+fn job_with(steps: u32, logger: &str, extra: &str) -> TestJob {
     TestJob::new(&format!(
         "trainer: {{total_training_steps: {steps}, logger: {logger}, project_name: jetrl-trackers, \
-         experiment_name: tracked}}"
+         experiment_name: tracked, {extra}}}"
     ))
+}
+
+/// How many validation generations the validating jobs hand their trackers (`trainer.log_val_generations`).
+const VAL_GENERATIONS: usize = 3;
+
+/// The trainer keys of a job that validates after steps 2 and 3 (`test_freq` 2, and the last step), dumps every
+/// validation generation to `dump` (`validation_data_dir`) and hands [`VAL_GENERATIONS`] to the trackers.
+fn validating(dump: &Path) -> String {
+    format!("test_freq: 2, log_val_generations: {VAL_GENERATIONS}, validation_data_dir: \"{}\"", dump.display())
+}
+
+/// verl's `_maybe_log_val_generations` pick, its own code (numpy's seeded shuffle) over the generations a
+/// validation dumped (`<validation_data_dir>/<step>.jsonl`): `[[input, output, score], …]`.
+const VERL_PICK: &str = r#"
+import json, sys
+import numpy as np
+rows = [json.loads(line) for line in open(sys.argv[1])]
+samples = list(zip([r["input"] for r in rows], [r["output"] for r in rows], [r["score"] for r in rows]))
+samples.sort(key=lambda x: x[0])
+rng = np.random.RandomState(42)
+rng.shuffle(samples)
+print(json.dumps({"rows": len(rows), "picked": samples[:int(sys.argv[2])]}))
+"#;
+
+/// The validation generations verl would log at `step` of a job run with [`validating`]`(dump)`, after
+/// checking that the dump holds every validation prompt's generation.
+fn verl_pick(job: &TestJob, dump: &Path, step: u64) -> Vec<Value> {
+    let file = dump.join(format!("{step}.jsonl"));
+    let pick = python_json(VERL_PICK, &[file.to_str().unwrap(), &VAL_GENERATIONS.to_string()], &[]);
+    assert_eq!(
+        pick["rows"],
+        job.config().data.task.unwrap().val_size,
+        "{} holds every validation prompt",
+        file.display()
+    );
+    pick["picked"].as_array().unwrap().clone()
 }
 
 /// The trainer of `job` as a process with `env` added; its log is `<job dir>/trainer.log`.
@@ -163,7 +204,7 @@ impl Drop for MlflowServer {
 /// The run `tracked` of the experiment `jetrl-trackers`, read through MLflow's client: status, params, the
 /// history of every metric (step → value), artifact paths.
 const MLFLOW_READ: &str = r#"
-import json, sys
+import json, sys, tempfile
 from mlflow.tracking import MlflowClient
 client = MlflowClient(tracking_uri=sys.argv[1])
 experiment = client.get_experiment_by_name("jetrl-trackers")
@@ -177,12 +218,17 @@ out["params"] = run.data.params
 out["history"] = {key: {str(m.step): m.value for m in client.get_metric_history(run.info.run_id, key)}
                   for key in run.data.metrics}
 out["artifacts"] = sorted(a.path for a in client.list_artifacts(run.info.run_id))
+out["val_generations"] = {}
+with tempfile.TemporaryDirectory() as tmp:
+    for path in out["artifacts"]:
+        if path.startswith("val_step"):
+            out["val_generations"][path] = json.load(open(client.download_artifacts(run.info.run_id, path, tmp)))
 print(json.dumps(out))
 "#;
 
 /// (a) and (c): a job with `trainer.logger=[console,mlflow]` against a real `mlflow server`, read back through
 /// MLflow's client: the config as params, every step's metrics under verl's names, the reward curve and the
-/// summary as artifacts, the run FINISHED. Then a second job whose server is killed after its first step: it
+/// summary as artifacts, each validation's generations as verl's `val_step<step>.json` artifact, the run FINISHED. Then a second job whose server is killed after its first step: it
 /// trains every step, and its log says what the tracker lost.
 #[test]
 #[ignore = "slow tier: two short jobs against a real mlflow server, one of them killed mid-run"]
@@ -190,7 +236,8 @@ fn mlflow_gets_params_every_step_and_artifacts_and_a_killed_server_never_stops_t
     require_python("mlflow.server, flask_cors, sqlalchemy, alembic, huey, graphene, aiohttp");
     let store = tempfile::tempdir().unwrap();
     let mut server = MlflowServer::start(store.path());
-    let mut first = job(3, "[console, mlflow]");
+    let dump = tempfile::tempdir().unwrap();
+    let mut first = job_with(3, "[console, mlflow]", &validating(dump.path()));
     // the services start once the server answers: they wait for the trainer's topology for nats.connect_timeout_s
     // (20 s here), and the server's start (Python imports, its database) can take longer on a loaded machine
     server.wait_ready(store.path(), Duration::from_secs(240));
@@ -221,7 +268,17 @@ fn mlflow_gets_params_every_step_and_artifacts_and_a_killed_server_never_stops_t
         }
     }
     assert_eq!(history["critic/score/mean"].as_object().unwrap().len(), 3, "one value per step");
-    assert_eq!(run["artifacts"], serde_json::json!(["reward_curve.svg", "summary.json"]));
+    assert_eq!(
+        run["artifacts"],
+        serde_json::json!(["reward_curve.svg", "summary.json", "val_step2.json", "val_step3.json"])
+    );
+    for step in [2, 3] {
+        let expected: Vec<Value> = verl_pick(&first, dump.path(), step)
+            .iter()
+            .map(|s| serde_json::json!({"input": s[0], "output": s[1], "score": s[2]}))
+            .collect();
+        assert_eq!(run["val_generations"][format!("val_step{step}.json")], Value::Array(expected), "step {step}");
+    }
     let kept: Value =
         serde_json::from_str(&std::fs::read_to_string(first.run_dir().join("mlflow_run.json")).unwrap()).unwrap();
     assert_eq!(kept["run_id"], run["run_id"], "the run directory names its MLflow run (a resume continues it)");
@@ -267,7 +324,8 @@ fn mlflow_gets_params_every_step_and_artifacts_and_a_killed_server_never_stops_t
 }
 
 /// The offline run's records, read from its `.wandb` file (a LevelDB-style log of protobuf records, read with
-/// wandb's own protobuf types): project, name, config keys, every history row, the exit code, saved files.
+/// wandb's own protobuf types): project, name, config keys, every history row, the table file each `val/generations`
+/// of a row names, the exit code, saved files.
 const WANDB_READ: &str = r#"
 import glob, json, os, struct, sys
 from wandb.proto import wandb_internal_pb2 as pb
@@ -294,7 +352,7 @@ def records(path):
             yield buf + payload
 
 runs = glob.glob(os.path.join(sys.argv[1], "wandb", "offline-run-*"))
-out = {"runs": len(runs), "history": {}, "config": []}
+out = {"runs": len(runs), "history": {}, "config": [], "tables": {}}
 for record in records(glob.glob(os.path.join(runs[0], "run-*.wandb"))[0]):
     r = pb.Record()
     r.ParseFromString(record)
@@ -307,6 +365,10 @@ for record in records(glob.glob(os.path.join(runs[0], "run-*.wandb"))[0]):
     elif kind == "history":
         row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
         out["history"][str(row["_step"])] = row
+        # a table is a file of the run, its fields (`path`, `_type`, ...) nested under the key
+        if row.get("val/generations/_type") == "table-file":
+            table = os.path.join(runs[0], "files", row["val/generations/path"])
+            out["tables"][str(row["_step"])] = json.load(open(table))
     elif kind == "exit":
         out["exit_code"] = r.exit.exit_code
 out["files"] = sorted(os.listdir(os.path.join(runs[0], "files")))
@@ -314,13 +376,15 @@ print(json.dumps(out))
 "#;
 
 /// (b) `trainer.logger=[console,wandb]` with `WANDB_MODE=offline`: the bridge logs every step's metrics under
-/// verl's names, the config, and the reward curve; read back from the offline run file.
+/// verl's names, the config, the reward curve, and each validation's generations as verl's `val/generations`
+/// table; read back from the offline run file.
 #[test]
 #[ignore = "slow tier: a short job logging to wandb offline, read back from the run file"]
 fn wandb_offline_run_has_every_step_and_the_config() {
     require_python("wandb, wandb.proto.wandb_internal_pb2");
     let wandb_dir = tempfile::tempdir().unwrap();
-    let mut job = job(3, "[console, wandb]");
+    let dump = tempfile::tempdir().unwrap();
+    let mut job = job_with(3, "[console, wandb]", &validating(dump.path()));
     job.spawn_services(1, 1);
     let env = [
         ("WANDB_MODE", OsString::from("offline")),
@@ -350,6 +414,25 @@ fn wandb_offline_run_has_every_step_and_the_config() {
             assert_eq!(row[key].as_f64(), value.as_f64(), "{key} at step {step}");
         }
     }
+    // verl's table: one row per validation (step, then input_i, output_i, score_i), earlier rows kept
+    let mut columns = vec![Value::from("step")];
+    for i in 1..=VAL_GENERATIONS {
+        columns.extend(["input", "output", "score"].map(|name| Value::from(format!("{name}_{i}"))));
+    }
+    let mut rows = Vec::new();
+    for step in [2u64, 3] {
+        let mut row = vec![Value::from(step)];
+        row.extend(verl_pick(&job, dump.path(), step).iter().flat_map(|s| s.as_array().unwrap().clone()));
+        rows.push(Value::Array(row));
+        let table = &run["tables"][step.to_string()];
+        assert_eq!(
+            (&table["columns"], &table["data"]),
+            (&Value::Array(columns.clone()), &Value::Array(rows.clone())),
+            "step {step}: {}",
+            history[&step.to_string()]
+        );
+    }
+    assert_eq!(run["tables"].as_object().unwrap().len(), 2, "val/generations only where the job validated");
     assert_eq!(run["exit_code"], 0, "{run}");
     let files = run["files"].as_array().unwrap();
     assert!(files.contains(&"reward_curve.svg".into()) && files.contains(&"summary.json".into()), "{files:?}");

@@ -5,7 +5,12 @@ stdin:
 
     {"init": {"project": ..., "name": ..., "id": ..., "resume": "allow" | null, "config": {...}}}
     {"step": 3, "metrics": {"critic/score/mean": 0.5, ...}}        (one per step)
+    {"step": 5, "metrics": {...}, "generations": [[input, output, score], ...]}   (a step that validated)
     {"finish": {"exit_code": 0, "files": ["/run/dir/reward_curve.svg", ...]}}
+
+A step's generations are logged as verl's ValidationGenerationsLogger logs them: a wandb.Table under
+`val/generations` with one row per validation (step, then input_i, output_i, score_i of each generation), the
+rows of earlier validations kept.
 
 It answers the init line with one JSON line on stdout: {"ready": true, "id": ..., "url": ...} or
 {"error": "..."} (then exits). Everything else it (and wandb) prints goes to stderr, into the trainer's log.
@@ -55,10 +60,21 @@ def main():
     reply({"ready": True, "id": run.id, "url": url})
 
     exit_code = 1
+    table_rows, table_columns = [], None
     for line in sys.stdin:
         message = json.loads(line)
         if "step" in message:
-            run.log(message["metrics"], step=message["step"])
+            data = dict(message["metrics"])
+            generations = message.get("generations")
+            if generations:
+                columns = ["step"] + [f"{name}_{i + 1}" for i in range(len(generations))
+                                      for name in ("input", "output", "score")]
+                if columns != table_columns:
+                    # another number of generations than before: verl's table would refuse the row; start anew
+                    table_rows, table_columns = [], columns
+                table_rows.append([message["step"]] + [value for sample in generations for value in sample])
+                data["val/generations"] = wandb.Table(columns=columns, data=table_rows)
+            run.log(data, step=message["step"])
         elif "finish" in message:
             finish = message["finish"]
             # a file in the run's directory is kept (and uploaded) with the run

@@ -9,6 +9,15 @@ use jetrl_model::Tokenizer;
 use jetrl_wire::v1;
 
 use crate::batch::Sample;
+use crate::validation::NumpyLegacyRng;
+
+/// One validation generation as verl's `ValidationGenerationsLogger` gets it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Generation {
+    pub input: String,
+    pub output: String,
+    pub score: f64,
+}
 
 /// verl's rollout dump: one JSON line per trajectory (input, output, score, ground truth, step); jetrl adds the
 /// token ids, the response mask (0 = tool output), log-probs, versions, turns and tool calls; with remax, the
@@ -43,7 +52,8 @@ pub fn rollout_rows(tokenizer: &Tokenizer, step: u64, samples: &[Sample]) -> Vec
         .collect()
 }
 
-/// verl's `_dump_generations` rows: input, output, gts, score, step and the reward extras.
+/// verl's `_dump_generations` rows: input, output, gts, score, step and the reward extras. Input and output are
+/// decoded without special tokens, as verl's `_validate` decodes them.
 pub fn generation_rows(
     tokenizer: &Tokenizer,
     step: u64,
@@ -55,7 +65,7 @@ pub fn generation_rows(
         .iter()
         .map(|s| {
             let mut row = serde_json::json!({
-                "input": tokenizer.decode(&s.prompt, false).unwrap_or_default(),
+                "input": tokenizer.decode(&s.prompt, true).unwrap_or_default(),
                 "output": tokenizer.decode(&s.response, true).unwrap_or_default(),
                 "gts": s.ground_truth,
                 "score": s.score,
@@ -89,24 +99,45 @@ pub fn write_jsonl(path: &Path, rows: &[serde_json::Value]) {
     }
 }
 
-/// verl's `_maybe_log_val_generations` for the console: `n` generations (sorted by input, then shuffled with
-/// seed 42) written to the log.
-pub fn log_generations(rows: &[serde_json::Value], n: usize, step: u64) {
-    use rand::seq::SliceRandom;
-    use rand::SeedableRng;
+/// verl's `_maybe_log_val_generations` pick of `n` generations: sorted by input, shuffled by numpy's
+/// `RandomState(42)`, the first `n`, so that the same ones are picked as in verl.
+pub fn pick_generations(rows: &[serde_json::Value], n: usize) -> Vec<Generation> {
     if n == 0 {
-        return;
+        return Vec::new();
     }
-    let mut rows: Vec<&serde_json::Value> = rows.iter().collect();
-    rows.sort_by(|a, b| a["input"].as_str().cmp(&b["input"].as_str()));
-    rows.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(42));
-    for row in rows.into_iter().take(n) {
-        tracing::info!(
-            step,
-            input = row["input"].as_str().unwrap_or_default(),
-            output = row["output"].as_str().unwrap_or_default(),
-            score = row["score"].as_f64().unwrap_or(f64::NAN),
-            "validation generation"
-        );
+    let mut generations: Vec<Generation> = rows
+        .iter()
+        .map(|row| Generation {
+            input: row["input"].as_str().unwrap_or_default().to_string(),
+            output: row["output"].as_str().unwrap_or_default().to_string(),
+            score: row["score"].as_f64().unwrap_or(f64::NAN),
+        })
+        .collect();
+    generations.sort_by(|a, b| a.input.cmp(&b.input));
+    NumpyLegacyRng::new(42).shuffle(&mut generations);
+    generations.truncate(n);
+    generations
+}
+
+/// The picked generations in the log, one line each.
+pub fn log_generations(generations: &[Generation], step: u64) {
+    for g in generations {
+        tracing::info!(step, input = g.input, output = g.output, score = g.score, "validation generation");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `np.random.RandomState(42).shuffle(list(range(10)))` is `[8, 1, 5, 0, 7, 2, 9, 4, 3, 6]`.
+    #[test]
+    fn generations_are_picked_as_numpys_seeded_shuffle_picks_them() {
+        let rows: Vec<serde_json::Value> =
+            (0..10).rev().map(|i| serde_json::json!({"input": format!("q{i}"), "output": "a", "score": i})).collect();
+        let picked: Vec<f64> = pick_generations(&rows, 4).iter().map(|g| g.score).collect();
+        assert_eq!(picked, [8.0, 1.0, 5.0, 0.0]);
+        assert!(pick_generations(&rows, 0).is_empty());
+        assert_eq!(pick_generations(&rows, 50).len(), 10);
     }
 }

@@ -270,7 +270,7 @@ impl Trainer {
             let saved = dir.join(checkpoint::STEP_METRICS_FILE);
             if sink.last_step() < Some(start_step) && saved.exists() {
                 let metrics: std::collections::BTreeMap<String, f64> = checkpoint::read_json(&saved)?;
-                sink.record(start_step, &metrics).await;
+                sink.record(start_step, &metrics, Vec::new()).await;
                 tracing::info!(step = start_step, "metrics line of the checkpoint's step written from the checkpoint");
             }
         }
@@ -325,13 +325,14 @@ impl Trainer {
                 tracing::warn!("trainer.val_before_train / val_only: the validation set is empty; nothing to validate");
             } else {
                 let t = Instant::now();
-                let mut val =
+                let validation =
                     validation::validate(&mut self.client, &self.cfg, &self.val, self.start_step, &self.incarnation)
                         .await?;
+                let mut val = validation.metrics;
                 val.insert("timing_s/testing".into(), t.elapsed().as_secs_f64());
                 val.insert("training/global_step".into(), self.start_step as f64);
                 tracing::info!(?val, "validation before training");
-                self.sink.record(self.start_step, &val).await;
+                self.sink.record(self.start_step, &val, validation.generations).await;
             }
             if self.cfg.trainer.val_only {
                 return Ok(());
@@ -344,18 +345,20 @@ impl Trainer {
             }
             let mut metrics = schedule::step(&mut self.schedule(), step).await?;
             let test_freq = self.cfg.trainer.test_freq;
+            let mut generations = Vec::new();
             if test_freq > 0 && (step % test_freq as u64 == 0 || step == self.total_steps) && !self.val.is_empty() {
                 let t = Instant::now();
-                metrics.extend(
-                    validation::validate(&mut self.client, &self.cfg, &self.val, step, &self.incarnation).await?,
-                );
+                let validation =
+                    validation::validate(&mut self.client, &self.cfg, &self.val, step, &self.incarnation).await?;
+                metrics.extend(validation.metrics);
+                generations = validation.generations;
                 metrics.insert("timing_s/testing".into(), t.elapsed().as_secs_f64());
             }
             metrics.insert("training/global_step".into(), step as f64);
             metrics.insert("training/epoch".into(), self.client.loader_state().epoch as f64);
             metrics.insert("training/total_steps".into(), self.total_steps as f64);
             metrics.insert("timing_s/elapsed".into(), started.elapsed().as_secs_f64());
-            self.sink.record(step, &metrics).await;
+            self.sink.record(step, &metrics, generations).await;
         }
         self.write_summary(started.elapsed().as_secs_f64());
         Ok(())

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use jetrl_bus::Bus;
 use jetrl_config::{JobConfig, Logger};
 
+use crate::dump::Generation;
 use crate::tensorboard::EventWriter;
 use crate::trackers::file::FileLogger;
 use crate::trackers::{self, Finish, Policy, RunEnd, TrackerHandle};
@@ -132,7 +133,9 @@ impl MetricsSink {
         self.last_step
     }
 
-    pub async fn record(&mut self, step: u64, metrics: &BTreeMap<String, f64>) {
+    /// Writes a step's metrics everywhere; `generations`, the validation generations of the step (verl's
+    /// `log_val_generations`), go to the trackers with them.
+    pub async fn record(&mut self, step: u64, metrics: &BTreeMap<String, f64>, generations: Vec<Generation>) {
         // JSON has no NaN or infinity: such values are left out of the line
         let finite: BTreeMap<&String, f64> =
             metrics.iter().filter(|(_, v)| v.is_finite()).map(|(k, v)| (k, *v)).collect();
@@ -159,8 +162,11 @@ impl MetricsSink {
         if !self.trackers.is_empty() {
             let finite: BTreeMap<String, f64> = finite.iter().map(|(k, v)| ((*k).clone(), *v)).collect();
             let finite = Arc::new(finite);
+            let generations = (!generations.is_empty()).then(|| Arc::new(generations));
             for tracker in &mut self.trackers {
-                tracker.record(trackers::Step::now(step, finite.clone()));
+                let mut line = trackers::Step::now(step, finite.clone());
+                line.generations = generations.clone();
+                tracker.record(line);
             }
         }
         if let Some(tb) = self.tensorboard.as_mut() {

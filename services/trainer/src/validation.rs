@@ -15,7 +15,7 @@
 //! [`validate`] runs verl's `_validate`: every validation prompt generated with `rollout.val_kwargs` (greedy by
 //! default), `n` times, scored; one score per session (its final output); `val-aux/num_turns/{min,max,mean}`
 //! and `val-aux/tool_calls/{min,max,mean}` over those outputs; the generations dumped to `validation_data_dir/<step>.jsonl` and `log_val_generations` of
-//! them logged.
+//! them picked as verl picks them, for the log and the trackers.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -29,14 +29,23 @@ use crate::dump;
 use crate::error::TrainerError;
 use crate::rollout_client::RolloutClient;
 
-/// verl's `_validate` at `step` over `val`; returns the `val-core/` and `val-aux/` metrics.
+/// What a validation gives the step's records.
+#[derive(Debug, Default)]
+pub struct Validation {
+    /// the `val-core/` and `val-aux/` metrics
+    pub metrics: BTreeMap<String, f64>,
+    /// the `trainer.log_val_generations` generations verl's trainer hands its trackers
+    pub generations: Vec<dump::Generation>,
+}
+
+/// verl's `_validate` at `step` over `val`.
 pub async fn validate(
     client: &mut RolloutClient,
     cfg: &JobConfig,
     val: &[Example],
     step: u64,
     incarnation: &str,
-) -> Result<BTreeMap<String, f64>, TrainerError> {
+) -> Result<Validation, TrainerError> {
     let chunk = cfg.data.val_batch_size.map(|b| b as usize).unwrap_or(val.len()).max(1);
     let mut request_ids = Vec::new();
     let mut responses = Vec::new();
@@ -87,16 +96,18 @@ pub async fn validate(
     }
     let dump_dir = cfg.trainer.validation_data_dir.clone();
     let log_n = cfg.trainer.log_val_generations as usize;
+    let mut picked = Vec::new();
     if dump_dir.is_some() || log_n > 0 {
         let rows =
             dump::generation_rows(client.tokenizer(), step, &generations.samples, &finals_only.groups[0].trajectories);
         if let Some(dir) = dump_dir {
             dump::write_jsonl(&Path::new(&dir).join(format!("{step}.jsonl")), &rows);
         }
-        dump::log_generations(&rows, log_n, step);
+        picked = dump::pick_generations(&rows, log_n);
+        dump::log_generations(&picked, step);
     }
     client.release(step, request_ids);
-    Ok(out)
+    Ok(Validation { metrics: out, generations: picked })
 }
 
 /// One scored validation sample: its prompt group, data source, score, numeric extras and text extras.
@@ -150,6 +161,15 @@ impl NumpyLegacyRng {
         y ^= (y << 7) & 0x9d2c_5680;
         y ^= (y << 15) & 0xefc6_0000;
         y ^ (y >> 18)
+    }
+
+    /// `shuffle(list)` (legacy, a list rather than an array): from the last item down, item `i` swaps with one
+    /// drawn from `0..=i`.
+    pub fn shuffle<T>(&mut self, items: &mut [T]) {
+        for i in (1..items.len()).rev() {
+            let j = self.below(i as u32 + 1) as usize;
+            items.swap(i, j);
+        }
     }
 
     /// `randint(0, n)` (legacy, masked rejection): draw 32 bits, mask to the smallest covering power of two,

@@ -9,6 +9,8 @@
 //!   request; a value longer than MLflow's 6000 characters is truncated (the trainer says which).
 //! - metrics: every step's `metrics.jsonl` keys and values under verl's names (verl's key clean-up: `@` becomes
 //!   `_at_`, characters MLflow refuses become `_`), batched with `log-batch` (1000 a request).
+//! - a step that validated: its `log_val_generations` generations as the artifact `val_step<step>.json`, a list
+//!   of `{input, output, score}`, as verl's `log_generations_to_mlflow` writes it.
 //! - at the end: the reward curve and `summary.json` uploaded through the server's proxied artifact API
 //!   (`mlflow server` serves it by default), and the run set `FINISHED`, `FAILED` or `KILLED`.
 
@@ -298,6 +300,18 @@ impl Mlflow {
 
     /// Uploads `path` as an artifact of the run (at its root) through the server's artifact proxy.
     async fn upload(&self, path: &Path) -> Result<(), Failure> {
+        let Some(name) = path.file_name().and_then(|n| n.to_str()) else { return Ok(()) };
+        let Ok(bytes) = std::fs::read(path) else { return Ok(()) };
+        let content_type = match path.extension().and_then(|e| e.to_str()) {
+            Some("svg") => "image/svg+xml",
+            Some("json") => "application/json",
+            _ => "application/octet-stream",
+        };
+        self.put_artifact(name, content_type, &bytes).await
+    }
+
+    /// Puts `bytes` as the artifact `name` of the run (at its root) through the server's artifact proxy.
+    async fn put_artifact(&self, name: &str, content_type: &str, bytes: &[u8]) -> Result<(), Failure> {
         let run = self.run.as_ref().ok_or_else(|| Failure::Retry("no MLflow run yet".into()))?;
         let Some(root) = proxied_artifact_path(&run.artifact_uri) else {
             return Err(Failure::Permanent(format!(
@@ -306,19 +320,29 @@ impl Mlflow {
                 run.artifact_uri
             )));
         };
-        let Some(name) = path.file_name().and_then(|n| n.to_str()) else { return Ok(()) };
-        let Ok(bytes) = std::fs::read(path) else { return Ok(()) };
-        let content_type = match path.extension().and_then(|e| e.to_str()) {
-            Some("svg") => "image/svg+xml",
-            Some("json") => "application/json",
-            _ => "application/octet-stream",
-        };
         let segments: Vec<String> = root.split('/').chain([name]).map(encode).collect();
         let target = format!("/api/2.0/mlflow-artifacts/artifacts/{}", segments.join("/"));
-        self.request("PUT", &target, Some(content_type), &bytes)
+        self.request("PUT", &target, Some(content_type), bytes)
             .await
             .map(|_| ())
             .map_err(|e| e.failure(&format!("uploading {name}")))
+    }
+
+    /// A step's validation generations as verl's `log_generations_to_mlflow` keeps them: the artifact
+    /// `val_step<step>.json`, a list of `{input, output, score}`. Put before the step's metrics, so that a retry
+    /// of the batch puts the same file again rather than logging its metrics twice; a refusal that will not pass
+    /// is a warning, and the metrics still go.
+    async fn put_generations(&self, step: &Step) -> Result<(), Failure> {
+        let Some(generations) = &step.generations else { return Ok(()) };
+        let name = format!("val_step{}.json", step.step);
+        let bytes = serde_json::to_vec(generations.as_slice()).unwrap_or_default();
+        match self.put_artifact(&name, "application/json", &bytes).await {
+            Err(Failure::Permanent(why)) => {
+                tracing::warn!(tracker = "mlflow", step = step.step, "validation generations not uploaded: {why}");
+                Ok(())
+            }
+            other => other,
+        }
     }
 }
 
@@ -356,6 +380,9 @@ impl Tracker for Mlflow {
                     json!({ "key": metric_key(key), "value": value, "timestamp": step.timestamp_ms, "step": step.step })
                 }));
                 steps += 1;
+            }
+            for step in pending.iter().take(steps) {
+                self.put_generations(step).await?;
             }
             let run_id = self.run_id()?;
             for chunk in metrics.chunks(MAX_METRICS_PER_REQUEST) {

@@ -25,6 +25,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use jetrl_config::JobConfig;
 use tokio::sync::mpsc;
+
+use crate::dump::Generation;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -39,12 +41,14 @@ pub(crate) struct Step {
     pub timestamp_ms: u64,
     /// finite values only (the same keys as the step's `metrics.jsonl` line)
     pub metrics: Arc<BTreeMap<String, f64>>,
+    /// the step's validation generations (`trainer.log_val_generations` of them), when it validated
+    pub generations: Option<Arc<Vec<Generation>>>,
 }
 
 impl Step {
     pub fn now(step: u64, metrics: Arc<BTreeMap<String, f64>>) -> Self {
         let timestamp_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-        Self { step, timestamp_ms, metrics }
+        Self { step, timestamp_ms, metrics, generations: None }
     }
 }
 

@@ -5,8 +5,10 @@
 //!
 //! project: `trainer.project_name`; run name: `trainer.experiment_name`, else `run.name`; config: the resolved
 //! job config, secrets redacted. The wandb run id is kept in `<run.dir>/wandb_run_id`: a resumed trainer
-//! continues the same wandb run (`resume="allow"`; wandb ignores steps below its last one). At the end the
-//! reward curve and `summary.json` are saved with the run.
+//! continues the same wandb run (`resume="allow"`; wandb ignores steps below its last one). A step that validated
+//! logs its `log_val_generations` generations as verl does: a `wandb.Table` under `val/generations`, one row per
+//! validation (`step`, then `input_i`, `output_i`, `score_i` of each generation), every earlier row kept. At the
+//! end the reward curve and `summary.json` are saved with the run.
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -137,7 +139,11 @@ impl Tracker for Wandb {
 
     async fn send(&mut self, pending: &mut VecDeque<Step>) -> Result<(), Failure> {
         while let Some(step) = pending.front() {
-            let line = json!({ "step": step.step, "metrics": *step.metrics });
+            let mut line = json!({ "step": step.step, "metrics": *step.metrics });
+            if let Some(generations) = &step.generations {
+                line["generations"] =
+                    json!(generations.iter().map(|g| json!([g.input, g.output, g.score])).collect::<Vec<_>>());
+            }
             self.write(&line).await?;
             pending.pop_front();
         }
