@@ -92,7 +92,8 @@ const REF_MICRO: &str =
     "the reference policy's micro-batches; jetrl computes reference log-probs in the trainer with the actor's budget";
 const STRATEGY: &str =
     "megatron's tensor and pipeline parallel training is not built: jetrl's trainer is data parallel (FSDP-like ZeRO-2)";
-const ROUTER_REPLAY: &str = "router replay (a mixture of experts' routing recorded and replayed) is not built";
+const ROUTER_REPLAY: &str =
+    "the reference policy routes by its own router; router replay in it (verl's ref.router_replay) is not built";
 const MULTI_MODAL: &str =
     "read only for rows with images or videos, which jetrl refuses when it loads the data (data.image_key, data.video_key)";
 const ONE_DEVICE: &str = "sequence parallelism (Ulysses) is not built: one sequence stays on one device";
@@ -189,7 +190,6 @@ pub static KEYS: &[Key] = &[
     k("actor_rollout_ref.actor.fsdp_config.*", Ignore(FSDP)),
     k("actor_rollout_ref.actor.checkpoint.*", Ignore("jetrl's checkpoints always hold the model, optimizer and state")),
     k("actor_rollout_ref.actor.profiler.*", Ignore(PROFILER)),
-    k("actor_rollout_ref.actor.router_replay.mode", Only(&["disabled"], ROUTER_REPLAY)),
     // actor_rollout_ref.ref
     k("actor_rollout_ref.ref.log_prob_micro_batch_size", Ignore(REF_MICRO)),
     k("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", Ignore(REF_MICRO)),
