@@ -206,7 +206,17 @@ pub async fn run(
                 .await
                 .map_err(|e| EngineError::Thread(Arc::new(e)))??
         }
-        RolloutName::Vllm => EngineHandle::start_vllm(vllm_backend::settings(&cfg, &instance, &engine_cfg)?).await?,
+        RolloutName::Vllm => {
+            let mut settings = vllm_backend::settings(&cfg, &instance, &engine_cfg)?;
+            if cfg.rollout.enable_rollout_routing_replay {
+                let moe = model_config.moe.as_ref().ok_or_else(|| RolloutError::Config {
+                    key: "rollout.enable_rollout_routing_replay",
+                    message: format!("{} is not a mixture of experts: it routes nothing", model_dir.display()),
+                })?;
+                settings.routes_per_token = moe.sparse_layer_count() as usize * moe.top_k as usize;
+            }
+            EngineHandle::start_vllm(settings).await?
+        }
         RolloutName::Sglang => {
             return Err(RolloutError::Config { key: "rollout.name", message: "no SGLang backend is built".into() })
         }

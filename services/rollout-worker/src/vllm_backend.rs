@@ -65,6 +65,7 @@ pub(crate) fn settings(cfg: &JobConfig, instance: &str, engine: &EngineConfig) -
         work_dir: run_dir.join("vllm-weights").join(file_safe(instance)),
         request_timeout: Duration::from_secs_f64(v.request_timeout_s),
         sleep_mode,
+        routes_per_token: 0,
     })
 }
 
@@ -156,6 +157,9 @@ fn server_args(
     if sleep_mode {
         args.push("--enable-sleep-mode".into());
     }
+    if r.enable_rollout_routing_replay {
+        args.push("--enable-return-routed-experts".into());
+    }
     for (name, value) in &r.engine_kwargs.vllm {
         let flag = format!("--{}", name.replace('_', "-"));
         match value {
@@ -190,6 +194,10 @@ fn server_env(cfg: &JobConfig) -> Vec<(String, String)> {
             env.push(("CUDA_VISIBLE_DEVICES".into(), devices.join(",")));
         }
         _ => {}
+    }
+    if r.enable_rollout_routing_replay {
+        // vLLM returns routed experts through its aux-output connector, which only its V2 model runner has
+        env.push(("VLLM_USE_V2_MODEL_RUNNER".into(), "1".into()));
     }
     env
 }

@@ -72,6 +72,7 @@ fn settings(launch: Launch, model: &Path, work: &Path, update_mode: VllmUpdateMo
         work_dir: work.to_path_buf(),
         request_timeout: Duration::from_secs(120),
         sleep_mode: false,
+        routes_per_token: 0,
     }
 }
 

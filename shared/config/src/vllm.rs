@@ -116,6 +116,7 @@ pub const RESERVED_ARGS: &[(&str, &str)] = &[
     ("tensor_parallel_size", "rollout.tensor_model_parallel_size"),
     ("enable_chunked_prefill", "rollout.enable_chunked_prefill"),
     ("enable_prefix_caching", "rollout.enable_prefix_caching"),
+    ("enable_return_routed_experts", "rollout.enable_rollout_routing_replay"),
     ("enforce_eager", "rollout.enforce_eager"),
     ("enable_lora", "model.lora_rank"),
     ("max_lora_rank", "model.lora_rank"),

@@ -111,6 +111,9 @@ pub struct Choice {
     pub logprobs: Option<Logprobs>,
     #[serde(default)]
     pub weight_versions: Option<Vec<WeightVersionSpan>>,
+    /// with `--enable-return-routed-experts`: a base64 `.npy` array `[tokens - 1, layers, top_k]`
+    #[serde(default)]
+    pub routed_experts: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -141,6 +144,9 @@ pub struct Sample {
     pub finish: Finish,
     /// `(first token, version)` runs, from vLLM's weight-version spans (empty when it sent none)
     pub version_runs: Vec<(u32, u64)>,
+    /// the experts each prompt and output token but the last was routed to, token-major, and the experts per
+    /// token (layers × top_k); empty when the server returns none
+    pub routed_experts: (Vec<u16>, usize),
 }
 
 impl Choice {
@@ -189,7 +195,11 @@ impl Choice {
                 version_runs.push((span.start, version));
             }
         }
-        Ok(Sample { tokens, logprobs, finish, version_runs })
+        let routed_experts = match &self.routed_experts {
+            Some(b64) => decode_npy_u16(b64)?,
+            None => (Vec::new(), 0),
+        };
+        Ok(Sample { tokens, logprobs, finish, version_runs, routed_experts })
     }
 }
 
@@ -319,6 +329,53 @@ impl Client {
     pub async fn wake_up(&self) -> Result<(), VllmError> {
         self.post_json("/wake_up", &json!({}), CONTROL_TIMEOUT).await.map(drop)
     }
+}
+
+/// A base64 `.npy` array of unsigned or non-negative integers (`|u1`, `<u2`, `<i4`, `<i8`, C order, 3 dimensions), as
+/// its values and the product of its last two dimensions.
+fn decode_npy_u16(b64: &str) -> Result<(Vec<u16>, usize), VllmError> {
+    use base64::Engine as _;
+    let bad = |why: &str| VllmError::Malformed(format!("routed_experts: {why}"));
+    let bytes = base64::engine::general_purpose::STANDARD.decode(b64).map_err(|e| bad(&e.to_string()))?;
+    if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
+        return Err(bad("not an .npy array"));
+    }
+    let (header_len, start) = match bytes[6] {
+        1 => (usize::from(u16::from_le_bytes([bytes[8], bytes[9]])), 10),
+        _ if bytes.len() >= 12 => (u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize, 12),
+        _ => return Err(bad("truncated header")),
+    };
+    let header = bytes.get(start..start + header_len).ok_or_else(|| bad("truncated header"))?;
+    let header = std::str::from_utf8(header).map_err(|_| bad("header is not text"))?;
+    let field = |key: &str| header.split(key).nth(1).map(str::trim_start);
+    let descr = field("'descr':").and_then(|s| s.split('\'').nth(1)).ok_or_else(|| bad("no descr"))?;
+    if field("'fortran_order':").is_some_and(|s| s.starts_with("True")) {
+        return Err(bad("Fortran order"));
+    }
+    let shape: Vec<usize> = field("'shape':")
+        .and_then(|s| s.strip_prefix('(')?.split(')').next())
+        .ok_or_else(|| bad("no shape"))?
+        .split(',')
+        .filter(|d| !d.trim().is_empty())
+        .map(|d| d.trim().parse::<usize>().map_err(|_| bad("shape")))
+        .collect::<Result<_, _>>()?;
+    let [_, layers, top_k] = shape[..] else { return Err(bad(&format!("shape {shape:?} is not [tokens, layers, k]"))) };
+    let data = &bytes[start + header_len..];
+    let values: Vec<u64> = match descr {
+        "|u1" => data.iter().map(|&b| u64::from(b)).collect(),
+        "<u2" => data.chunks_exact(2).map(|c| u64::from(u16::from_le_bytes([c[0], c[1]]))).collect(),
+        "<i4" => data.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as u64).collect(),
+        "<i8" => data.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap_or_default()) as u64).collect(),
+        other => return Err(bad(&format!("dtype {other}"))),
+    };
+    if values.len() != shape.iter().product::<usize>() {
+        return Err(bad(&format!("{} values for shape {shape:?}", values.len())));
+    }
+    let values = values
+        .into_iter()
+        .map(|v| u16::try_from(v).map_err(|_| bad(&format!("expert {v}"))))
+        .collect::<Result<Vec<u16>, _>>()?;
+    Ok((values, layers * top_k))
 }
 
 /// The `n` samples of a response, by their choice index (each exactly once).
@@ -455,5 +512,44 @@ mod tests {
         assert_eq!(server_message(r#"{"error": {"message": "prompt too long", "code": 400}}"#), "prompt too long");
         assert_eq!(server_message(r#"{"detail": "Unauthorized"}"#), "Unauthorized");
         assert_eq!(server_message("plain text"), "plain text");
+    }
+
+    /// `.npy` bytes of a `[tokens, layers, k]` array in `descr`, base64.
+    fn npy(descr: &str, shape: [usize; 3], data: &[u8]) -> String {
+        use base64::Engine as _;
+        let (t, l, k) = (shape[0], shape[1], shape[2]);
+        let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': ({t}, {l}, {k}), }}");
+        while (10 + header.len() + 1) % 64 != 0 {
+            header.push(' ');
+        }
+        header.push('\n');
+        let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+        bytes.extend_from_slice(&(header.len() as u16).to_le_bytes());
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.extend_from_slice(data);
+        base64::engine::general_purpose::STANDARD.encode(bytes)
+    }
+
+    #[test]
+    fn routed_experts_arrive_as_numpy_arrays_of_any_integer_width() {
+        let with_routes = |routes: String| {
+            choice(json!({"finish_reason": "length", "token_ids": [5, 6],
+                "logprobs": {"content": [{"token_id": 5, "logprob": -0.5}, {"token_id": 6, "logprob": -1.0}]},
+                "routed_experts": routes}))
+        };
+        let bytes: Vec<u8> = vec![3, 1, 0, 7, 2, 2, 6, 5];
+        let s = with_routes(npy("|u1", [2, 2, 2], &bytes)).into_sample(&[]).unwrap();
+        assert_eq!(s.routed_experts, (vec![3, 1, 0, 7, 2, 2, 6, 5], 4));
+        let wide: Vec<u8> = [300u16, 1].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let s = with_routes(npy("<u2", [1, 1, 2], &wide)).into_sample(&[]).unwrap();
+        assert_eq!(s.routed_experts, (vec![300, 1], 2));
+        let int32: Vec<u8> = [9i32, 4].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let s = with_routes(npy("<i4", [1, 2, 1], &int32)).into_sample(&[]).unwrap();
+        assert_eq!(s.routed_experts, (vec![9, 4], 2));
+        // a short array, a float one and a non-array are named
+        for bad in [npy("|u1", [2, 2, 2], &bytes[..7]), npy("<f4", [1, 1, 1], &[0; 4]), "bm90IG5weQ==".to_string()] {
+            let err = with_routes(bad).into_sample(&[]).unwrap_err().to_string();
+            assert!(err.contains("routed_experts"), "{err}");
+        }
     }
 }

@@ -126,6 +126,9 @@ pub struct VllmSettings {
     pub request_timeout: Duration,
     /// colocate_async may put the server to sleep (started with `--enable-sleep-mode`)
     pub sleep_mode: bool,
+    /// with `rollout.enable_rollout_routing_replay`: the model's sparse layers × experts per token, what each
+    /// token's routed experts must hold (0: routes are not asked for)
+    pub routes_per_token: usize,
 }
 
 impl VllmSettings {
@@ -215,7 +218,13 @@ struct Done {
 }
 
 fn empty() -> Sample {
-    Sample { tokens: Vec::new(), logprobs: Vec::new(), finish: Finish::Aborted, version_runs: Vec::new() }
+    Sample {
+        tokens: Vec::new(),
+        logprobs: Vec::new(),
+        finish: Finish::Aborted,
+        version_runs: Vec::new(),
+        routed_experts: (Vec::new(), 0),
+    }
 }
 
 /// Why the driver stopped the calls in flight, which decides what happens to the samples that come back aborted.
@@ -355,6 +364,7 @@ impl Driver {
                     logprobs: p.logprobs,
                     finish: Finish::Aborted,
                     version_runs: p.version_runs,
+                    routed_experts: (Vec::new(), 0),
                 },
             }],
             None if self.hold == Hold::None => {
@@ -437,6 +447,16 @@ impl Driver {
     }
 
     fn deliver(&mut self, owner: RequestId, index: usize, sample: Sample) {
+        let (routes, per_token) = sample.routed_experts;
+        let wanted = self.settings.routes_per_token;
+        if wanted > 0 && !routes.is_empty() && per_token != wanted {
+            let err = VllmError::Malformed(format!(
+                "routed_experts: {per_token} experts per token, but the model routes {wanted} (sparse layers × \
+                 num_experts_per_tok)"
+            ));
+            self.fail_request(owner, err.into());
+            return;
+        }
         let Some(serving) = self.serving.get_mut(&owner) else { return };
         self.window.1 += sample.tokens.len() as u64;
         let (min_version, max_version) = span(&sample.version_runs, self.version);
@@ -450,7 +470,7 @@ impl Driver {
             max_version,
             version_runs: sample.version_runs,
             time_to_first_token: None,
-            routed_experts: Vec::new(),
+            routed_experts: if wanted > 0 { routes } else { Vec::new() },
         };
         let _ = serving.results.try_send(Ok(output));
         serving.remaining = serving.remaining.saturating_sub(1);
@@ -726,7 +746,10 @@ fn join(prefix: &Sample, call: Sample, version: u64) -> Sample {
     tokens.extend(call.tokens);
     let mut logprobs = prefix.logprobs.clone();
     logprobs.extend(call.logprobs);
-    Sample { tokens, logprobs, finish: call.finish, version_runs: runs }
+    // the call's prompt held the prefix: its routes cover every token before its last
+    let routed_experts =
+        if call.routed_experts.0.is_empty() { prefix.routed_experts.clone() } else { call.routed_experts };
+    Sample { tokens, logprobs, finish: call.finish, version_runs: runs, routed_experts }
 }
 
 /// Lowest and highest version of the runs (`current` when there are none).
@@ -754,6 +777,7 @@ mod tests {
             logprobs: tokens.iter().map(|&t| -(t as f32)).collect(),
             finish,
             version_runs: runs.to_vec(),
+            routed_experts: (Vec::new(), 0),
         }
     }
 
