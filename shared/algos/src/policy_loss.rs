@@ -502,7 +502,8 @@ pub struct ActorLossParams {
 }
 
 impl ActorLossParams {
-    /// From `actor.*`; pass `algorithm.rollout_correction` for bypass mode.
+    /// From `actor.*`; pass `algorithm.rollout_correction` for bypass mode. With its `bypass_mode` on, the loss is
+    /// `bypass_mode` whatever `actor.policy_loss.loss_mode` says (verl's `apply_bypass_mode`).
     pub fn from_config(
         actor: &jetrl_config::ActorConfig,
         rollout_correction: Option<&jetrl_config::RolloutCorrectionConfig>,
@@ -511,8 +512,9 @@ impl ActorLossParams {
         if let Some(cfg) = rollout_correction {
             policy = policy.with_rollout_correction(cfg)?;
         }
+        let bypass = rollout_correction.is_some_and(|rc| rc.bypass_mode);
         Ok(Self {
-            mode: actor.policy_loss.loss_mode,
+            mode: if bypass { PolicyLossMode::BypassMode } else { actor.policy_loss.loss_mode },
             policy,
             entropy_coeff: actor.entropy_coeff,
             use_kl_loss: actor.use_kl_loss,

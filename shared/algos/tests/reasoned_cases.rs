@@ -324,6 +324,19 @@ fn bypass_mode_without_rollout_correction_is_an_error() {
     assert!(err.to_string().contains("rollout_correction"), "{err}");
 }
 
+/// verl's `apply_bypass_mode`: with `rollout_correction.bypass_mode` on, the actor's loss is `bypass_mode`.
+#[test]
+fn rollout_correction_bypass_makes_the_actor_loss_bypass_mode() {
+    let actor = jetrl_config::ActorConfig::default();
+    let mut correction = jetrl_config::RolloutCorrectionConfig::default();
+    let plain = ActorLossParams::from_config(&actor, Some(&correction)).unwrap();
+    assert_eq!(plain.mode, PolicyLossMode::Vanilla);
+    correction.bypass_mode = true;
+    let bypass = ActorLossParams::from_config(&actor, Some(&correction)).unwrap();
+    assert_eq!(bypass.mode, PolicyLossMode::BypassMode);
+    assert!(bypass.policy.rollout_correction.is_some());
+}
+
 #[test]
 fn policy_loss_rejects_mismatched_shapes_naming_the_input() {
     let a = t2(&[&[0.0, 0.0]]);

@@ -7,8 +7,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     ensure, ensure_threads, ActorConfig, AgentLoop, AlgorithmConfig, BufferConfig, CheckpointConfig, ConfigError,
-    CriticConfig, DataConfig, DeviceSpec, LogConfig, ModelConfig, NatsConfig, ResumeMode, RewardConfig, RolloutConfig,
-    RolloutName, RouterReplayMode, RunConfig, TaskName, TrainerConfig, TrainerMode, WeightTransportKind,
+    CriticConfig, DataConfig, DeviceSpec, LogConfig, ModelConfig, NatsConfig, PolicyLossMode, ResumeMode, RewardConfig,
+    RolloutConfig, RolloutName, RouterReplayMode, RunConfig, TaskName, TrainerConfig, TrainerMode, WeightTransportKind,
 };
 
 /// A whole job: every service reads the sections it needs from the same file.
@@ -118,6 +118,7 @@ impl JobConfig {
             "actor.router_replay.mode",
             "R2 replays the routes of the π_old pass, which algorithm.rollout_correction.bypass_mode skips",
         )?;
+        self.validate_bypass_loss()?;
         self.validate_mode()?;
         self.validate_ranks()?;
         self.validate_liveness()?;
@@ -131,6 +132,27 @@ impl JobConfig {
             "resume_mode resume_path needs a path to a `global_step_<n>` directory",
         )?;
         Ok(())
+    }
+
+    /// `algorithm.rollout_correction.bypass_mode` and `actor.policy_loss.loss_mode=bypass_mode` go together: verl
+    /// turns the loss into `bypass_mode` when bypass is on (`apply_bypass_mode`), and the `bypass_mode` loss needs the
+    /// rollout's log-probs as π_old. A loss other than `vanilla` (the default) beside bypass would not run.
+    fn validate_bypass_loss(&self) -> Result<(), ConfigError> {
+        let bypass = self.algorithm.rollout_correction.as_ref().is_some_and(|rc| rc.bypass_mode);
+        let mode = self.actor.policy_loss.loss_mode;
+        ensure(
+            bypass || mode != PolicyLossMode::BypassMode,
+            "actor.policy_loss.loss_mode",
+            "bypass_mode takes the rollout's log-probs as π_old: it needs algorithm.rollout_correction.bypass_mode=true",
+        )?;
+        ensure(
+            !bypass || matches!(mode, PolicyLossMode::Vanilla | PolicyLossMode::BypassMode),
+            "actor.policy_loss.loss_mode",
+            format!(
+                "is {mode}, but algorithm.rollout_correction.bypass_mode=true makes the policy loss bypass_mode (as \
+                 verl does): set loss_mode to bypass_mode, or bypass_mode to false"
+            ),
+        )
     }
 
     /// The engine keys (`rollout.name` and vLLM's).
@@ -600,6 +622,17 @@ mod tests {
             load_copy_task(&["trainer.max_critic_ckpt_to_keep=1"]).is_ok(),
             "every checkpoint kept: any critic retention"
         );
+    }
+
+    #[test]
+    fn bypass_mode_loss_and_rollout_correction_bypass_go_together() {
+        let err = load_copy_task(&["actor.policy_loss.loss_mode=bypass_mode"]).unwrap_err().to_string();
+        assert!(err.contains("actor.policy_loss.loss_mode") && err.contains("rollout_correction.bypass_mode"), "{err}");
+        let bypass = "algorithm.rollout_correction={rollout_is: token, bypass_mode: true}";
+        let err = load_copy_task(&[bypass, "actor.policy_loss.loss_mode=gspo"]).unwrap_err().to_string();
+        assert!(err.contains("actor.policy_loss.loss_mode") && err.contains("is gspo"), "{err}");
+        assert!(load_copy_task(&[bypass, "actor.policy_loss.loss_mode=bypass_mode"]).is_ok());
+        assert!(load_copy_task(&[bypass]).is_ok(), "vanilla, the default, becomes bypass_mode");
     }
 
     #[test]
