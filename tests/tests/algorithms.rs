@@ -3,6 +3,7 @@
 //! the property that defines its feature from the run's `metrics.jsonl`, rollout dumps and checkpoints.
 //!
 //! - every advantage estimator trains a short job and writes verl's metrics;
+//! - every policy loss (`actor.policy_loss.loss_mode`) trains a short job and reports its own clip metrics;
 //! - remax: the advantage is the reward minus the reward of the prompt's greedy rollout;
 //! - PPO with a critic: values are written, the critic's loss falls, the actor is frozen during
 //!   `critic_warmup`, and a fixed in-reward KL is zero until the actor moves;
@@ -22,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use jetrl_config::AdvantageEstimator;
+use jetrl_config::{AdvantageEstimator, PolicyLossMode};
 use jetrl_tests::TestJob;
 use serde_json::Value;
 
@@ -125,6 +126,97 @@ fn every_advantage_estimator_trains_a_short_job_through_the_services() {
             .collect();
         if rows.len() != 2 || !missing.is_empty() {
             failures.push(format!("{estimator}: {} steps, missing or not finite: {missing:?}", rows.len()));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The clip metrics verl's loss of `mode` reports (`actor/pg_clipfrac`, `actor/ppo_kl`, `actor/pg_clipfrac_lower`
+/// or a part of them); a step of that loss has none of the others.
+fn clip_metrics(mode: PolicyLossMode) -> &'static [&'static str] {
+    match mode {
+        PolicyLossMode::Gpg => &[],
+        PolicyLossMode::KlCov | PolicyLossMode::Dro => &["actor/ppo_kl"],
+        PolicyLossMode::ClipCov => &["actor/pg_clipfrac", "actor/ppo_kl"],
+        _ => &["actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"],
+    }
+}
+
+/// `text` without its ANSI colour codes (the services' logs are written in colour).
+fn plain(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            chars.by_ref().find(|c| c.is_ascii_alphabetic());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Each of verl's policy losses (`PolicyLossMode::ALL`) trains a 2-step job through the services: two metrics
+/// lines with a finite `actor/pg_loss`, `actor/entropy` and `actor/grad_norm`, the clip metrics that loss reports
+/// finite and no others, the trainer's log naming the loss its first update computed, and what only some losses
+/// give: sapo's gate clips nothing, gspo's and cispo's lower clip fraction is 0, bypass_mode reports its
+/// `rollout_corr/*` weights, kl_cov's `actor/ppo_kl` is a mean |Δ| (never negative).
+#[test]
+#[ignore = "slow tier: every policy loss through jetrl run"]
+fn every_policy_loss_mode_trains_a_short_job_through_the_services() {
+    let _one = one_job();
+    let dir = jetrl_tests::test_dir("loss-modes");
+    let mut failures = Vec::new();
+    for &mode in PolicyLossMode::ALL {
+        let name = format!("loss-{}", mode.as_str().replace('_', "-"));
+        let mut overrides: Vec<String> = SMALL.iter().map(|s| s.to_string()).collect();
+        overrides.push("trainer.total_training_steps=2".into());
+        overrides.push(format!("actor.policy_loss.loss_mode={mode}"));
+        match mode {
+            PolicyLossMode::Dro => overrides.push("actor.policy_loss.dro_beta=0.1".into()),
+            PolicyLossMode::BypassMode => {
+                overrides.push("algorithm.rollout_correction={rollout_is: token, bypass_mode: true}".into())
+            }
+            _ => {}
+        }
+        let overrides: Vec<&str> = overrides.iter().map(String::as_str).collect();
+        let run_dir = demo(dir.path(), &name, &overrides);
+        let rows = steps(&run_dir);
+        let mut wrong = Vec::new();
+        if rows.len() != 2 {
+            wrong.push(format!("{} steps", rows.len()));
+        }
+        let wanted = clip_metrics(mode);
+        for row in &rows {
+            for key in ["actor/pg_loss", "actor/entropy", "actor/grad_norm"].iter().chain(wanted) {
+                if !row[*key].as_f64().is_some_and(f64::is_finite) {
+                    wrong.push(format!("{key} missing or not finite: {}", row[*key]));
+                }
+            }
+            for key in clip_metrics(PolicyLossMode::Vanilla).iter().filter(|k| !wanted.contains(k)) {
+                if !row[*key].is_null() {
+                    wrong.push(format!("{key} = {}, which {mode} does not report", row[*key]));
+                }
+            }
+            let is = |key: &str, want: f64| row[key].as_f64() == Some(want);
+            let own = match mode {
+                PolicyLossMode::Sapo => is("actor/pg_clipfrac", 0.0) && is("actor/pg_clipfrac_lower", 0.0),
+                PolicyLossMode::Gspo | PolicyLossMode::Cispo => is("actor/pg_clipfrac_lower", 0.0),
+                PolicyLossMode::BypassMode => row["rollout_corr/rollout_is_mean"].as_f64().is_some_and(f64::is_finite),
+                PolicyLossMode::KlCov => row["actor/ppo_kl"].as_f64().is_some_and(|kl| kl >= 0.0),
+                _ => true,
+            };
+            if !own {
+                wrong.push(format!("not what {mode} reports: {row}"));
+            }
+        }
+        let log = plain(&std::fs::read_to_string(run_dir.join("logs/trainer.log")).unwrap());
+        let named = format!("loss_mode={mode}");
+        if !log.lines().any(|l| l.contains("first actor update") && l.split_whitespace().any(|w| w == named)) {
+            wrong.push(format!("the trainer's log does not name {named} at its first update"));
+        }
+        if !wrong.is_empty() {
+            failures.push(format!("{mode}: {wrong:#?}"));
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");

@@ -129,6 +129,8 @@ pub struct Actor {
     pf_ppo: Option<PfPpoReweight>,
     settings: Settings,
     actor_updates: u64,
+    /// whether this process has logged the policy loss its updates compute (once, at its first actor update)
+    loss_mode_logged: bool,
     model_dir: PathBuf,
     /// the dtype weights are shipped to rollout workers in (`model.dtype`)
     ship_dtype: DType,
@@ -264,6 +266,7 @@ impl Actor {
                 moe_aux_loss_coeff: cfg.actor.moe_aux_loss_coeff,
             },
             actor_updates: 0,
+            loss_mode_logged: false,
             model_dir,
             ship_dtype: DType::from(cfg.model.dtype),
             pad_id: 0,

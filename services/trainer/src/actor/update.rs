@@ -47,6 +47,10 @@ impl Actor {
             }
         }
         self.actor_updates += 1;
+        if !self.loss_mode_logged {
+            self.loss_mode_logged = true;
+            tracing::info!(step, loss_mode = %self.loss.mode, "first actor update of this process");
+        }
         let mut out: BTreeMap<String, f64> = sums.into_iter().map(|(k, v)| (k, v / updates.max(1.0))).collect();
         out.insert("actor/lr".into(), lr);
         if self.loss.use_kl_loss {
