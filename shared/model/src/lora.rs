@@ -41,11 +41,14 @@ const PEFT_PREFIX: &str = "base_model.model.";
 pub struct AdapterConfig {
     pub spec: LoraSpec,
     pub base_model_name_or_path: Option<String>,
+    /// the modules the adapter trains in full beside its LoRA matrices (PEFT's `modules_to_save`; a `TOKEN_CLS`
+    /// adapter lists its classifier heads, `score` among them)
+    pub modules_to_save: Vec<String>,
 }
 
 impl AdapterConfig {
     /// Reads `dir/adapter_config.json`, refusing what jetrl's adapters cannot represent (DoRA, bias training,
-    /// per-layer ranks, `fan_in_fan_out`, modules to save, a regex target) with the key that asked for it.
+    /// per-layer ranks, `fan_in_fan_out`, `layers_to_transform`, a regex target) with the key that asked for it.
     pub fn read(dir: &Path) -> Result<Self> {
         let path = dir.join(ADAPTER_CONFIG_FILE);
         let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
@@ -96,15 +99,22 @@ impl AdapterConfig {
                 return Err(bad(key, "sets per-layer values; jetrl needs one rank and alpha"));
             }
         }
-        for key in ["layers_to_transform", "modules_to_save"] {
-            if value.get(key).is_some_and(|v| !v.is_null()) {
-                return Err(bad(key, "is set; jetrl adapts whole modules only"));
-            }
+        if value.get("layers_to_transform").is_some_and(|v| !v.is_null()) {
+            return Err(bad("layers_to_transform", "is set; jetrl adapts whole modules only"));
         }
+        let modules_to_save = match value.get("modules_to_save") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| v.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| bad("modules_to_save", "must list strings"))?,
+            Some(_) => return Err(bad("modules_to_save", "must be a list of module names")),
+        };
         let mut spec = LoraSpec::new(rank, alpha, targets, exclude);
         spec.use_rslora = truthy("use_rslora");
         let base_model_name_or_path = value.get("base_model_name_or_path").and_then(Value::as_str).map(str::to_string);
-        Ok(Self { spec, base_model_name_or_path })
+        Ok(Self { spec, base_model_name_or_path, modules_to_save })
     }
 }
 
@@ -124,6 +134,11 @@ fn unit(bits: u64) -> f64 {
 
 fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// The module a tensor belongs to (`score` of `score.weight`).
+fn module_of(tensor: &str) -> &str {
+    tensor.rsplit_once('.').map_or(tensor, |(module, _)| module)
 }
 
 /// The name of a module's adapter tensor (`which` is `lora_A` or `lora_B`).
@@ -267,12 +282,24 @@ impl CausalLm {
     /// Writes the adapter as PEFT does: `adapter_config.json` (with `base_model_name_or_path`) and
     /// `adapter_model.safetensors` (f32, keys `base_model.model.<module>.lora_A.weight`).
     pub fn save_lora(&self, dir: &Path, base_model_name_or_path: &str) -> Result<()> {
+        self.save_lora_with_modules(dir, base_model_name_or_path, "CAUSAL_LM", &BTreeMap::new())
+    }
+
+    /// [`Self::save_lora`] for a PEFT model of `task_type` that also trains `modules_to_save` in full (tensors
+    /// outside the model, by name: `score.weight`), as PEFT saves a `TOKEN_CLS` model's head: their tensors in
+    /// `adapter_model.safetensors` as `base_model.model.score.weight`, their modules listed in `modules_to_save`.
+    pub fn save_lora_with_modules(
+        &self,
+        dir: &Path,
+        base_model_name_or_path: &str,
+        task_type: &str,
+        modules_to_save: &BTreeMap<String, Tensor>,
+    ) -> Result<()> {
         let Some(lora) = &self.lora else {
             return Err(ModelError::Config("the model has no LoRA adapter to save".into()));
         };
         std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
-        let peft_named: BTreeMap<String, Tensor> =
-            self.lora_parameters().into_iter().map(|(name, t)| (format!("{PEFT_PREFIX}{name}"), t)).collect();
+        let peft_named = self.peft_named(modules_to_save);
         let path = dir.join(ADAPTER_WEIGHTS_FILE);
         let file = std::fs::File::create(&path).map_err(|e| ModelError::io(&path, e))?;
         weights::write_safetensors(&peft_named, None, std::io::BufWriter::new(file))?;
@@ -280,10 +307,12 @@ impl CausalLm {
         let mut targets: Vec<&str> = lora.modules.iter().filter_map(|m| m.rsplit('.').next()).collect();
         targets.sort_unstable();
         targets.dedup();
+        let mut saved: Vec<&str> = modules_to_save.keys().map(|name| module_of(name)).collect();
+        saved.dedup();
         // the modules themselves are recorded by their short names; `exclude_modules` keeps any layer-specific cut
         let config = json!({
             "peft_type": "LORA",
-            "task_type": "CAUSAL_LM",
+            "task_type": task_type,
             "base_model_name_or_path": base_model_name_or_path,
             "r": spec.rank,
             "lora_alpha": spec.alpha,
@@ -296,7 +325,7 @@ impl CausalLm {
             "fan_in_fan_out": false,
             "init_lora_weights": true,
             "inference_mode": true,
-            "modules_to_save": Value::Null,
+            "modules_to_save": if saved.is_empty() { Value::Null } else { json!(saved) },
             "layers_to_transform": Value::Null,
             "rank_pattern": {},
             "alpha_pattern": {},
@@ -306,16 +335,54 @@ impl CausalLm {
         std::fs::write(&config_path, text + "\n").map_err(|e| ModelError::io(&config_path, e))
     }
 
+    /// The adapter tensors and `modules_to_save`'s under the names PEFT saves them by (`base_model.model.…`).
+    fn peft_named(&self, modules_to_save: &BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor> {
+        self.lora_parameters()
+            .into_iter()
+            .chain(modules_to_save.iter().map(|(name, t)| (name.clone(), t.shallow_clone())))
+            .map(|(name, t)| (format!("{PEFT_PREFIX}{name}"), t))
+            .collect()
+    }
+
     /// Attaches the PEFT adapter saved in `dir` (see [`Self::save_lora`]; PEFT's own `save_pretrained` writes the
-    /// same layout). Every tensor is checked before any is used.
+    /// same layout). Every tensor is checked before any is used. An adapter that trains modules in full
+    /// (`modules_to_save`) is refused: a causal LM's has nowhere to put them.
     pub fn load_lora(&mut self, dir: &Path) -> Result<AdapterConfig> {
+        self.load_lora_with_modules(dir, &BTreeMap::new())
+    }
+
+    /// [`Self::load_lora`] of an adapter saved with [`Self::save_lora_with_modules`] (or by PEFT, for a
+    /// `TOKEN_CLS` model): `modules_to_save`'s tensors (outside the model, by name: `score.weight`) are read from
+    /// the adapter file too. The config's `modules_to_save` must list each of their modules (it may list others
+    /// the file holds no tensors of, as PEFT's classifier names); any tensor of the file that is neither an
+    /// adapter's nor one of these is refused by name.
+    pub fn load_lora_with_modules(
+        &mut self,
+        dir: &Path,
+        modules_to_save: &BTreeMap<String, Tensor>,
+    ) -> Result<AdapterConfig> {
         let config = AdapterConfig::read(dir)?;
+        let config_path = dir.join(ADAPTER_CONFIG_FILE);
+        let mut wanted: Vec<&str> = modules_to_save.keys().map(|name| module_of(name)).collect();
+        wanted.dedup();
+        if wanted.is_empty() && !config.modules_to_save.is_empty() {
+            return Err(ModelError::Config(format!(
+                "{}: `modules_to_save` is {:?}; this model has no module outside the adapted layers to load",
+                config_path.display(),
+                config.modules_to_save
+            )));
+        }
+        if let Some(missing) = wanted.iter().find(|m| !config.modules_to_save.iter().any(|s| s == *m)) {
+            return Err(ModelError::Config(format!(
+                "{}: `modules_to_save` is {:?}, without `{missing}`, which this model trains in full",
+                config_path.display(),
+                config.modules_to_save
+            )));
+        }
         let path = dir.join(ADAPTER_WEIGHTS_FILE);
         let bytes = std::fs::read(&path).map_err(|e| ModelError::io(&path, e))?;
         self.add_lora(&config.spec)?;
-        let peft_named: BTreeMap<String, Tensor> =
-            self.lora_parameters().into_iter().map(|(name, t)| (format!("{PEFT_PREFIX}{name}"), t)).collect();
-        if let Err(e) = weights::load_bytes(&peft_named, &bytes) {
+        if let Err(e) = weights::load_bytes(&self.peft_named(modules_to_save), &bytes) {
             self.remove_lora();
             return Err(ModelError::Safetensors { location: path.display().to_string(), reason: e.to_string() });
         }
@@ -424,16 +491,26 @@ impl LoraMerger {
 
 /// The adapter a job's `model` section asks for (`lora_rank` 0: none).
 pub fn spec_of(cfg: &jetrl_config::ModelConfig) -> Option<LoraSpec> {
-    if cfg.lora_rank == 0 {
+    spec_from_keys(cfg.lora_rank, cfg.lora_alpha, &cfg.target_modules, cfg.exclude_modules.as_ref())
+}
+
+/// The adapter of the critic's trunk (`critic.model`; `lora_rank` 0: none).
+pub fn critic_spec_of(cfg: &jetrl_config::CriticModelConfig) -> Option<LoraSpec> {
+    spec_from_keys(cfg.lora_rank, cfg.lora_alpha, &cfg.target_modules, None)
+}
+
+fn spec_from_keys(
+    rank: u32,
+    alpha: f64,
+    targets: &jetrl_config::ModuleList,
+    exclude: Option<&jetrl_config::ModuleList>,
+) -> Option<LoraSpec> {
+    if rank == 0 {
         return None;
     }
-    let targets = if cfg.target_modules.is_all_linear() {
-        Targets::AllLinear
-    } else {
-        Targets::Names(cfg.target_modules.names())
-    };
-    let exclude = cfg.exclude_modules.as_ref().map(|m| m.names()).unwrap_or_default();
-    Some(LoraSpec::new(i64::from(cfg.lora_rank), cfg.lora_alpha, targets, exclude))
+    let targets = if targets.is_all_linear() { Targets::AllLinear } else { Targets::Names(targets.names()) };
+    let exclude = exclude.map(|m| m.names()).unwrap_or_default();
+    Some(LoraSpec::new(i64::from(rank), alpha, targets, exclude))
 }
 
 impl CausalLm {

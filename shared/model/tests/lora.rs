@@ -116,6 +116,53 @@ fn peft_files_and_weight_blobs_round_trip() {
     assert_eq!(max_diff(&adapted, &log_probs(&fresh)), 0.0);
 }
 
+/// A head trained in full beside the adapters (a critic's `score`, PEFT's `modules_to_save`) is saved in the
+/// adapter file as PEFT names it and read back with the adapters; a causal LM's `load_lora` refuses such an
+/// adapter, and a config that does not list the head is refused naming `modules_to_save`.
+#[test]
+fn modules_to_save_round_trip_beside_the_adapters() {
+    tch::manual_seed(5);
+    let spec = LoraSpec::new(4, 8.0, Targets::Names(vec!["v_proj".into()]), Vec::new());
+    let mut lora = model();
+    lora.add_lora(&spec).unwrap();
+    perturb(&lora);
+    let head = |w: &Tensor, b: &Tensor| {
+        std::collections::BTreeMap::from([
+            ("score.bias".to_string(), b.shallow_clone()),
+            ("score.weight".to_string(), w.shallow_clone()),
+        ])
+    };
+    let (w, b) = (Tensor::randn([1, 64], (Kind::Float, Device::Cpu)), Tensor::randn([1], (Kind::Float, Device::Cpu)));
+    let dir = tempfile::tempdir().unwrap();
+    lora.save_lora_with_modules(dir.path(), "/models/base", "TOKEN_CLS", &head(&w, &b)).unwrap();
+    let config_path = dir.path().join("adapter_config.json");
+    let text = std::fs::read_to_string(&config_path).unwrap();
+    let config: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        (config["task_type"].as_str(), &config["modules_to_save"]),
+        (Some("TOKEN_CLS"), &serde_json::json!(["score"]))
+    );
+    let keys = safetensors_keys(&dir.path().join("adapter_model.safetensors"));
+    assert!(keys.contains(&"base_model.model.score.weight".to_string()), "{keys:?}");
+    assert!(keys.contains(&"base_model.model.score.bias".to_string()), "{keys:?}");
+
+    let (w2, b2) = (Tensor::zeros([1, 64], (Kind::Float, Device::Cpu)), Tensor::zeros([1], (Kind::Float, Device::Cpu)));
+    let mut loaded = model();
+    let read = loaded.load_lora_with_modules(dir.path(), &head(&w2, &b2)).unwrap();
+    assert_eq!((read.spec, read.modules_to_save), (spec, vec!["score".to_string()]));
+    assert!(w2.equal(&w) && b2.equal(&b), "the head read back");
+    assert_eq!(max_diff(&log_probs(&lora), &log_probs(&loaded)), 0.0);
+
+    let err = model().load_lora(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("modules_to_save"), "{err}");
+    // PEFT's TOKEN_CLS config lists classifier names the model lacks: allowed; one without `score` is not
+    std::fs::write(&config_path, text.replace("\"score\"", "\"classifier\", \"score\", \"pre_classifier\"")).unwrap();
+    model().load_lora_with_modules(dir.path(), &head(&w2, &b2)).unwrap();
+    std::fs::write(&config_path, text.replace("\"score\"", "\"classifier\"")).unwrap();
+    let err = model().load_lora_with_modules(dir.path(), &head(&w2, &b2)).unwrap_err().to_string();
+    assert!(err.contains("modules_to_save") && err.contains("`score`"), "{err}");
+}
+
 #[test]
 fn a_merger_writes_the_adapted_weights_into_a_plain_model() {
     tch::manual_seed(4);
