@@ -1,6 +1,10 @@
 //! The critic (verl's value model): a second copy of the policy's architecture whose final hidden states feed
 //! a `Linear(hidden, 1)` value head, trained with PPO's clipped value loss. It is saved as an HF
 //! `*ForTokenClassification` model with one label (the head is `score`), which is what verl's critic is.
+//!
+//! With `critic.model.lora_rank` the trunk stays frozen and trains LoRA adapters, and the head trains in full
+//! beside them (verl wraps its critic in PEFT as `TOKEN_CLS`, whose `modules_to_save` are the classifier
+//! heads): the checkpoint is then a PEFT adapter directory, `critic/lora_adapter/`, holding both.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -60,6 +64,14 @@ pub struct ValueTargets<'a> {
     pub returns: &'a [f32],
 }
 
+/// Mixed into the run seed for the critic's new adapter, so that it is not drawn as the actor's is.
+const CRITIC_ADAPTER_SEED: u64 = 0xc417_1c00;
+
+/// The value head's tensors by their HF names.
+fn head_tensors(weight: &Tensor, bias: &Tensor) -> BTreeMap<String, Tensor> {
+    BTreeMap::from([("score.weight".into(), weight.shallow_clone()), ("score.bias".into(), bias.shallow_clone())])
+}
+
 /// HF's initialisation of the new `score` head, normal(0, 0.02), drawn from a generator of its own seeded by
 /// the run seed: libtorch's global generator is shared by every thread of the process, so drawing from it
 /// would make the head depend on whatever else ran first.
@@ -88,7 +100,7 @@ impl Critic {
         resume: Option<&Path>,
         comm: Comm,
     ) -> Result<Self, ActorError> {
-        let model = CausalLm::load(Path::new(&cfg.model.path), device, dtype)?;
+        let mut model = CausalLm::load(Path::new(&cfg.model.path), device, dtype)?;
         let hidden = model.config().hidden_size;
         let mut head_store = VarStore::new(device);
         let root = head_store.root();
@@ -97,7 +109,28 @@ impl Critic {
         let head_bias = score.var("bias", &[1], tch::nn::Init::Const(0.0));
         tch::no_grad(|| head_weight.shallow_clone().f_copy_(&head_init(hidden, cfg.run.seed)?))?;
         head_store.set_kind(dtype.kind());
-        let mut params: Vec<(String, Tensor)> = model.parameters().into_iter().collect();
+        let critic_dir = resume.map(|dir| dir.join(checkpoint::CRITIC_DIR));
+        let lora = jetrl_model::lora::critic_spec_of(&cfg.critic.model);
+        if let Some(spec) = &lora {
+            let head = head_tensors(&head_weight, &head_bias);
+            match &critic_dir {
+                // the trunk from model.path; the adapters and the head from the checkpoint
+                Some(dir) => {
+                    model.load_lora_with_modules(&dir.join(checkpoint::LORA_ADAPTER_DIR), &head)?;
+                }
+                None => model.add_lora_seeded(spec, cfg.run.seed ^ CRITIC_ADAPTER_SEED)?,
+            }
+            if let Some((spec, modules)) = model.lora_spec() {
+                tracing::info!(
+                    rank = spec.rank,
+                    alpha = spec.alpha,
+                    modules = modules.len(),
+                    "the critic trains a LoRA adapter on its trunk and its value head in full"
+                );
+            }
+        }
+        // the adapters (the trunk frozen) with LoRA, else every parameter; and the head
+        let mut params: Vec<(String, Tensor)> = model.trainable_parameters().into_iter().collect();
         params.push(("score.weight".into(), head_weight.shallow_clone()));
         params.push(("score.bias".into(), head_bias.shallow_clone()));
         let critic = &cfg.critic;
@@ -126,10 +159,22 @@ impl Critic {
             pad_id: 0,
             comm,
         };
-        if let Some(dir) = resume {
-            out.load(&dir.join(checkpoint::CRITIC_DIR))?;
+        match critic_dir {
+            Some(dir) if lora.is_some() => optim::load_optimizer(&dir, &mut out.optim)?,
+            Some(dir) => out.load(&dir)?,
+            None => {}
         }
         Ok(out)
+    }
+
+    /// The trunk, with its adapters under LoRA.
+    pub fn model(&self) -> &CausalLm {
+        &self.model
+    }
+
+    /// The value head's tensors by their HF names (`score.weight`, `score.bias`).
+    pub fn head(&self) -> BTreeMap<String, Tensor> {
+        head_tensors(&self.head_weight, &self.head_bias)
     }
 
     pub fn set_pad_id(&mut self, pad_id: i64) {
@@ -268,7 +313,9 @@ impl Critic {
         Ok(out)
     }
 
-    /// Writes `dir` as an HF token-classification model directory (rank 0) plus this rank's optimizer shard.
+    /// Writes `dir` (rank 0) as an HF token-classification model directory, or with LoRA as PEFT saves a
+    /// `TOKEN_CLS` adapter (`dir/lora_adapter/`: the adapters and the head; the trunk is `model_dir`), plus this
+    /// rank's optimizer shard.
     pub fn save(&self, dir: &Path, model_dir: &Path) -> Result<(), ActorError> {
         std::fs::create_dir_all(dir).map_err(|e| CheckpointError::io(dir, e))?;
         let (rank, world) = (self.comm.rank(), self.comm.world());
@@ -276,10 +323,15 @@ impl Critic {
         if rank != 0 {
             return Ok(());
         }
+        let head = head_tensors(&self.head_weight, &self.head_bias);
+        if self.model.lora_spec().is_some() {
+            let adapter = dir.join(checkpoint::LORA_ADAPTER_DIR);
+            self.model.save_lora_with_modules(&adapter, &model_dir.display().to_string(), "TOKEN_CLS", &head)?;
+            return Ok(());
+        }
         let mut tensors: Vec<(String, Tensor)> =
             self.model.parameters().into_iter().filter(|(name, _)| !name.starts_with("lm_head")).collect();
-        tensors.push(("score.weight".into(), self.head_weight.shallow_clone()));
-        tensors.push(("score.bias".into(), self.head_bias.shallow_clone()));
+        tensors.extend(head);
         checkpoint::write_tensors(&dir.join(jetrl_model::WEIGHTS_FILE), &tensors)?;
         let mut config = self.model.config().to_json(self.model.dtype());
         if let Some(obj) = config.as_object_mut() {
@@ -302,8 +354,7 @@ impl Critic {
     fn load(&mut self, dir: &Path) -> Result<(), ActorError> {
         let weights = checkpoint::read_tensors(&dir.join(jetrl_model::WEIGHTS_FILE))?;
         let mut params = self.model.parameters();
-        params.insert("score.weight".into(), self.head_weight.shallow_clone());
-        params.insert("score.bias".into(), self.head_bias.shallow_clone());
+        params.extend(head_tensors(&self.head_weight, &self.head_bias));
         let mut seen = 0usize;
         tch::no_grad(|| -> Result<(), ActorError> {
             for (name, value) in &weights {

@@ -28,7 +28,8 @@ fn config(model: &Path, critic: bool) -> JobConfig {
     synthetic::job_config(model, critic)
 }
 
-/// Every trainable tensor the run ends with: the actor's, and the critic's as its checkpoint holds them.
+/// Every trainable tensor the run ends with: the actor's, and the critic's as its checkpoint holds them (with
+/// LoRA, its adapter file: the adapters and the head).
 fn final_weights(actor: &Actor, scratch: &Path) -> BTreeMap<String, Tensor> {
     let model = actor.model();
     let mut out: BTreeMap<String, Tensor> = model
@@ -39,7 +40,10 @@ fn final_weights(actor: &Actor, scratch: &Path) -> BTreeMap<String, Tensor> {
         .collect();
     if actor.has_critic() {
         actor.save_checkpoint(scratch).unwrap();
-        for (k, v) in checkpoint::read_tensors(&scratch.join("critic").join("model.safetensors")).unwrap() {
+        let critic = scratch.join("critic");
+        let adapter = critic.join(checkpoint::LORA_ADAPTER_DIR).join(jetrl_model::ADAPTER_WEIGHTS_FILE);
+        let file = if adapter.exists() { adapter } else { critic.join("model.safetensors") };
+        for (k, v) in checkpoint::read_tensors(&file).unwrap() {
             out.insert(format!("critic.{k}"), v);
         }
     }
@@ -155,6 +159,73 @@ fn lora_run_resumed_at_half_way_ends_with_the_same_adapter_as_the_straight_run()
     for (name, p) in actor.model().parameters() {
         assert!(f64::try_from((&p - &base[&name]).abs().max()).unwrap() == 0.0, "the base moved: {name}");
     }
+}
+
+fn copies(tensors: BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor> {
+    tensors.into_iter().map(|(k, v)| (k, v.detach().copy())).collect()
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    f64::try_from((a - b).abs().max()).unwrap()
+}
+
+/// The critic's LoRA (`critic.model.lora_rank`, the actor in full), in-process on the real tiny model: the
+/// resumed run ends with the straight run's critic adapters and head (and actor). With the actor held back
+/// (`critic_warmup`) on one batch, the critic's loss falls; its adapters and head move and its trunk does not;
+/// the checkpoint's `critic/` is a PEFT `TOKEN_CLS` adapter (the adapters and `score`, listed in
+/// `modules_to_save`; no trunk weights) beside the optimizer state of the adapters and the head only.
+#[test]
+fn critic_lora_trains_adapters_and_head_and_resumes_to_the_same_values() {
+    let (dir, mut cfg) = tiny_job(true);
+    cfg.critic.model.lora_rank = 8;
+    cfg.critic.model.lora_alpha = 16.0;
+    cfg.critic.optim.lr = 1e-2;
+    compare(&dir, &cfg, true);
+
+    cfg.trainer.critic_warmup = 100;
+    let mut actor = Actor::new(&cfg, 8, None, Comm::Solo).unwrap();
+    let critic = actor.critic().unwrap();
+    let (head, adapters) = (copies(critic.head()), copies(critic.model().lora_parameters()));
+    assert_eq!(adapters.len(), 2 * 7 * critic.model().config().num_hidden_layers as usize, "all-linear");
+    let losses: Vec<f64> = (1..=8)
+        .map(|step| {
+            actor.train(&RankBatch::whole(batch(1)), step, OldPolicy::Current).unwrap().metrics["critic/vf_loss"]
+        })
+        .collect();
+    eprintln!("critic/vf_loss over 8 steps on one batch: {losses:?}");
+    assert!(losses[7] < 0.5 * losses[0], "the critic's loss did not fall: {losses:?}");
+    let critic = actor.critic().unwrap();
+    let trunk = jetrl_model::CausalLm::load(Path::new(&cfg.model.path), tch::Device::Cpu, jetrl_model::DType::F32)
+        .unwrap()
+        .parameters();
+    for (name, p) in critic.model().parameters() {
+        assert_eq!(max_abs_diff(&p, &trunk[&name]), 0.0, "the critic's trunk moved: {name}");
+    }
+    let moved = |before: &BTreeMap<String, Tensor>, after: BTreeMap<String, Tensor>| {
+        after.iter().map(|(k, v)| max_abs_diff(v, &before[k])).fold(0.0, f64::max)
+    };
+    assert!(moved(&head, critic.head()) > 1e-3, "the value head did not train");
+    assert!(moved(&adapters, critic.model().lora_parameters()) > 1e-3, "the adapters did not train");
+
+    let ckpt = dir.path().join("critic_lora_ckpt");
+    actor.save_checkpoint(&ckpt).unwrap();
+    let adapter = ckpt.join("critic").join(checkpoint::LORA_ADAPTER_DIR);
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(adapter.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(config["task_type"], "TOKEN_CLS");
+    assert_eq!(config["modules_to_save"], serde_json::json!(["score"]));
+    assert_eq!((config["r"].as_i64(), config["lora_alpha"].as_f64()), (Some(8), Some(16.0)));
+    let saved: BTreeMap<String, Tensor> =
+        checkpoint::read_tensors(&adapter.join(jetrl_model::ADAPTER_WEIGHTS_FILE)).unwrap().into_iter().collect();
+    let mut expected: Vec<String> =
+        adapters.keys().chain(head.keys()).map(|k| format!("base_model.model.{k}")).collect();
+    expected.sort();
+    assert_eq!(saved.keys().cloned().collect::<Vec<_>>(), expected, "the adapters and the head, nothing else");
+    assert!(!ckpt.join("critic/model.safetensors").exists(), "a LoRA critic's checkpoint holds no trunk weights");
+    let optim: BTreeMap<String, Tensor> =
+        checkpoint::read_tensors(&ckpt.join("critic/optimizer.safetensors")).unwrap().into_iter().collect();
+    let numel: i64 = adapters.values().chain(head.values()).map(|t| t.numel() as i64).sum();
+    assert_eq!(optim["exp_avg"].size(), vec![numel], "the critic's optimizer holds the adapters' and head's state");
 }
 
 #[test]

@@ -4,8 +4,8 @@
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    ensure, AdvantageEstimator, AggMode, BypassLossType, ConfigError, KlCtrlType, KlEstimator, KlPenalty,
-    LrSchedulerType, PfPpoMethod, PolicyLossMode, RolloutIsLevel,
+    ensure, AdvantageEstimator, AggMode, BypassLossType, ConfigError, CriticModelConfig, KlCtrlType, KlEstimator,
+    KlPenalty, LrSchedulerType, PfPpoMethod, PolicyLossMode, RolloutIsLevel,
 };
 
 fn positive(value: f64, path: &str) -> Result<(), ConfigError> {
@@ -412,6 +412,8 @@ pub struct CriticConfig {
     pub ppo_max_token_len: Option<u32>,
     pub shuffle: bool,
     pub data_loader_seed: u64,
+    /// LoRA on the critic's trunk (verl's `critic.model.lora_*`)
+    pub model: CriticModelConfig,
 }
 
 impl Default for CriticConfig {
@@ -428,6 +430,7 @@ impl Default for CriticConfig {
             ppo_max_token_len: None,
             shuffle: true,
             data_loader_seed: 42,
+            model: CriticModelConfig::default(),
         }
     }
 }
@@ -443,6 +446,7 @@ impl CriticConfig {
         if let Some(factor) = self.loss_scale_factor {
             positive(factor, "critic.loss_scale_factor")?;
         }
+        self.model.validate()?;
         positive(self.optim.lr, "critic.optim.lr")
     }
 

@@ -67,37 +67,73 @@ impl ModuleList {
 
 impl ModelConfig {
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
-        if self.lora_rank == 0 {
-            return Ok(());
+        validate_lora("model", self.lora_rank, self.lora_alpha, &self.target_modules, self.exclude_modules.as_ref())
+    }
+}
+
+/// The LoRA keys under `section` (`model`, `critic.model`): alpha and the module names, when `rank` is not 0.
+pub(crate) fn validate_lora(
+    section: &str,
+    rank: u32,
+    alpha: f64,
+    target_modules: &ModuleList,
+    exclude_modules: Option<&ModuleList>,
+) -> Result<(), ConfigError> {
+    if rank == 0 {
+        return Ok(());
+    }
+    let key = |name: &str| format!("{section}.{name}");
+    ensure(alpha.is_finite() && alpha > 0.0, &key("lora_alpha"), "must be > 0")?;
+    let targets = target_modules.names();
+    ensure(!targets.is_empty(), &key("target_modules"), "names no module (use all-linear or a list)")?;
+    ensure(
+        !target_modules.is_all_linear() || targets.len() == 1,
+        &key("target_modules"),
+        "is all-linear or a list of module names, not both",
+    )?;
+    // every name must end in a linear layer the decoders have; the model, once loaded, checks the whole name
+    for (name, list) in [("target_modules", Some(target_modules)), ("exclude_modules", exclude_modules)] {
+        let names = list.map(ModuleList::names).unwrap_or_default();
+        for module in names.iter().filter(|n| *n != "all-linear") {
+            let last = module.rsplit('.').next().unwrap_or(module);
+            ensure(
+                LINEAR_MODULES.contains(&last),
+                &key(name),
+                format!(
+                    "`{module}` names no linear layer of a Qwen2, Llama or Qwen3 decoder; they are {} (or all-linear)",
+                    LINEAR_MODULES.join(", ")
+                ),
+            )?;
         }
-        ensure(self.lora_alpha.is_finite() && self.lora_alpha > 0.0, "model.lora_alpha", "must be > 0")?;
-        let targets = self.target_modules.names();
-        ensure(!targets.is_empty(), "model.target_modules", "names no module (use all-linear or a list)")?;
-        ensure(
-            !self.target_modules.is_all_linear() || targets.len() == 1,
-            "model.target_modules",
-            "is all-linear or a list of module names, not both",
-        )?;
-        // every name must end in a linear layer the decoders have; the model, once loaded, checks the whole name
-        let lists = [
-            ("model.target_modules", Some(&self.target_modules)),
-            ("model.exclude_modules", self.exclude_modules.as_ref()),
-        ];
-        for (key, list) in lists {
-            let names = list.map(ModuleList::names).unwrap_or_default();
-            for name in names.iter().filter(|n| *n != "all-linear") {
-                let last = name.rsplit('.').next().unwrap_or(name);
-                ensure(
-                    LINEAR_MODULES.contains(&last),
-                    key,
-                    format!(
-                        "`{name}` names no linear layer of a Qwen2, Llama or Qwen3 decoder; they are {} (or all-linear)",
-                        LINEAR_MODULES.join(", ")
-                    ),
-                )?;
-            }
-        }
-        Ok(())
+    }
+    Ok(())
+}
+
+/// verl's `critic.model.*` that jetrl reads: LoRA on the critic's trunk (the trunk is `model.path`'s model). The
+/// value head trains in full beside the adapters, as PEFT's `modules_to_save` does for verl's `TOKEN_CLS` critic.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CriticModelConfig {
+    /// LoRA rank of the critic's trunk (verl `critic.model.lora_rank`; 0 = the whole critic trains): the trunk
+    /// stays frozen, f32 adapters and the value head train, and checkpoints carry the adapters and the head only
+    /// (PEFT's layout, `critic/lora_adapter/`)
+    pub lora_rank: u32,
+    /// LoRA alpha (verl `critic.model.lora_alpha`): the adapter's output is scaled by alpha / rank
+    pub lora_alpha: f64,
+    /// the trunk's linear layers that get adapters (verl `critic.model.target_modules`): `all-linear` (every
+    /// linear layer of the decoder; the value head is never one) or a list of module names as PEFT matches them
+    pub target_modules: ModuleList,
+}
+
+impl Default for CriticModelConfig {
+    fn default() -> Self {
+        Self { lora_rank: 0, lora_alpha: 16.0, target_modules: ModuleList::One("all-linear".into()) }
+    }
+}
+
+impl CriticModelConfig {
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        validate_lora("critic.model", self.lora_rank, self.lora_alpha, &self.target_modules, None)
     }
 }
 

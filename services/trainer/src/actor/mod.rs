@@ -302,6 +302,10 @@ impl Actor {
         self.critic.is_some()
     }
 
+    pub fn critic(&self) -> Option<&Critic> {
+        self.critic.as_ref()
+    }
+
     pub fn has_reference(&self) -> bool {
         self.reference.is_some() || self.reference_is_base
     }

@@ -220,6 +220,30 @@ fn refusals_name_the_key_the_value_and_why() {
     assert!(matches!(load_verl(None, &["actor_rollout_ref.actor.lr".into()]), Err(ConfigError::BadOverride(_))));
 }
 
+/// verl's critic LoRA keys (`critic.model.lora_rank`, `lora_alpha`, `target_modules`) land in jetrl's
+/// `critic.model`; a bad module is named by verl's key; an adapter to load is refused.
+#[test]
+fn the_critics_lora_keys_map_to_critic_model() {
+    let base = vec![
+        "trainer.device=cpu".to_string(),
+        "algorithm.adv_estimator=gae".into(),
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4".into(),
+        "critic.ppo_micro_batch_size_per_gpu=4".into(),
+    ];
+    let (_, cfg) = load(&with(
+        base.clone(),
+        &["critic.model.lora_rank=8", "critic.model.lora_alpha=32", "critic.model.target_modules=[q_proj,v_proj]"],
+    ))
+    .unwrap();
+    assert_eq!((cfg.critic.model.lora_rank, cfg.critic.model.lora_alpha), (8, 32.0));
+    assert_eq!(cfg.critic.model.target_modules.names(), ["q_proj", "v_proj"]);
+    assert_eq!(cfg.model.lora_rank, 0, "the actor's LoRA is its own");
+    let err = error(&with(base.clone(), &["critic.model.lora_rank=8", "critic.model.target_modules=[qkv]"]));
+    assert!(err.contains("critic.model.target_modules") && err.contains("`qkv`"), "{err}");
+    let err = error(&with(base, &["critic.model.lora_rank=8", "+critic.model.lora_adapter_path=/a/critic"]));
+    assert!(err.contains("critic.model.lora_adapter_path"), "{err}");
+}
+
 #[test]
 fn a_mode_key_set_in_another_mode_is_refused_with_the_key_to_set() {
     let base = vec![
