@@ -9,7 +9,7 @@ use jetrl_model::Tokenizer;
 use jetrl_wire::v1;
 
 use crate::batch::Sample;
-use crate::validation::NumpyLegacyRng;
+use crate::numpy_rng::NumpyLegacyRng;
 
 /// One validation generation as verl's `ValidationGenerationsLogger` gets it.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]

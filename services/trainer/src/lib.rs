@@ -21,7 +21,7 @@
 //! - [`critic`]: the value model. [`optim`]: AdamW with saveable state and verl's LR schedules.
 //! - [`paced`]: the paced stand-in learner of `trainer.simulate` (a simulation knob: no model, modelled time).
 //! - [`checkpoint`]: checkpoint directories (HF-compatible), resume resolution, retention.
-//! - [`validation`]: verl's `_validate` and its metrics. [`dump`]: generation dumps.
+//! - [`validation`]: verl's `_validate` and its metrics. [`dump`]: generation dumps. [`numpy_rng`]: numpy's legacy RNG.
 //! - [`metrics_sink`]: metrics.jsonl, progress messages, TensorBoard, the reward-curve picture.
 //! - [`trackers`]: verl's `file` logger and the experiment trackers (MLflow, wandb) behind bounded queues.
 //! - [`tensorboard`]: event files without TensorFlow. [`error`]: the error types.
@@ -37,6 +37,7 @@ pub mod error;
 pub mod fleet;
 pub mod learner;
 pub mod metrics_sink;
+pub mod numpy_rng;
 pub mod optim;
 pub mod paced;
 pub mod planes;
