@@ -647,11 +647,13 @@ fn simple_product(expression: &str) -> Option<u128> {
 /// Multi-turn tool use through the services (configs/demo-tools.yaml: the tiny-tools model, the multiply task,
 /// `tool_agent` with the calculator): every step trains; the turn and tool-call counts show calls; every tool
 /// turn in the trained batch holds the calculator's answer to the call before it, with mask 0 and log-prob 0;
-/// the reward scores each response's last line; validation reports the same counts.
+/// the reward scores each response's last line; the call share and the mean scores with and without a call match
+/// the rollout dump; validation reports the same counts.
 ///
 /// What it does not show: that the policy learns to use the tool. A random-init policy writes a call in ~2% of
 /// sessions, never one with the prompt's operands, and its calls (answers to other expressions) score lower
-/// than its guesses; learning the call from the reward alone would take a policy that can already copy.
+/// than its guesses; learning the call from the reward alone would take a policy that can already copy (the
+/// measurements are in configs/demo-tools.yaml's header).
 #[test]
 #[ignore = "slow tier: multi-turn calculator tool use through the services"]
 fn tool_agent_runs_the_calculator_and_its_answers_reach_the_trained_batch_and_the_metrics() {
@@ -690,7 +692,27 @@ fn tool_agent_runs_the_calculator_and_its_answers_reach_the_trained_batch_and_th
     let close = jetrl_model::TOOL_CALL_TOKENS[1];
     let (mut tool_turns, mut answered, mut scores) = (0, 0, [(0.0, 0usize), (0.0, 0usize)]);
     for step in 1..=20 {
-        for r in dump(&rollouts, step) {
+        let trained = dump(&rollouts, step);
+        // training/tool_calls/{share,score_with_call,score_without_call}: the step's trajectories split by a call
+        let row = &rows[step - 1];
+        let split = |with: bool| -> Vec<f64> {
+            let called = |r: &&Value| (r["tool_calls"].as_u64().unwrap() > 0) == with;
+            trained.iter().filter(called).map(|r| r["score"].as_f64().unwrap()).collect()
+        };
+        let (with, without) = (split(true), split(false));
+        let share = with.len() as f64 / trained.len() as f64;
+        assert!((value(row, "training/tool_calls/share") - share).abs() < 1e-9, "step {step}: share {share}: {row}");
+        for (scores, key) in
+            [(&with, "training/tool_calls/score_with_call"), (&without, "training/tool_calls/score_without_call")]
+        {
+            if scores.is_empty() {
+                assert!(row.get(key).is_none(), "step {step}: {key} without a trajectory to average: {row}");
+            } else {
+                let mean = scores.iter().sum::<f64>() / scores.len() as f64;
+                assert!((value(row, key) - mean).abs() < 1e-9, "step {step}: {key} is not {mean}: {row}");
+            }
+        }
+        for r in trained {
             let (response, mask) = (ids(&r, "response_ids"), ids(&r, "response_mask"));
             let logprobs: Vec<f64> =
                 r["rollout_log_probs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();

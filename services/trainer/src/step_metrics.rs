@@ -12,7 +12,8 @@ use crate::batch::Sample;
 pub type Metrics = BTreeMap<String, f64>;
 
 /// verl's data metrics of a batch that do not need the actor: response and prompt lengths (with their clip
-/// ratios), off-policy spans and staleness, turns and tool calls per trajectory, failures; plus the submission span of the trained groups
+/// ratios), off-policy spans and staleness, turns and tool calls per trajectory (with the share of trajectories that
+/// called a tool and the mean score with and without a call), failures; plus the submission span of the trained groups
 /// (`step − submit_step + 1`, what the buffer's staleness rule bounds).
 pub fn batch_metrics(samples: &[Sample], response: &SampleResponse, step: u64, max_prompt: usize, out: &mut Metrics) {
     stats(&samples.iter().map(|s| s.response.len() as f64).collect::<Vec<_>>(), "response_length", out);
@@ -26,6 +27,16 @@ pub fn batch_metrics(samples: &[Sample], response: &SampleResponse, step: u64, m
         if samples.iter().any(|s| s.num_turns > 0) {
             stats(&samples.iter().map(|s| f64::from(s.num_turns)).collect::<Vec<_>>(), "training/num_turns", out);
             stats(&samples.iter().map(|s| f64::from(s.tool_calls)).collect::<Vec<_>>(), "training/tool_calls", out);
+            // whether calling pays: the share of trajectories with a call, and the mean score with and without one
+            let (with, without): (Vec<&Sample>, Vec<&Sample>) = samples.iter().partition(|s| s.tool_calls > 0);
+            out.insert("training/tool_calls/share".into(), with.len() as f64 / n);
+            for (part, key) in
+                [(&with, "training/tool_calls/score_with_call"), (&without, "training/tool_calls/score_without_call")]
+            {
+                if !part.is_empty() {
+                    out.insert(key.into(), part.iter().map(|s| s.score).sum::<f64>() / part.len() as f64);
+                }
+            }
         }
     }
     stats(
@@ -314,20 +325,31 @@ mod tests {
 
     #[test]
     fn turns_and_tool_calls_are_counted_per_trajectory() {
-        let sample = |num_turns, tool_calls| Sample {
+        let sample = |num_turns, tool_calls, score| Sample {
             prompt: vec![1],
             response: vec![2],
             num_turns,
             tool_calls,
+            score,
             ..Sample::default()
         };
         let mut out = Metrics::new();
-        batch_metrics(&[sample(2, 0), sample(4, 1), sample(6, 2)], &SampleResponse::default(), 1, 8, &mut out);
+        let samples = [sample(2, 0, 0.25), sample(4, 1, 1.0), sample(6, 2, 0.5), sample(2, 0, 0.75)];
+        batch_metrics(&samples, &SampleResponse::default(), 1, 8, &mut out);
         assert_eq!(out["training/num_turns/max"], 6.0);
         assert_eq!(
             (out["training/tool_calls/min"], out["training/tool_calls/mean"], out["training/tool_calls/max"]),
-            (0.0, 1.0, 2.0)
+            (0.0, 0.75, 2.0)
         );
+        assert_eq!(out["training/tool_calls/share"], 0.5);
+        assert_eq!(
+            (out["training/tool_calls/score_with_call"], out["training/tool_calls/score_without_call"]),
+            (0.75, 0.5)
+        );
+        let mut out = Metrics::new();
+        batch_metrics(&samples[..1], &SampleResponse::default(), 1, 8, &mut out);
+        assert_eq!(out["training/tool_calls/share"], 0.0);
+        assert!(!out.contains_key("training/tool_calls/score_with_call"), "no call, no mean score with one");
     }
 
     #[test]
