@@ -160,7 +160,12 @@ fn the_engine_returns_each_tokens_routes_as_the_training_forward_routes_them() {
         prefill_chunk: 8, // the 11-token prompt is prefilled in chunks, the short one packed
         ..EngineConfig::default()
     };
-    let mut engine = Engine::new(model(6, DType::F32), config).unwrap();
+    // one set of weights for both sides, from disk: tests in this binary run in parallel and libtorch's seed is
+    // the process's
+    let dir = tempfile::tempdir().unwrap();
+    model(6, DType::F32).save(dir.path()).unwrap();
+    let load = || CausalLm::load(dir.path(), Device::Cpu, DType::F32).unwrap();
+    let mut engine = Engine::new(load(), config).unwrap();
     let prompts: Vec<Vec<u32>> = vec![(3..14).collect(), vec![40, 41, 42]];
     let sampling = Sampling { temperature: 1.0, max_tokens: 9, ignore_eos: true, ..Sampling::default() };
     engine.add_request(0, Request::new(prompts[0].clone(), 3, sampling.clone())).unwrap();
@@ -168,7 +173,7 @@ fn the_engine_returns_each_tokens_routes_as_the_training_forward_routes_them() {
     let outputs = engine.run_to_completion().unwrap();
     assert_eq!(outputs.len(), 4);
 
-    let trainer = model(6, DType::F32);
+    let trainer = load();
     let (mut same, mut all) = (0usize, 0usize);
     for out in &outputs {
         let ids: Vec<u32> = prompts[out.request as usize].iter().chain(&out.tokens).copied().collect();
