@@ -530,6 +530,35 @@ mod tests {
         }
     }
 
+    /// A trajectory whose routed experts are not whole tokens of their layout, or more tokens than it has, or not
+    /// expert indices, is refused naming routed_experts; routes of whole tokens are kept with their layout.
+    #[test]
+    fn malformed_routed_experts_are_refused_at_the_boundary() {
+        use jetrl_wire::{packed, v1};
+        let limits = SampleLimits { vocab_size: 100, max_len: 64 };
+        let traj = |routes: Vec<u32>, layers: u32, top_k: u32| v1::Trajectory {
+            prompt_ids: packed::pack_u32(&[1, 2]),
+            response_ids: packed::pack_u32(&[3, 4]),
+            logprobs: packed::pack_f32(&[-1.0, -1.0]),
+            routed_experts: routes,
+            routed_experts_layers: layers,
+            routed_experts_top_k: top_k,
+            ..Default::default()
+        };
+        let reward = v1::Reward::default();
+        let ok = Sample::from_wire(&traj(vec![0, 1, 2, 3, 4, 5], 1, 2), &reward, limits).unwrap();
+        assert_eq!((ok.routed_experts.len(), ok.routes_layout), (6, (1, 2)));
+        for bad in [
+            traj(vec![0, 1, 2], 1, 2),   // not whole tokens
+            traj(vec![0; 10], 1, 2),     // 5 tokens for 4
+            traj(vec![0, 1], 0, 0),      // no layout
+            traj(vec![0, 70_000], 1, 2), // not an expert index
+        ] {
+            let err = Sample::from_wire(&bad, &reward, limits).unwrap_err();
+            assert!(err.contains("routed"), "{err}");
+        }
+    }
+
     #[test]
     fn micro_batch_left_pads_prompts_and_right_pads_responses() {
         let (a, b) = (sample("a", 2, 3), sample("b", 3, 1));
